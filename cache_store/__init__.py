@@ -1,0 +1,1 @@
+"""Prefix hashing, the state blob format, checkpoint storage and index backends."""

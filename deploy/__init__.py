@@ -1,0 +1,1 @@
+"""Configuration, application builder and the `baton` command line."""

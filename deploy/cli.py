@@ -1,0 +1,88 @@
+"""The `baton` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from replicas.model_source import resolve_model
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"baton: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="baton", description=__doc__)
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    make = commands.add_parser("make-model", help="write a tiny random-weight GGUF test model")
+    make.add_argument("--arch", required=True, help="llama, qwen35, lfm2, granitehybrid or mamba2")
+    make.add_argument("--out", required=True, help="output .gguf file")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--layers", type=int, default=2)
+    make.add_argument("--embd", type=int, default=64, help="embedding size (multiple of 32)")
+    make.set_defaults(run=_make_model)
+
+    demo = commands.add_parser("demo", help="chat with the model on a local engine, showing cache reuse")
+    demo.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
+    demo.add_argument("--max-tokens", type=int, default=64)
+    demo.set_defaults(run=_demo)
+
+    bench = commands.add_parser("bench", help="benchmarks that print figures")
+    benches = bench.add_subparsers(required=True, metavar="BENCHMARK")
+    engine = benches.add_parser("engine", help="multi-turn chat on one engine, cache on vs off")
+    engine.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
+    engine.add_argument("--turns", type=int, default=10)
+    engine.add_argument("--system-tokens", type=int, default=2000)
+    engine.add_argument("--turn-tokens", type=int, default=100)
+    engine.add_argument("--reply-tokens", type=int, default=32)
+    engine.add_argument("--concurrency", type=int, default=0, help="also measure K concurrent streams")
+    engine.add_argument("--json", action="store_true", help="print one JSON object")
+    engine.set_defaults(run=_bench_engine)
+    return parser
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from replicas.tiny_model import write_tiny_model
+
+    path = write_tiny_model(args.arch, args.out, seed=args.seed, n_layers=args.layers, n_embd=args.embd)
+    print(path)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from replicas.demo import run_demo
+
+    run_demo(resolve_model(args.model), max_tokens=args.max_tokens)
+    return 0
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from loadtests.engine_bench import engine_benchmark, format_report, to_json
+
+    result = engine_benchmark(
+        resolve_model(args.model),
+        turns=args.turns,
+        system_tokens=args.system_tokens,
+        turn_tokens=args.turn_tokens,
+        reply_tokens=args.reply_tokens,
+        concurrency=args.concurrency,
+    )
+    print(to_json(result) if args.json else format_report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

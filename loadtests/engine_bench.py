@@ -1,0 +1,160 @@
+"""`baton bench engine`: multi-turn chat on one engine, prefix cache on against off.
+
+Each turn sends the whole conversation so far (a long system prompt, earlier turns and
+replies, a new user message). With the cache on, the engine should compute only the
+tokens that are new in each turn; with it off, the whole prompt every turn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from loadtests.synthetic_text import filler_text
+from replicas.engine import Engine
+from replicas.engine_config import EngineConfig
+from replicas.protocol import Completion, GenerationRequest
+from replicas.sampling import SamplingParams
+
+BENCH_HMAC_KEY = b"baton-bench-only"
+
+
+@dataclass
+class TurnRow:
+    turn: int
+    prompt_tokens: int
+    new_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    ttft_s: float
+    computed_tokens_no_cache: int
+    ttft_s_no_cache: float
+
+
+def _common_prefix(a: list[int], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_chat(
+    model: Path, *, turns: int, system_tokens: int, turn_tokens: int, reply_tokens: int, n_ctx: int
+) -> list[TurnRow]:
+    """The same conversation on two engines (cache on / off); one row per turn."""
+    config = EngineConfig(n_ctx=n_ctx, n_slots=2)
+    with (
+        Engine(str(model), config, hmac_key=BENCH_HMAC_KEY) as cached,
+        Engine(str(model), config.model_copy(update={"prefix_cache": False}), hmac_key=BENCH_HMAC_KEY) as plain,
+    ):
+        count = lambda text: len(cached.model.tokenize(text))  # noqa: E731
+        messages = [{"role": "system", "content": filler_text(system_tokens, count, seed=0)}]
+        sampling = SamplingParams(max_tokens=reply_tokens, ignore_eos=True)
+        history: list[int] = []
+        rows = []
+        for turn in range(1, turns + 1):
+            question = filler_text(turn_tokens, count, seed=turn, topic=f"Question {turn}:")
+            messages.append({"role": "user", "content": question})
+            prompt = cached.chat_prompt(messages)
+            on = cached.generate(prompt, sampling)
+            off = plain.generate(prompt, sampling)
+            rows.append(
+                TurnRow(
+                    turn=turn,
+                    prompt_tokens=len(prompt),
+                    new_tokens=len(prompt) - _common_prefix(history, prompt.tokens),
+                    cached_tokens=on.usage.cached_tokens,
+                    computed_tokens=on.usage.computed_tokens,
+                    ttft_s=on.ttft_s or 0.0,
+                    computed_tokens_no_cache=off.usage.computed_tokens,
+                    ttft_s_no_cache=off.ttft_s or 0.0,
+                )
+            )
+            history = list(prompt.tokens) + on.tokens
+            messages.append({"role": "assistant", "content": on.text})
+    return rows
+
+
+def decode_throughput(model: Path, *, streams: int, tokens: int, n_ctx: int) -> float:
+    """Aggregate generated tokens per second with `streams` concurrent requests."""
+    with Engine(str(model), EngineConfig(n_ctx=n_ctx, n_slots=streams), hmac_key=BENCH_HMAC_KEY) as engine:
+        sampling = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        prompts = [engine.text_prompt(f"Stream {i} writes a story about number {i}.") for i in range(streams)]
+        engine.generate(prompts[0], SamplingParams(max_tokens=4))  # warm-up
+        started = time.perf_counter()
+        handles = [engine.submit(GenerationRequest(prompt=p, sampling=sampling)) for p in prompts]
+        results: list[Completion] = [h.result() for h in handles]
+        elapsed = time.perf_counter() - started
+    return sum(r.usage.completion_tokens for r in results) / elapsed
+
+
+def engine_benchmark(
+    model: Path,
+    *,
+    turns: int = 10,
+    system_tokens: int = 2000,
+    turn_tokens: int = 100,
+    reply_tokens: int = 32,
+    concurrency: int = 0,
+) -> dict:
+    n_ctx = system_tokens + turns * (turn_tokens + reply_tokens + 32) + 256
+    rows = run_chat(
+        model, turns=turns, system_tokens=system_tokens, turn_tokens=turn_tokens,
+        reply_tokens=reply_tokens, n_ctx=n_ctx,
+    )
+    new = sum(r.new_tokens for r in rows)
+    result: dict = {
+        "model": str(model),
+        "threads": os.cpu_count(),
+        "turns": [asdict(r) for r in rows],
+        "new_tokens": new,
+        "computed_tokens": sum(r.computed_tokens for r in rows),
+        "computed_tokens_no_cache": sum(r.computed_tokens_no_cache for r in rows),
+        "computed_over_new": sum(r.computed_tokens for r in rows) / new,
+        "computed_over_new_no_cache": sum(r.computed_tokens_no_cache for r in rows) / new,
+        "ttft_total_s": sum(r.ttft_s for r in rows),
+        "ttft_total_s_no_cache": sum(r.ttft_s_no_cache for r in rows),
+    }
+    if concurrency > 1:
+        one = decode_throughput(model, streams=1, tokens=64, n_ctx=512)
+        many = decode_throughput(model, streams=concurrency, tokens=64, n_ctx=512)
+        result["decode_tokens_per_s"] = {"1": one, str(concurrency): many, "speedup": many / one}
+    return result
+
+
+def format_report(result: dict) -> str:
+    lines = [
+        f"model: {result['model']}",
+        f"{'turn':>4} {'prompt':>7} {'new':>6} {'cached':>7} {'computed':>9} {'ttft_s':>8}"
+        f" | {'computed (no cache)':>19} {'ttft_s (no cache)':>18}",
+    ]
+    for r in result["turns"]:
+        lines.append(
+            f"{r['turn']:>4} {r['prompt_tokens']:>7} {r['new_tokens']:>6} {r['cached_tokens']:>7}"
+            f" {r['computed_tokens']:>9} {r['ttft_s']:>8.3f} | {r['computed_tokens_no_cache']:>19}"
+            f" {r['ttft_s_no_cache']:>18.3f}"
+        )
+    lines += [
+        f"new tokens: {result['new_tokens']}",
+        f"computed / new: {result['computed_over_new']:.3f} with checkpoints, "
+        f"{result['computed_over_new_no_cache']:.3f} without",
+        f"total TTFT: {result['ttft_total_s']:.2f} s with checkpoints, "
+        f"{result['ttft_total_s_no_cache']:.2f} s without",
+    ]
+    if "decode_tokens_per_s" in result:
+        d = result["decode_tokens_per_s"]
+        k = next(key for key in d if key not in ("1", "speedup"))
+        lines.append(
+            f"decode: {d['1']:.1f} tok/s with 1 stream, {d[k]:.1f} tok/s aggregate with {k}"
+            f" streams ({d['speedup']:.2f}x)"
+        )
+    return "\n".join(lines)
+
+
+def to_json(result: dict) -> str:
+    return json.dumps(result, indent=2)

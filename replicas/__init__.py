@@ -1,0 +1,1 @@
+"""Replica side: the llama.cpp engine, sequence slots, checkpoint policy and local state store."""

@@ -1,0 +1,66 @@
+"""Where a sequence's prefill is cut into decode steps, and where its state is saved.
+
+Two rules keep every cached state exactly what a from-scratch prefill computes:
+prefill pieces are never a single token (llama.cpp computes a lone row with
+matrix-vector kernels whose rounding differs from the matrix-matrix kernels of longer
+pieces), and checkpoints sit only at piece boundaries.
+"""
+
+from __future__ import annotations
+
+from replicas.prompt import Prompt
+
+MIN_PIECE = 2
+
+
+def prefill_checkpoints(
+    prompt: Prompt, *, cached: int, interval: int, max_interval: int
+) -> list[int]:
+    """Token positions, ascending, after which a hybrid/recurrent sequence's state is saved.
+
+    - the start of the last user message (what an edited or retried turn reuses),
+    - the end of the prompt (what the next turn of a chat or agent loop reuses),
+    - every `interval` tokens of a long prefill, at most `max_interval` of them, spread
+      evenly, on absolute multiples of `interval` so they line up with hash blocks.
+
+    The end of generation is checkpointed separately, when the request finishes.
+    """
+    end = len(prompt)
+    positions = {end}
+    last_user = prompt.last_user_start
+    if last_user is not None:
+        positions.add(last_user)
+    if interval and max_interval:
+        grid = list(range((cached // interval + 1) * interval, end, interval))
+        if len(grid) > max_interval:
+            step = len(grid) / max_interval
+            grid = [grid[int((i + 1) * step) - 1] for i in range(max_interval)]
+        positions.update(grid)
+    return sorted(p for p in positions if cached < p <= end)
+
+
+def prefill_pieces(start: int, end: int, cuts: list[int], max_piece: int) -> list[int]:
+    """End positions of the pieces that prefill tokens [start, end).
+
+    Every piece has at least two tokens (when there are two to compute) and at most
+    `max_piece` (≥ 4). Each of `cuts` becomes a piece boundary unless that would leave a
+    one-token piece; the caller checkpoints only at boundaries it gets back.
+    """
+    if max_piece < 2 * MIN_PIECE:
+        raise ValueError(f"max_piece must be at least {2 * MIN_PIECE}")
+    if end - start < MIN_PIECE:
+        return [end] if end > start else []
+    kept: list[int] = []
+    previous = start
+    for cut in sorted(set(cuts)):
+        if cut - previous >= MIN_PIECE and end - cut >= MIN_PIECE:
+            kept.append(cut)
+            previous = cut
+    ends: list[int] = []
+    previous = start
+    for boundary in kept + [end]:
+        gap = boundary - previous
+        n = -(-gap // max_piece)  # ceil: pieces of near-equal size, each ≥ 2 since max_piece ≥ 4
+        ends.extend(previous + gap * (i + 1) // n for i in range(n))
+        previous = boundary
+    return ends

@@ -1,0 +1,139 @@
+"""A llama.cpp context with several sequence slots: batched decode, memory edits, state I/O.
+
+Everything here calls into llama.cpp and must run on the one thread that owns the context
+(the engine loop).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import llama_cpp
+import numpy as np
+
+from replicas.llama_model import LlamaModel
+
+
+class DecodeError(RuntimeError):
+    """llama_decode failed; `code` is its return value (1: no room in the KV cache)."""
+
+    def __init__(self, code: int) -> None:
+        reasons = {1: "no free KV cache slot for the batch", 2: "aborted", -1: "invalid batch"}
+        super().__init__(f"llama_decode failed ({code}: {reasons.get(code, 'internal error')})")
+        self.code = code
+
+
+class StateRestoreError(RuntimeError):
+    """llama.cpp refused a sequence state (for instance one from another model)."""
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """One token of a batch: which sequence, which position, whether its logits are needed."""
+
+    seq_id: int
+    token: int
+    pos: int
+    want_logits: bool
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    n_ctx_per_seq: int
+    n_seqs: int
+    n_batch: int
+    n_threads: int
+    flash_attn: bool = False
+
+
+class LlamaContext:
+    """One `llama_context` holding `n_seqs` independent sequences (one KV stream each)."""
+
+    def __init__(self, model: LlamaModel, params: ContextParams) -> None:
+        self.model = model
+        self.params = params
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = params.n_ctx_per_seq * params.n_seqs
+        cparams.n_batch = params.n_batch
+        # One physical batch per decode: llama.cpp never splits our batch into a 1-row tail.
+        cparams.n_ubatch = params.n_batch
+        cparams.n_seq_max = params.n_seqs
+        cparams.n_threads = params.n_threads
+        cparams.n_threads_batch = params.n_threads
+        cparams.kv_unified = False
+        cparams.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if params.flash_attn
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        cparams.no_perf = True
+        pointer = llama_cpp.llama_init_from_model(model.pointer, cparams)
+        if not pointer:
+            raise RuntimeError("llama.cpp could not create a context (out of memory?)")
+        self.pointer = pointer
+        self.memory = llama_cpp.llama_get_memory(pointer)
+        self.n_ctx_per_seq = llama_cpp.llama_n_ctx_seq(pointer)
+        self._batch = llama_cpp.llama_batch_init(params.n_batch, 0, 1)
+
+    def close(self) -> None:
+        if self.pointer:
+            llama_cpp.llama_batch_free(self._batch)
+            llama_cpp.llama_free(self.pointer)
+            self.pointer = None
+
+    def decode(self, entries: list[BatchEntry]) -> None:
+        """Run one `llama_decode` over `entries` (at most n_batch of them)."""
+        if not 0 < len(entries) <= self.params.n_batch:
+            raise ValueError(f"batch of {len(entries)} tokens (limit {self.params.n_batch})")
+        batch = self._batch
+        for i, entry in enumerate(entries):
+            batch.token[i] = entry.token
+            batch.pos[i] = entry.pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = entry.seq_id
+            batch.logits[i] = entry.want_logits
+        batch.n_tokens = len(entries)
+        code = llama_cpp.llama_decode(self.pointer, batch)
+        if code != 0:
+            raise DecodeError(code)
+
+    def logits(self, batch_index: int) -> np.ndarray:
+        """A copy of the logits row of the batch entry at `batch_index`."""
+        row = llama_cpp.llama_get_logits_ith(self.pointer, batch_index)
+        return np.ctypeslib.as_array(row, shape=(self.model.n_vocab,)).copy()
+
+    def clear(self, seq_id: int) -> None:
+        llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+
+    def truncate(self, seq_id: int, n_tokens: int) -> bool:
+        """Drop positions ≥ n_tokens; False where the memory cannot (recurrent state)."""
+        return bool(llama_cpp.llama_memory_seq_rm(self.memory, seq_id, n_tokens, -1))
+
+    def save_state(self, seq_id: int) -> bytes:
+        """The full state (KV and recurrent) of one sequence."""
+        size = llama_cpp.llama_state_seq_get_size(self.pointer, seq_id)
+        buf = bytearray(size)
+        target = (ctypes.c_uint8 * size).from_buffer(buf)
+        written = llama_cpp.llama_state_seq_get_data(self.pointer, target, size, seq_id)
+        del target
+        return bytes(memoryview(buf)[:written])
+
+    def restore_state(self, seq_id: int, state: bytes | memoryview) -> None:
+        """Load a state saved by `save_state` into `seq_id`.
+
+        The caller must have validated `state` (length, checksum, model): llama.cpp trusts
+        it, and a truncated state crashes the process.
+        """
+        self.clear(seq_id)
+        data = np.frombuffer(state, dtype=np.uint8)  # zero-copy, works for read-only buffers
+        source = data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        if llama_cpp.llama_state_seq_set_data(self.pointer, source, data.size, seq_id) == 0:
+            self.clear(seq_id)
+            raise StateRestoreError("llama.cpp refused the sequence state")
+
+    def __enter__(self) -> LlamaContext:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,146 @@
+"""A loaded GGUF model: its kind, fingerprint, vocabulary and chat template.
+
+Thin, typed wrapper over llama.cpp's C API (through llama-cpp-python's ctypes bindings).
+It owns the `llama_model` pointer; contexts are created by the engine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import logging
+import os
+import threading
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+from cache_store.fingerprint import file_fingerprint
+
+logger = logging.getLogger("baton.llama")
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+_GGML_LOG_LEVEL_WARN = 3
+_GGML_LOG_LEVEL_ERROR = 4
+
+
+@llama_cpp.llama_log_callback
+def _forward_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    """Route llama.cpp's warnings and errors to Python logging; drop its chatter."""
+    if level in (_GGML_LOG_LEVEL_WARN, _GGML_LOG_LEVEL_ERROR) and text:
+        logger.warning("%s", text.decode("utf-8", errors="replace").rstrip())
+
+
+def _init_backend() -> None:
+    global _backend_ready
+    with _backend_lock:
+        if not _backend_ready:
+            llama_cpp.llama_log_set(_forward_llama_log, ctypes.c_void_p(0))
+            llama_cpp.llama_backend_init()
+            _backend_ready = True
+
+
+class ModelKind(str, enum.Enum):
+    """How a model's sequence state behaves under prefix reuse."""
+
+    ATTENTION = "attention"  # KV cache only: can be truncated to any prefix
+    HYBRID = "hybrid"  # attention + recurrent layers: state only at exact checkpoints
+    RECURRENT = "recurrent"  # recurrent layers only
+
+    @property
+    def needs_checkpoints(self) -> bool:
+        return self is not ModelKind.ATTENTION
+
+
+class ModelLoadError(RuntimeError):
+    """The model file could not be loaded."""
+
+
+class LlamaModel:
+    """A GGUF model loaded with llama.cpp (weights, or only the vocabulary)."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, vocab_only: bool = False
+    ) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelLoadError(f"model file not found: {self.path}")
+        _init_backend()
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.vocab_only = vocab_only
+        pointer = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
+        if not pointer:
+            raise ModelLoadError(f"llama.cpp could not load {self.path} (not a valid GGUF model?)")
+        self.pointer = pointer
+        self.vocab = llama_cpp.llama_model_get_vocab(pointer)
+        self.fingerprint = file_fingerprint(self.path)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(pointer)
+        self.bos_token = llama_cpp.llama_vocab_bos(self.vocab)
+        self.eos_token = llama_cpp.llama_vocab_eos(self.vocab)
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+        if llama_cpp.llama_model_is_recurrent(pointer):
+            self.kind = ModelKind.RECURRENT
+        elif llama_cpp.llama_model_is_hybrid(pointer):
+            self.kind = ModelKind.HYBRID
+        else:
+            self.kind = ModelKind.ATTENTION
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+    def close(self) -> None:
+        if self.pointer:
+            llama_cpp.llama_model_free(self.pointer)
+            self.pointer = None
+
+    def metadata(self, key: str) -> str | None:
+        """A GGUF metadata value as text, or None."""
+        buf = ctypes.create_string_buffer(1 << 20)
+        n = llama_cpp.llama_model_meta_val_str(self.pointer, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.metadata("tokenizer.chat_template")
+
+    def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        """Text → token ids. Special tokens written in the text (e.g. ``<|im_start|>``) are parsed."""
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        while True:
+            out = (llama_cpp.llama_token * capacity)()
+            n = llama_cpp.llama_tokenize(
+                self.vocab, data, len(data), out, capacity, add_special, parse_special
+            )
+            if n >= 0:
+                return list(out[:n])
+            capacity = -n
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (special tokens rendered as their text)."""
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: list[int] | np.ndarray) -> str:
+        return b"".join(self.token_bytes(int(t)) for t in tokens).decode("utf-8", errors="replace")
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+
+    def token_text(self, token: int) -> str:
+        return self.token_bytes(token).decode("utf-8", errors="replace")
+
+    def __enter__(self) -> LlamaModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,36 @@
+"""Turn a model argument into a GGUF file: a path, `tiny:ARCH`, or the default model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from replicas.default_model import default_model_path
+from replicas.tiny_model import ARCHITECTURES, write_tiny_model
+
+TINY_PREFIX = "tiny:"
+
+
+def model_cache_dir() -> Path:
+    return Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton")) / "models"
+
+
+def resolve_model(spec: str | None) -> Path:
+    """None → SmolLM2 (default); ``tiny:ARCH`` → a generated tiny model; else a file path."""
+    if not spec:
+        return default_model_path()
+    if spec.startswith(TINY_PREFIX):
+        arch = spec[len(TINY_PREFIX) :]
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"unknown tiny model {arch!r}; choose from {', '.join(ARCHITECTURES)}")
+        path = model_cache_dir() / f"tiny-{arch}.gguf"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(".partial")
+            write_tiny_model(arch, partial)
+            partial.replace(path)
+        return path
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"model file not found: {path}")
+    return path

@@ -1,0 +1,119 @@
+"""Prompts as token ids, with the token offsets where chat messages start.
+
+Chat messages are rendered with the model's own Jinja chat template (sandboxed). Each
+message's rendered text is tokenized on its own and the pieces are concatenated, so a
+conversation's tokens are a stable prefix of the next turn's tokens — which is what
+prefix reuse needs — and every message start is an exact token offset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Protocol
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from pydantic import BaseModel, Field
+
+
+class PromptError(ValueError):
+    """The prompt cannot be built (bad messages, no chat template, template error)."""
+
+
+class ChatMessage(BaseModel):
+    role: str = Field(min_length=1)
+    content: str
+
+
+class Prompt(BaseModel):
+    """Token ids to prefill, and where each chat message starts (empty for raw prompts)."""
+
+    model_config = {"frozen": True}
+
+    tokens: tuple[int, ...]
+    message_starts: tuple[int, ...] = ()
+    message_roles: tuple[str, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def last_user_start(self) -> int | None:
+        """Token offset of the last user message, if any."""
+        for start, role in zip(reversed(self.message_starts), reversed(self.message_roles)):
+            if role == "user":
+                return start
+        return None
+
+
+class Tokenizer(Protocol):
+    def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]: ...
+
+    def token_text(self, token: int) -> str: ...
+
+
+class ChatTemplate:
+    """A model's chat template, rendered in a Jinja sandbox."""
+
+    def __init__(self, source: str, *, bos_token: str, eos_token: str) -> None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except TemplateError as exc:
+            raise PromptError(f"the model's chat template does not parse: {exc}") from exc
+        self._specials = {"bos_token": bos_token, "eos_token": eos_token}
+
+    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
+        try:
+            return self._template.render(
+                messages=[m.model_dump() for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                **self._specials,
+            )
+        except TemplateError as exc:
+            raise PromptError(f"chat template error: {exc}") from exc
+
+
+def _raise_template_exception(message: str) -> None:
+    raise PromptError(f"chat template rejected the messages: {message}")
+
+
+def text_prompt(tokenizer: Tokenizer, text: str, *, add_bos: bool) -> Prompt:
+    """A raw text prompt (OpenAI completions): BOS where the model wants one."""
+    return Prompt(tokens=tuple(tokenizer.tokenize(text, add_special=add_bos)))
+
+
+def chat_prompt(
+    tokenizer: Tokenizer, template: ChatTemplate, messages: Sequence[ChatMessage]
+) -> Prompt:
+    """Render `messages` plus the generation prompt; record each message's first token."""
+    if not messages:
+        raise PromptError("messages must not be empty")
+    pieces: list[str] = []
+    rendered = ""
+    for i in range(1, len(messages) + 1):
+        text = template.render(messages[:i], add_generation_prompt=False)
+        if not text.startswith(rendered):
+            # The template rewrites earlier messages (e.g. drops old reasoning):
+            # message offsets are unknowable, so tokenize the whole rendering at once.
+            full = template.render(messages, add_generation_prompt=True)
+            return Prompt(tokens=tuple(tokenizer.tokenize(full)))
+        pieces.append(text[len(rendered) :])
+        rendered = text
+    full = template.render(messages, add_generation_prompt=True)
+    if not full.startswith(rendered):
+        return Prompt(tokens=tuple(tokenizer.tokenize(full)))
+    tokens: list[int] = []
+    starts: list[int] = []
+    for piece in pieces:
+        starts.append(len(tokens))
+        tokens.extend(tokenizer.tokenize(piece))
+    tokens.extend(tokenizer.tokenize(full[len(rendered) :]))
+    return Prompt(
+        tokens=tuple(tokens),
+        message_starts=tuple(starts),
+        message_roles=tuple(m.role for m in messages),
+    )

@@ -1,0 +1,73 @@
+"""The replica's public request and response types: all the router side needs to know."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from replicas.prompt import Prompt
+from replicas.sampling import SamplingParams
+
+
+class GenerationRequest(BaseModel):
+    """One generation: prompt tokens (with message boundaries) and sampling parameters."""
+
+    model_config = ConfigDict(frozen=True)
+
+    prompt: Prompt
+    sampling: SamplingParams = SamplingParams()
+    request_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    return_logits: bool = False
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    completion_tokens: int
+
+
+class Completion(BaseModel):
+    """The outcome of a finished request."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    request_id: str
+    tokens: list[int]
+    text: str
+    finish_reason: str  # "stop", "length" or "cancelled"
+    usage: Usage
+    ttft_s: float | None
+    total_s: float
+    logits: np.ndarray | None = None  # logits of the last sampling step, when asked for
+
+
+class TokenEvent(BaseModel):
+    """One generated token and the text it made visible (may be empty)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    token: int
+    text: str
+
+
+class EngineError(RuntimeError):
+    """The engine could not serve a request."""
+
+
+class PromptTooLong(EngineError, ValueError):
+    """The prompt does not fit the context window."""
+
+    def __init__(self, prompt_tokens: int, n_ctx: int) -> None:
+        super().__init__(
+            f"the prompt has {prompt_tokens} tokens but the context window is {n_ctx} tokens "
+            f"(at most {n_ctx - 1} prompt tokens leave room for one generated token)"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.n_ctx = n_ctx
+
+
+class EngineClosed(EngineError):
+    """The engine was shut down."""

@@ -1,0 +1,59 @@
+"""The caller's side of a submitted request: a token stream and a completion."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+from replicas.protocol import Completion, GenerationRequest, TokenEvent
+
+_DONE = object()
+
+
+class RequestHandle:
+    """Iterate it for `TokenEvent`s as they are generated, or wait for the `Completion`.
+
+    Thread-safe: the engine loop feeds it, any thread may read it or cancel it.
+    """
+
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request = request
+        self._events: queue.Queue[object] = queue.Queue()
+        self._done = threading.Event()
+        self._completion: Completion | None = None
+        self._error: BaseException | None = None
+        self.cancelled = False
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        """Stop generating; the engine frees the slot at its next step."""
+        self.cancelled = True
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Wait for the completion; raises the engine's error if the request failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request.request_id} is still running")
+        if self._error is not None:
+            raise self._error
+        assert self._completion is not None
+        return self._completion
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while (item := self._events.get()) is not _DONE:
+            yield item  # type: ignore[misc]
+        if self._error is not None:
+            raise self._error
+
+    # Called by the engine loop only.
+
+    def emit(self, event: TokenEvent) -> None:
+        self._events.put(event)
+
+    def finish(self, completion: Completion | None, error: BaseException | None = None) -> None:
+        self._completion, self._error = completion, error
+        self._done.set()
+        self._events.put(_DONE)

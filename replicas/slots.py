@@ -1,0 +1,56 @@
+"""Sequence slots and the requests running in them (engine-loop state)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from replicas.request_handle import RequestHandle
+from replicas.sampling import SamplingParams, TokenSampler
+from replicas.text_stream import TextStream
+
+
+class Phase(enum.Enum):
+    PREFILL = "prefill"  # computing the prompt, piece by piece
+    DECODE = "decode"  # generating one token per step
+    REPLAY = "replay"  # answered; recomputing the reply as a prefill for the cache
+
+
+@dataclass
+class Slot:
+    """One llama.cpp sequence and the tokens whose state it holds."""
+
+    seq_id: int
+    tokens: list[int] = field(default_factory=list)
+    running: Running | None = None
+    last_used: float = 0.0
+
+
+@dataclass
+class Running:
+    """A request being served in a slot."""
+
+    handle: RequestHandle
+    slot: Slot
+    cached: int
+    feed: tuple[int, ...]  # tokens the slot must hold when the current prefill is done
+    pieces: list[int]  # end positions of the prefill pieces still to compute
+    checkpoints: set[int]  # positions after which the state is saved
+    sampler: TokenSampler
+    text: TextStream
+    submitted_at: float
+    phase: Phase = Phase.PREFILL
+    generated: list[int] = field(default_factory=list)
+    pending_token: int | None = None  # sampled, not yet decoded
+    first_token_at: float | None = None
+    last_logits: np.ndarray | None = None
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.handle.request.prompt.tokens
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.handle.request.sampling

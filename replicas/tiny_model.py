@@ -1,0 +1,233 @@
+"""Write tiny, deterministic, random-weight GGUF models that llama.cpp loads and runs.
+
+Each architecture gets the hyper-parameters and tensors llama.cpp requires (optional ones
+left out), every dimension scaled from ``n_embd``, and the full SmolLM2 tokenizer so that
+text prompts and chat templates work. Hybrids alternate a recurrent layer with an
+attention layer (the last of every pair is attention).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from replicas.default_model import default_model_path
+
+ARCHITECTURES: tuple[str, ...] = ("llama", "qwen35", "lfm2", "granitehybrid", "mamba2")
+HYBRID_ARCHITECTURES = frozenset({"qwen35", "lfm2", "granitehybrid"})
+
+CONTEXT_LENGTH = 8192
+RMS_EPS = 1e-5
+FFN_MULT = 2  # n_ff = FFN_MULT * n_embd
+HEAD_DIM = 16  # attention and gated-delta-net head size; n_head = n_embd // HEAD_DIM
+QWEN35_ROPE_SECTIONS = (3, 3, 2, 0)  # sums to HEAD_DIM // 2
+MAMBA_HEAD_DIM = 32  # mamba2 mixer: d_inner = 2 * n_embd split into heads of this size
+MAMBA_STATE = 16
+MAMBA_GROUPS = 2
+CONV_KERNEL = 4
+SHORTCONV_L_CACHE = 3
+
+_KeyValue = tuple[str, Any, gguf.GGUFValueType, gguf.GGUFValueType | None]
+
+
+class _Tensors:
+    """Named tensors in insertion order, drawn from one seeded generator."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.items: list[tuple[str, np.ndarray]] = []
+
+    def matrix(self, name: str, n_in: int, n_out: int, std: float | None = None) -> None:
+        """An F16 weight of GGUF shape [n_in, n_out], normal with std 1/sqrt(n_in) by default."""
+        scale = n_in**-0.5 if std is None else std
+        values = self.rng.standard_normal((n_out, n_in)) * scale
+        self.items.append((name, values.astype(np.float16)))
+
+    def f32(self, name: str, values: np.ndarray) -> None:
+        """An F32 tensor; ``values`` is in numpy order (the reverse of GGUF's)."""
+        self.items.append((name, np.asarray(values, dtype=np.float32)))
+
+    def ones(self, name: str, *shape: int) -> None:
+        """An F32 tensor of ones, e.g. a norm weight."""
+        self.f32(name, np.ones(shape))
+
+    def conv(self, name: str, channels: int, kernel: int) -> None:
+        """An F32 depthwise-convolution weight of GGUF shape [kernel, channels]."""
+        self.f32(name, self.rng.standard_normal((channels, kernel)) * kernel**-0.5)
+
+    def ssm_decay(self, p: str, *shape: int) -> None:
+        """Negative ``ssm_a`` and a softplus-inverse ``ssm_dt.bias`` for ``shape[0]`` heads."""
+        self.f32(p + "ssm_a", -self.rng.uniform(1.0, 16.0, shape))
+        self.f32(p + "ssm_dt.bias", np.log(np.expm1(self.rng.uniform(1e-3, 0.1, shape[0]))))
+
+
+def _attention(t: _Tensors, p: str, n_embd: int, *, gated_q: bool, qk_norm: bool) -> None:
+    """Grouped-query attention with half as many KV heads as query heads."""
+    n_head = n_embd // HEAD_DIM
+    n_kv = n_head // 2 * HEAD_DIM
+    t.matrix(p + "attn_q.weight", n_embd, n_head * HEAD_DIM * (2 if gated_q else 1))
+    t.matrix(p + "attn_k.weight", n_embd, n_kv)
+    t.matrix(p + "attn_v.weight", n_embd, n_kv)
+    t.matrix(p + "attn_output.weight", n_head * HEAD_DIM, n_embd)
+    if qk_norm:
+        t.ones(p + "attn_q_norm.weight", HEAD_DIM)
+        t.ones(p + "attn_k_norm.weight", HEAD_DIM)
+
+
+def _gated_delta_net(t: _Tensors, p: str, n_embd: int) -> None:
+    """Qwen3.5 linear attention: n_embd // HEAD_DIM value heads, half as many key heads."""
+    n_v_heads = n_embd // HEAD_DIM
+    value_dim = n_v_heads * HEAD_DIM
+    conv_dim = 2 * (n_v_heads // 2) * HEAD_DIM + value_dim
+    t.matrix(p + "attn_qkv.weight", n_embd, conv_dim)
+    t.matrix(p + "attn_gate.weight", n_embd, value_dim)
+    t.conv(p + "ssm_conv1d.weight", conv_dim, CONV_KERNEL)
+    t.ssm_decay(p, n_v_heads)
+    t.matrix(p + "ssm_beta.weight", n_embd, n_v_heads)
+    t.matrix(p + "ssm_alpha.weight", n_embd, n_v_heads)
+    t.ones(p + "ssm_norm.weight", HEAD_DIM)
+    t.matrix(p + "ssm_out.weight", value_dim, n_embd)
+
+
+def _short_conv(t: _Tensors, p: str, n_embd: int) -> None:
+    """LFM2 gated short convolution."""
+    t.matrix(p + "shortconv.in_proj.weight", n_embd, 3 * n_embd)
+    t.conv(p + "shortconv.conv.weight", n_embd, SHORTCONV_L_CACHE)
+    t.matrix(p + "shortconv.out_proj.weight", n_embd, n_embd)
+
+
+def _mamba2(t: _Tensors, p: str, n_embd: int) -> None:
+    """Mamba2 mixer with d_inner = 2 * n_embd (the only expansion granitehybrid accepts)."""
+    d_inner = 2 * n_embd
+    n_head = d_inner // MAMBA_HEAD_DIM
+    conv_dim = d_inner + 2 * MAMBA_GROUPS * MAMBA_STATE
+    t.matrix(p + "ssm_in.weight", n_embd, d_inner + conv_dim + n_head)
+    t.conv(p + "ssm_conv1d.weight", conv_dim, CONV_KERNEL)
+    t.f32(p + "ssm_conv1d.bias", np.zeros(conv_dim))
+    t.ssm_decay(p, n_head, 1)
+    t.ones(p + "ssm_d", n_head, 1)
+    t.ones(p + "ssm_norm.weight", MAMBA_GROUPS, d_inner // MAMBA_GROUPS)
+    t.matrix(p + "ssm_out.weight", d_inner, n_embd)
+
+
+_RECURRENT_MIXERS = {"qwen35": _gated_delta_net, "lfm2": _short_conv, "granitehybrid": _mamba2}
+
+
+def _layer(t: _Tensors, arch: str, il: int, n_embd: int, attention: bool) -> None:
+    """Block ``il``: pre-norm and mixer, then (except for mamba2) a norm and a SwiGLU FFN."""
+    p = f"blk.{il}."
+    t.ones(p + "attn_norm.weight", n_embd)
+    if arch == "mamba2":
+        _mamba2(t, p, n_embd)
+        return
+    if attention:
+        _attention(t, p, n_embd, gated_q=arch == "qwen35", qk_norm=arch in ("qwen35", "lfm2"))
+    else:
+        _RECURRENT_MIXERS[arch](t, p, n_embd)
+    t.ones(p + ("post_attention_norm.weight" if arch == "qwen35" else "ffn_norm.weight"), n_embd)
+    n_ff = FFN_MULT * n_embd
+    t.matrix(p + "ffn_gate.weight", n_embd, n_ff)
+    t.matrix(p + "ffn_up.weight", n_embd, n_ff)
+    t.matrix(p + "ffn_down.weight", n_ff, n_embd)
+
+
+def _add_hparams(w: gguf.GGUFWriter, arch: str, n_embd: int, attention: list[bool]) -> None:
+    """Architecture key/values; lfm2 and granitehybrid mark recurrent layers by 0 KV heads."""
+    w.add_context_length(CONTEXT_LENGTH)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(len(attention))
+    w.add_layer_norm_rms_eps(RMS_EPS)
+    if arch != "mamba2":
+        n_head = n_embd // HEAD_DIM
+        w.add_feed_forward_length(FFN_MULT * n_embd)
+        w.add_head_count(n_head)
+        if arch in ("lfm2", "granitehybrid"):
+            w.add_head_count_kv([n_head // 2 if a else 0 for a in attention])
+        else:
+            w.add_head_count_kv(n_head // 2)
+    if arch == "qwen35":
+        w.add_full_attention_interval(2)
+        w.add_rope_dimension_sections(list(QWEN35_ROPE_SECTIONS))
+        n_v_heads = n_embd // HEAD_DIM
+        _add_ssm(w, inner=n_embd, state=HEAD_DIM, heads=n_v_heads, groups=n_v_heads // 2)
+    elif arch in ("granitehybrid", "mamba2"):
+        d_inner = 2 * n_embd
+        n_ssm_heads = d_inner // MAMBA_HEAD_DIM
+        _add_ssm(w, inner=d_inner, state=MAMBA_STATE, heads=n_ssm_heads, groups=MAMBA_GROUPS)
+    elif arch == "lfm2":
+        w.add_shortconv_l_cache(SHORTCONV_L_CACHE)
+
+
+def _add_ssm(w: gguf.GGUFWriter, *, inner: int, state: int, heads: int, groups: int) -> None:
+    """The ``ssm.*`` key/values shared by Mamba2 and gated-delta-net layers."""
+    w.add_ssm_conv_kernel(CONV_KERNEL)
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_state_size(state)
+    w.add_ssm_time_step_rank(heads)
+    w.add_ssm_group_count(groups)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_kv(path: Path) -> tuple[_KeyValue, ...]:
+    """Every ``tokenizer.*`` key/value of the GGUF file at ``path``, with its GGUF types."""
+    items = []
+    for key, field in gguf.GGUFReader(path).fields.items():
+        if key.startswith("tokenizer."):
+            vtype, *sub_types = (gguf.GGUFValueType(t) for t in field.types)
+            items.append((key, field.contents(), vtype, sub_types[0] if sub_types else None))
+    return tuple(items)
+
+
+def write_tiny_model(
+    arch: str,
+    out: str | Path,
+    *,
+    seed: int = 0,
+    n_layers: int = 2,
+    n_embd: int = 64,
+    tokenizer_from: str | Path | None = None,
+) -> Path:
+    """Write a random-weight ``arch`` model to ``out`` and return its path.
+
+    The same arguments always give a byte-identical file. ``n_embd`` must be a positive
+    multiple of 32; hybrids need ``n_layers >= 2`` so that both layer kinds are present.
+    ``tokenizer_from`` (default: the SmolLM2 GGUF) supplies the tokenizer and vocab size.
+    """
+    if arch not in ARCHITECTURES:
+        expected = ", ".join(ARCHITECTURES)
+        raise ValueError(f"unknown architecture {arch!r}; expected one of {expected}")
+    hybrid = arch in HYBRID_ARCHITECTURES
+    min_layers = 2 if hybrid else 1
+    if n_layers < min_layers:
+        raise ValueError(f"{arch} needs n_layers >= {min_layers}, got {n_layers}")
+    if n_embd <= 0 or n_embd % 32:
+        raise ValueError(f"n_embd must be a positive multiple of 32, got {n_embd}")
+    tokenizer = _tokenizer_kv(Path(tokenizer_from or default_model_path()).resolve())
+    n_vocab = len(next(value for key, value, *_ in tokenizer if key == "tokenizer.ggml.tokens"))
+
+    attention = [arch == "llama" or (hybrid and il % 2 == 1) for il in range(n_layers)]
+    t = _Tensors(seed)
+    t.matrix("token_embd.weight", n_embd, n_vocab, std=1.0)
+    for il, is_attention in enumerate(attention):
+        _layer(t, arch, il, n_embd, is_attention)
+    t.ones("token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight", n_embd)
+    t.matrix("output.weight", n_embd, n_vocab)
+
+    out = Path(out)
+    writer = gguf.GGUFWriter(out, arch)
+    writer.add_name(f"baton-tiny-{arch}")
+    _add_hparams(writer, arch, n_embd, attention)
+    writer.add_vocab_size(n_vocab)
+    for key, value, vtype, sub_type in tokenizer:
+        writer.add_key_value(key, value, vtype, sub_type)
+    for name, data in t.items:
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

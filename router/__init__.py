@@ -1,0 +1,1 @@
+"""HTTP ingress (OpenAI API) and the prefix-aware Ray Serve request router."""

@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny generated models (one per architecture per session) and engines."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from replicas.engine import Engine
+from replicas.engine_config import EngineConfig
+from replicas.tiny_model import write_tiny_model
+
+HMAC_KEY = b"test-cluster-key"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`tiny_model(arch)` → path of a generated model, written once per test session."""
+    folder = tmp_path_factory.mktemp("models")
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = write_tiny_model(arch, folder / f"{arch}.gguf")
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., Engine]]:
+    """`make_engine(path, **config)` → a running engine, closed after the test."""
+    engines: list[Engine] = []
+
+    def make(path: Path, **config: object) -> Engine:
+        settings = {"n_ctx": 1024, "n_slots": 2, "n_threads": 2, **config}
+        engine = Engine(str(path), EngineConfig(**settings), hmac_key=HMAC_KEY)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
