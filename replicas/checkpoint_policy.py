@@ -18,25 +18,26 @@ def prefill_checkpoints(
 ) -> list[int]:
     """Token positions, ascending, after which a hybrid/recurrent sequence's state is saved.
 
-    - the start of the last user message (what an edited or retried turn reuses),
-    - the end of the prompt (what the next turn of a chat or agent loop reuses),
+    - the start of the last user message (what an edited turn reuses),
+    - two tokens before the end of the prompt: the longest prefix a retry of the same
+      prompt can reuse (at least one piece of two tokens is always computed), and what
+      the next turn falls back to when the reply itself cannot be reused,
     - every `interval` tokens of a long prefill, at most `max_interval` of them, spread
       evenly, on absolute multiples of `interval` so they line up with hash blocks.
 
     The end of generation is checkpointed separately, when the request finishes.
     """
     end = len(prompt)
-    positions = {end}
+    positions = {end - MIN_PIECE}
     last_user = prompt.last_user_start
     if last_user is not None:
         positions.add(last_user)
     if interval and max_interval:
         grid = list(range((cached // interval + 1) * interval, end, interval))
         if len(grid) > max_interval:
-            step = len(grid) / max_interval
-            grid = [grid[int((i + 1) * step) - 1] for i in range(max_interval)]
+            grid = [grid[(i + 1) * len(grid) // max_interval - 1] for i in range(max_interval)]
         positions.update(grid)
-    return sorted(p for p in positions if cached < p <= end)
+    return sorted(p for p in positions if cached < p < end)
 
 
 def prefill_pieces(start: int, end: int, cuts: list[int], max_piece: int) -> list[int]:

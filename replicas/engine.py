@@ -30,7 +30,7 @@ import numpy as np
 
 from cache_store.checkpoint_store import Checkpoint, CheckpointStore
 from cache_store.prefix_hash import PrefixHasher
-from cache_store.state_blob import decode_blob, encode_blob
+from cache_store.state_blob import BlobError, decode_blob, encode_blob
 from replicas.checkpoint_policy import MIN_PIECE, prefill_checkpoints, prefill_pieces
 from replicas.engine_config import EngineConfig
 from replicas.llama_context import (
@@ -100,6 +100,7 @@ class Engine:
             ),
         )
         self.n_ctx = self._context.n_ctx_per_seq
+        self._state_size = self._measure_state_size()
         template = self.model.chat_template
         self._chat_template = (
             ChatTemplate(
@@ -114,6 +115,7 @@ class Engine:
         self._waiting: list[RequestHandle] = []
         self._wakeup = threading.Condition()
         self._closed = False
+        self._idle = threading.Event()
         self._last_step_was_prefill = False
         self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
         self._thread.start()
@@ -121,9 +123,11 @@ class Engine:
     # ---- prompts -------------------------------------------------------------------------
 
     def text_prompt(self, text: str) -> Prompt:
+        self._check_open()
         return text_prompt(self.model, text, add_bos=self.model.add_bos)
 
     def chat_prompt(self, messages: list[ChatMessage] | list[dict[str, str]]) -> Prompt:
+        self._check_open()
         if self._chat_template is None:
             raise PromptError(f"model {self.model.name} has no chat template")
         parsed = [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
@@ -145,6 +149,7 @@ class Engine:
             if self._closed:
                 raise EngineClosed("the engine is shut down")
             self._waiting.append(handle)
+            self._idle.clear()
             self._wakeup.notify()
         return handle
 
@@ -181,6 +186,15 @@ class Engine:
         state = decode_blob(
             blob, key=self._hmac_key, fingerprint=self.fingerprint, hasher=self.hasher
         )
+        if self._state_size is not None:
+            fixed, per_token = self._state_size
+            expected = fixed + per_token * state.n_tokens
+            if len(state.state) != expected:
+                raise BlobError(
+                    "bad_state_size",
+                    f"a {state.n_tokens}-token state of this model is {expected} bytes, "
+                    f"the blob carries {len(state.state)}",
+                )
         checkpoint = Checkpoint(
             prefix_hash=state.prefix_hash, tokens=state.tokens, state=bytes(state.state)
         )
@@ -192,7 +206,25 @@ class Engine:
         self.stats.checkpoints_imported += 1
         return checkpoint
 
+    def _measure_state_size(self) -> tuple[int, int] | None:
+        """The exact size of a state, so a signed but malformed blob never reaches llama.cpp.
+
+        Sliding-window caches keep at most a window of tokens, so their size is not linear:
+        for those models only the blob's own checks apply.
+        """
+        if self.model.sliding_window:
+            return None
+        return self._context.state_size_line(0, self.model.bos_token)
+
     # ---- lifecycle -----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed("the engine is shut down")
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is queued or running (replays included); False on timeout."""
+        return self._idle.wait(timeout)
 
     def close(self) -> None:
         with self._wakeup:
@@ -216,6 +248,7 @@ class Engine:
         while True:
             with self._wakeup:
                 while not self._closed and not self._waiting and not self._running():
+                    self._idle.set()
                     self._wakeup.wait()
                 if self._closed:
                     break
@@ -265,10 +298,27 @@ class Engine:
         while True:
             free = [s for s in self._slots if s.running is None]
             with self._wakeup:
-                if not free or not self._waiting:
+                if not free or not self._waiting or self._replay_pending_for(self._waiting[0]):
                     return
                 handle = self._waiting.pop(0)
             self._start(handle, free)
+
+    def _replay_pending_for(self, handle: RequestHandle) -> bool:
+        """True while a slot is replaying the conversation this request continues.
+
+        The next turn of a chat often arrives while the previous reply is still being
+        replayed into the cache; waiting those few steps beats recomputing the reply.
+        """
+        if not self.config.prefix_cache:
+            return False
+        prompt = handle.request.prompt.tokens
+        limit = len(prompt) - MIN_PIECE
+        for run in self._running():
+            if run.phase is Phase.REPLAY:
+                common = _common_prefix(list(run.feed), prompt, limit)
+                if common > 0 and common >= min(limit, len(run.prompt) - MIN_PIECE):
+                    return True
+        return False
 
     def _start(self, handle: RequestHandle, free: list[Slot]) -> None:
         prompt = handle.request.prompt
@@ -361,7 +411,7 @@ class Engine:
             self.stats.checkpoints_saved += 1
 
     def _rewind_to_prompt(self, run: Running) -> None:
-        """Bring the slot back to its prompt's state, dropping decode-time state."""
+        """Bring the slot back to an exact state within its prompt, dropping decode-time state."""
         slot, n_prompt = run.slot, len(run.prompt)
         if len(slot.tokens) <= n_prompt:
             return
@@ -369,7 +419,7 @@ class Engine:
             self._context.truncate(slot.seq_id, n_prompt)
             del slot.tokens[n_prompt:]
             return
-        checkpoint = self.store.get(self.hasher.prefix_hash(run.prompt))
+        checkpoint = self.store.longest_match(self.hasher, run.prompt, n_prompt)
         if checkpoint is None or not self._restore(slot, checkpoint):
             self._context.clear(slot.seq_id)
             slot.tokens = []
@@ -475,12 +525,13 @@ class Engine:
         history = run.prompt + tuple(run.generated) + ((end_token,) if end_token is not None else ())
         history = history[: self.n_ctx]
         self._rewind_to_prompt(run)
-        if len(run.slot.tokens) != len(run.prompt) or len(history) - len(run.prompt) < MIN_PIECE:
+        start = len(run.slot.tokens)
+        if not start or len(history) - start < MIN_PIECE:
             self._release(run.slot)
             return
         run.phase = Phase.REPLAY
         run.feed = history
-        run.pieces = prefill_pieces(len(run.prompt), len(history), [], self.config.prefill_chunk)
+        run.pieces = prefill_pieces(start, len(history), [], self.config.prefill_chunk)
         run.checkpoints = {len(history)} if self.kind.needs_checkpoints else set()
 
     def _complete(self, run: Running, reason: str) -> None:

@@ -119,6 +119,24 @@ class LlamaContext:
         del target
         return bytes(memoryview(buf)[:written])
 
+    def state_size_line(self, seq_id: int, token: int) -> tuple[int, int]:
+        """(fixed, per_token) byte sizes of a sequence state, measured on an empty sequence.
+
+        A sequence state is a fixed part (headers, recurrent state) plus one KV row per
+        token, so its exact size for n tokens is ``fixed + n * per_token``.
+        """
+        sizes = []
+        done = 0
+        for n in (2, 4, 8):
+            self.decode([BatchEntry(seq_id, token, p, False) for p in range(done, n)])
+            done = n
+            sizes.append(llama_cpp.llama_state_seq_get_size(self.pointer, seq_id))
+        self.clear(seq_id)
+        per_token = (sizes[1] - sizes[0]) // 2
+        if sizes[2] - sizes[1] != 4 * per_token:
+            raise RuntimeError(f"sequence state sizes {sizes} for 2/4/8 tokens are not linear")
+        return sizes[0] - 2 * per_token, per_token
+
     def restore_state(self, seq_id: int, state: bytes | memoryview) -> None:
         """Load a state saved by `save_state` into `seq_id`.
 

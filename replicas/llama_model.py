@@ -58,6 +58,10 @@ class ModelLoadError(RuntimeError):
     """The model file could not be loaded."""
 
 
+class ModelClosed(RuntimeError):
+    """The model was freed; nothing can use it any more."""
+
+
 class LlamaModel:
     """A GGUF model loaded with llama.cpp (weights, or only the vocabulary)."""
 
@@ -75,19 +79,27 @@ class LlamaModel:
         if not pointer:
             raise ModelLoadError(f"llama.cpp could not load {self.path} (not a valid GGUF model?)")
         self.pointer = pointer
-        self.vocab = llama_cpp.llama_model_get_vocab(pointer)
+        self._vocab = llama_cpp.llama_model_get_vocab(pointer)
         self.fingerprint = file_fingerprint(self.path)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(pointer)
         self.bos_token = llama_cpp.llama_vocab_bos(self.vocab)
         self.eos_token = llama_cpp.llama_vocab_eos(self.vocab)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+        self.sliding_window = 0 if vocab_only else llama_cpp.llama_model_n_swa(pointer)
         if llama_cpp.llama_model_is_recurrent(pointer):
             self.kind = ModelKind.RECURRENT
         elif llama_cpp.llama_model_is_hybrid(pointer):
             self.kind = ModelKind.HYBRID
         else:
             self.kind = ModelKind.ATTENTION
+
+    @property
+    def vocab(self) -> llama_cpp.llama_vocab_p:
+        """The vocabulary pointer; raises once the model is closed (never a dangling pointer)."""
+        if not self.pointer:
+            raise ModelClosed(f"model {self.path.name} is closed")
+        return self._vocab
 
     @property
     def name(self) -> str:
@@ -100,6 +112,8 @@ class LlamaModel:
 
     def metadata(self, key: str) -> str | None:
         """A GGUF metadata value as text, or None."""
+        if not self.pointer:
+            raise ModelClosed(f"model {self.path.name} is closed")
         buf = ctypes.create_string_buffer(1 << 20)
         n = llama_cpp.llama_model_meta_val_str(self.pointer, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", errors="replace") if n >= 0 else None

@@ -73,7 +73,9 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 **self._specials,
             )
-        except TemplateError as exc:
+        except PromptError:
+            raise
+        except Exception as exc:  # the template is model data: any failure is a bad prompt
             raise PromptError(f"chat template error: {exc}") from exc
 
 
@@ -89,10 +91,16 @@ def text_prompt(tokenizer: Tokenizer, text: str, *, add_bos: bool) -> Prompt:
 def chat_prompt(
     tokenizer: Tokenizer, template: ChatTemplate, messages: Sequence[ChatMessage]
 ) -> Prompt:
-    """Render `messages` plus the generation prompt; record each message's first token."""
+    """Render `messages` plus the generation prompt; record each message's first token.
+
+    Each message is tokenized on its own, and a message that continues a generation
+    prompt (an assistant reply) is tokenized in two parts — the generation prompt, then
+    the reply — so its tokens match the previous turn's prompt exactly, whatever
+    whitespace the reply starts with.
+    """
     if not messages:
         raise PromptError("messages must not be empty")
-    pieces: list[str] = []
+    pieces: list[list[str]] = []
     rendered = ""
     for i in range(1, len(messages) + 1):
         text = template.render(messages[:i], add_generation_prompt=False)
@@ -101,16 +109,21 @@ def chat_prompt(
             # message offsets are unknowable, so tokenize the whole rendering at once.
             full = template.render(messages, add_generation_prompt=True)
             return Prompt(tokens=tuple(tokenizer.tokenize(full)))
-        pieces.append(text[len(rendered) :])
+        opened = template.render(messages[: i - 1], add_generation_prompt=True) if i > 1 else ""
+        if len(rendered) < len(opened) and opened.startswith(rendered) and text.startswith(opened):
+            pieces.append([opened[len(rendered) :], text[len(opened) :]])
+        else:
+            pieces.append([text[len(rendered) :]])
         rendered = text
     full = template.render(messages, add_generation_prompt=True)
     if not full.startswith(rendered):
         return Prompt(tokens=tuple(tokenizer.tokenize(full)))
     tokens: list[int] = []
     starts: list[int] = []
-    for piece in pieces:
+    for parts in pieces:
         starts.append(len(tokens))
-        tokens.extend(tokenizer.tokenize(piece))
+        for part in parts:
+            tokens.extend(tokenizer.tokenize(part))
     tokens.extend(tokenizer.tokenize(full[len(rendered) :]))
     return Prompt(
         tokens=tuple(tokens),

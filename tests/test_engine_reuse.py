@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from replicas.checkpoint_policy import MIN_PIECE
 from replicas.engine import Engine
 from replicas.llama_model import ModelKind
 from replicas.prompt import Prompt
@@ -53,7 +54,7 @@ def test_resumed_conversation_is_bit_exact(arch, tiny_model, make_engine) -> Non
         assert float(np.abs(resumed.logits - fresh.logits).max()) == 0.0, f"turn {turn}"
         assert fresh.usage.cached_tokens == 0
         if turn:  # later turns reuse most of the conversation and compute only the rest
-            assert resumed.usage.cached_tokens >= len(results[turn - 1][0])
+            assert resumed.usage.cached_tokens >= len(results[turn - 1][0]) - MIN_PIECE
             assert resumed.usage.computed_tokens == len(prompt) - resumed.usage.cached_tokens
     if engine.kind.needs_checkpoints:
         assert engine.stats.checkpoints_saved > 0
