@@ -1,0 +1,57 @@
+"""The `baton` command line, run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import llama_cpp
+
+from replicas.llama_model import LlamaModel, ModelKind
+
+
+def _baton(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "BATON_CACHE_DIR": str(cache)}
+    return subprocess.run(
+        [sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def test_make_model_writes_a_loadable_hybrid(tmp_path: Path) -> None:
+    out = tmp_path / "m.gguf"
+    done = _baton("make-model", "--arch", "lfm2", "--out", str(out), "--layers", "3", "--embd", "96", cache=tmp_path)
+    assert done.returncode == 0, done.stderr
+    with LlamaModel(out) as model:
+        assert model.kind is ModelKind.HYBRID
+        assert llama_cpp.llama_model_n_layer(model.pointer) == 3
+        assert llama_cpp.llama_model_n_embd(model.pointer) == 96
+
+
+def test_make_model_rejects_an_unknown_arch(tmp_path: Path) -> None:
+    done = _baton("make-model", "--arch", "gpt5", "--out", str(tmp_path / "x.gguf"), cache=tmp_path)
+    assert done.returncode == 2
+    assert "unknown" in done.stderr.lower() and "qwen35" in done.stderr
+
+
+def test_bench_engine_json_reports_cache_savings(tmp_path: Path) -> None:
+    done = _baton(
+        "bench", "engine", "--model", "tiny:mamba2", "--turns", "3", "--system-tokens", "300",
+        "--turn-tokens", "40", "--reply-tokens", "8", "--json", cache=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert len(result["turns"]) == 3
+    assert result["computed_over_new_no_cache"] > 2 * result["computed_over_new"]
+    for row in result["turns"][1:]:
+        assert row["cached_tokens"] > 0
+        assert row["computed_tokens"] + row["cached_tokens"] == row["prompt_tokens"]
+        assert row["computed_tokens_no_cache"] == row["prompt_tokens"]
+
+
+def test_missing_model_file_is_a_clear_error(tmp_path: Path) -> None:
+    done = _baton("bench", "engine", "--model", str(tmp_path / "nope.gguf"), cache=tmp_path)
+    assert done.returncode == 2
+    assert "not found" in done.stderr
