@@ -102,9 +102,17 @@ class CheckpointStore:
             return self._pop(prefix_hash)
 
     def longest_match(
-        self, hasher: PrefixHasher, tokens: Sequence[int] | np.ndarray, max_tokens: int
+        self,
+        hasher: PrefixHasher,
+        tokens: Sequence[int] | np.ndarray,
+        max_tokens: int,
+        *,
+        touch: bool = True,
     ) -> Checkpoint | None:
-        """Return the longest checkpoint (at most `max_tokens`) that is a prefix of `tokens`."""
+        """Return the longest checkpoint (at most `max_tokens`) that is a prefix of `tokens`.
+
+        `touch=False` looks without counting it as a use (for estimates).
+        """
         arr = token_array(tokens)
         limit = min(max_tokens, len(arr))
         with self._lock:
@@ -120,7 +128,8 @@ class CheckpointStore:
                     and checkpoint.n_tokens == n
                     and np.array_equal(checkpoint.tokens, arr[:n])
                 ):
-                    self._entries.move_to_end(checkpoint.prefix_hash)
+                    if touch:
+                        self._entries.move_to_end(checkpoint.prefix_hash)
                     return checkpoint
         return None
 

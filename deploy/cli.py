@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -51,6 +52,20 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--concurrency", type=int, default=0, help="also measure K concurrent streams")
     engine.add_argument("--json", action="store_true", help="print one JSON object")
     engine.set_defaults(run=_bench_engine)
+
+    index = benches.add_parser("index", help="index lookup latency, Redis and embedded backends")
+    index.add_argument("--redis", help="redis:// URL (default: a private redis-server)")
+    index.add_argument("--checkpoints", type=int, default=100_000)
+    index.add_argument("--replicas", type=int, default=8)
+    index.add_argument("--lookups", type=int, default=2_000)
+    index.add_argument("--json", action="store_true", help="print one JSON object")
+    index.set_defaults(run=_bench_index)
+
+    ship = benches.add_parser("ship", help="pull a prefix state from a peer vs recompute it")
+    ship.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
+    ship.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 4096])
+    ship.add_argument("--json", action="store_true", help="print one JSON object")
+    ship.set_defaults(run=_bench_ship)
     return parser
 
 
@@ -70,7 +85,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
-    from loadtests.engine_bench import engine_benchmark, format_report, to_json
+    from loadtests.engine_bench import engine_benchmark, format_report
 
     result = engine_benchmark(
         resolve_model(args.model),
@@ -80,7 +95,25 @@ def _bench_engine(args: argparse.Namespace) -> int:
         reply_tokens=args.reply_tokens,
         concurrency=args.concurrency,
     )
-    print(to_json(result) if args.json else format_report(result))
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    return 0
+
+
+def _bench_index(args: argparse.Namespace) -> int:
+    from loadtests.index_bench import format_report, index_benchmark
+
+    result = index_benchmark(
+        args.redis, checkpoints=args.checkpoints, replicas=args.replicas, lookups=args.lookups
+    )
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    return 0
+
+
+def _bench_ship(args: argparse.Namespace) -> int:
+    from loadtests.ship_bench import format_report, ship_benchmark
+
+    result = ship_benchmark(resolve_model(args.model), args.tokens)
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
     return 0
 
 

@@ -7,7 +7,6 @@ tokens that are new in each turn; with it off, the whole prompt every turn.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -155,6 +154,3 @@ def format_report(result: dict) -> str:
         )
     return "\n".join(lines)
 
-
-def to_json(result: dict) -> str:
-    return json.dumps(result, indent=2)

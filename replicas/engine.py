@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -59,6 +60,14 @@ from replicas.text_stream import TextStream
 logger = logging.getLogger("baton.engine")
 
 
+class CheckpointListener(Protocol):
+    """Told about the local store's contents; called on the engine thread, must be quick."""
+
+    def checkpoint_added(self, checkpoint: Checkpoint) -> None: ...
+
+    def checkpoint_removed(self, checkpoint: Checkpoint) -> None: ...
+
+
 @dataclass
 class EngineStats:
     """Counters since start (written by the engine loop, readable from any thread)."""
@@ -71,13 +80,25 @@ class EngineStats:
     checkpoints_saved: int = 0
     checkpoints_restored: int = 0
     checkpoints_imported: int = 0
+    prefill_seconds: float = 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """Measured prefill speed (prompt and replay tokens per second), once known."""
+        tokens = self.prompt_tokens_computed + self.replayed_tokens
+        return tokens / self.prefill_seconds if self.prefill_seconds > 0 and tokens >= 64 else None
 
 
 class Engine:
     """Serves generation requests for one model from one llama.cpp context."""
 
     def __init__(
-        self, model_path: str, config: EngineConfig | None = None, *, hmac_key: bytes
+        self,
+        model_path: str,
+        config: EngineConfig | None = None,
+        *,
+        hmac_key: bytes,
+        listener: CheckpointListener | None = None,
     ) -> None:
         if not hmac_key:
             raise ValueError("an HMAC key is required to sign and check state blobs")
@@ -87,7 +108,8 @@ class Engine:
         self.kind = self.model.kind
         self.fingerprint = self.model.fingerprint
         self.hasher = PrefixHasher(self.fingerprint, self.config.block_tokens)
-        self.store = CheckpointStore(self.config.store_budget_bytes)
+        self.listener = listener  # may be set later, before requests arrive
+        self.store = CheckpointStore(self.config.store_budget_bytes, on_evict=self._evicted)
         self.stats = EngineStats()
         self._context = LlamaContext(
             self.model,
@@ -204,7 +226,27 @@ class Engine:
                 f"({self.store.budget_bytes} bytes)"
             )
         self.stats.checkpoints_imported += 1
+        self._added(checkpoint)
         return checkpoint
+
+    def export_best(self, tokens: tuple[int, ...] | list[int], min_tokens: int = 0) -> bytes | None:
+        """A signed blob of the longest stored checkpoint that prefixes `tokens`, if it is
+        longer than `min_tokens` (what a peer asks for before pulling)."""
+        checkpoint = self.store.longest_match(self.hasher, tokens, len(tokens))
+        if checkpoint is None or checkpoint.n_tokens <= min_tokens:
+            return None
+        return self.export_checkpoint(checkpoint.prefix_hash)
+
+    def reusable_tokens(self, tokens: tuple[int, ...]) -> int:
+        """About how many tokens of `tokens` this engine could reuse right now.
+
+        An estimate (idle slots are read without stopping the engine loop) for deciding
+        whether pulling a longer prefix from a peer is worth it.
+        """
+        limit = max(0, len(tokens) - MIN_PIECE)
+        best = self.store.longest_match(self.hasher, tokens, limit, touch=False)
+        live = max((self._live_reuse(s, tokens, limit) for s in self._slots if s.running is None), default=0)
+        return max(live, best.n_tokens if best else 0)
 
     def _measure_state_size(self) -> tuple[int, int] | None:
         """The exact size of a state, so a signed but malformed blob never reaches llama.cpp.
@@ -407,8 +449,18 @@ class Engine:
         if prefix_hash in self.store:
             return
         state = self._context.save_state(slot.seq_id)
-        if self.store.put(Checkpoint(prefix_hash=prefix_hash, tokens=slot.tokens, state=state)):
+        checkpoint = Checkpoint(prefix_hash=prefix_hash, tokens=slot.tokens, state=state)
+        if self.store.put(checkpoint):
             self.stats.checkpoints_saved += 1
+            self._added(checkpoint)
+
+    def _added(self, checkpoint: Checkpoint) -> None:
+        if self.listener is not None:
+            self.listener.checkpoint_added(checkpoint)
+
+    def _evicted(self, checkpoint: Checkpoint) -> None:
+        if self.listener is not None:
+            self.listener.checkpoint_removed(checkpoint)
 
     def _rewind_to_prompt(self, run: Running) -> None:
         """Bring the slot back to an exact state within its prompt, dropping decode-time state."""
@@ -447,9 +499,11 @@ class Engine:
             BatchEntry(slot.seq_id, run.feed[p], p, wants_logits and p == end - 1)
             for p in range(start, end)
         ]
+        started = time.perf_counter()
         logits = self._decode(entries, [run])
         if logits is None:
             return
+        self.stats.prefill_seconds += time.perf_counter() - started
         self.stats.prefill_steps += 1
         slot.tokens.extend(run.feed[start:end])
         if run.phase is Phase.PREFILL:
@@ -532,7 +586,7 @@ class Engine:
         run.phase = Phase.REPLAY
         run.feed = history
         run.pieces = prefill_pieces(start, len(history), [], self.config.prefill_chunk)
-        run.checkpoints = {len(history)} if self.kind.needs_checkpoints else set()
+        run.checkpoints = {len(history)}  # every kind: the state peers may pull
 
     def _complete(self, run: Running, reason: str) -> None:
         n_prompt = len(run.prompt)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 from replicas.protocol import Completion, GenerationRequest, TokenEvent
 
@@ -23,6 +24,9 @@ class RequestHandle:
         self._done = threading.Event()
         self._completion: Completion | None = None
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._history: list[object] = []  # replayed to asyncio subscribers that join late
+        self._subscribers: list = []
         self.cancelled = False
 
     @property
@@ -48,12 +52,43 @@ class RequestHandle:
         if self._error is not None:
             raise self._error
 
+    async def aiter(self) -> AsyncIterator[TokenEvent]:
+        """The token stream for asyncio code; call from the event loop that will consume it.
+
+        Events are handed over with `call_soon_threadsafe`, so no thread blocks on the stream.
+        """
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[object] = asyncio.Queue()
+        with self._lock:
+            backlog = list(self._history)
+            self._subscribers.append(lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
+        for item in backlog:
+            events.put_nowait(item)
+        while (item := await events.get()) is not _DONE:
+            yield item  # type: ignore[misc]
+        if self._error is not None:
+            raise self._error
+
+    async def aresult(self) -> Completion:
+        """Await the completion from asyncio code."""
+        async for _ in self.aiter():
+            pass
+        return self.result()
+
     # Called by the engine loop only.
 
     def emit(self, event: TokenEvent) -> None:
-        self._events.put(event)
+        self._publish(event)
 
     def finish(self, completion: Completion | None, error: BaseException | None = None) -> None:
         self._completion, self._error = completion, error
         self._done.set()
-        self._events.put(_DONE)
+        self._publish(_DONE)
+
+    def _publish(self, item: object) -> None:
+        with self._lock:
+            self._history.append(item)
+            subscribers = list(self._subscribers)
+        self._events.put(item)
+        for deliver in subscribers:
+            deliver(item)

@@ -55,3 +55,21 @@ def test_missing_model_file_is_a_clear_error(tmp_path: Path) -> None:
     done = _baton("bench", "engine", "--model", str(tmp_path / "nope.gguf"), cache=tmp_path)
     assert done.returncode == 2
     assert "not found" in done.stderr
+
+
+def test_bench_index_reports_both_backends(tmp_path: Path) -> None:
+    done = _baton("bench", "index", "--checkpoints", "2000", "--lookups", "100", "--json", cache=tmp_path)
+    assert done.returncode == 0, done.stderr
+    backends = json.loads(done.stdout)["backends"]
+    assert set(backends) == {"redis", "embedded"}
+    for figures in backends.values():
+        assert 0 < figures["lookup_ms"]["p50"] <= figures["lookup_ms"]["p99"]
+
+
+def test_bench_ship_pulls_instead_of_recomputing(tmp_path: Path) -> None:
+    done = _baton("bench", "ship", "--model", "tiny:qwen35", "--tokens", "1024", "--json", cache=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(done.stdout)["rows"]
+    assert row["cached_tokens"] == 1024
+    assert row["computed_tokens_recompute"] == 1026
+    assert row["state_bytes"] > 0

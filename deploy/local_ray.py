@@ -1,0 +1,35 @@
+"""Start (or join) a Ray runtime on this machine with settings that work on a bare host."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+# Measured pitfalls (see the design notes): without these Ray enables token auth under the
+# home directory, binds to the external address, and reports usage statistics. Ray reads
+# some of them when it is first imported, so this module sets them before importing it.
+for _name, _value in (
+    ("RAY_AUTH_MODE", "disabled"),
+    ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
+    ("RAY_USAGE_STATS_ENABLED", "0"),
+):
+    os.environ.setdefault(_name, _value)
+
+import ray  # noqa: E402
+
+NAMESPACE = "baton"
+
+
+@contextlib.contextmanager
+def local_ray(num_cpus: int | None = None) -> Iterator[None]:
+    """A single-machine Ray runtime (no dashboard) for the block; joins one already up
+    and then leaves it running."""
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)
+    try:
+        yield
+    finally:
+        ray.shutdown()

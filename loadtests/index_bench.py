@@ -1,0 +1,165 @@
+"""`baton bench index`: publish throughput and lookup latency of both index backends.
+
+Each backend is filled with `checkpoints` entries spread over `replicas` replicas (random
+depths of random documents, published in batches), then answers `lookups` sequential
+lookups of `chain`-hash prompts: most share a prefix of a known document and then diverge,
+the rest are new. Runs against a fresh random fingerprint and forgets its data at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import math
+import os
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from cache_store.index import CheckpointIndex, IndexEntry, connect_index
+from deploy.local_ray import local_ray
+from loadtests.redis_server import RedisServer
+
+BATCH = 1_000
+BLOCK_TOKENS = 64
+STATE_BYTES_PER_TOKEN = 23_000  # SmolLM2-135M, measured
+DEFAULT_TIMEOUT_S = 0.05  # the lookup timeout replicas run with
+WARMUP_LOOKUPS = 20
+
+
+def _hash(doc: int, depth: int) -> bytes:
+    return hashlib.blake2b(f"{doc}:{depth}".encode(), digest_size=16).digest()
+
+
+@dataclass
+class Workload:
+    """Entries per replica and the hash chains to look up, reproducible from `seed`."""
+
+    entries: dict[str, list[IndexEntry]]
+    chains: list[list[bytes]]
+
+    @classmethod
+    def make(
+        cls, checkpoints: int, replicas: int, lookups: int, chain: int, seed: int = 0
+    ) -> Workload:
+        if checkpoints < 1 or replicas < 1 or lookups < 1 or chain < 1:
+            raise ValueError("checkpoints, replicas, lookups and chain must be >= 1")
+        # ~16 checkpoints per document, and never more than half of all possible slots
+        docs = max(checkpoints // 16, math.ceil(2 * checkpoints / (chain * replicas)), 1)
+        rng = random.Random(seed)
+        held: set[tuple[int, int, int]] = set()
+        while len(held) < checkpoints:
+            held.add((rng.randrange(docs), rng.randrange(chain), rng.randrange(replicas)))
+        entries: dict[str, list[IndexEntry]] = {f"replica-{r}": [] for r in range(replicas)}
+        for doc, depth, replica in sorted(held):
+            n_tokens = (depth + 1) * BLOCK_TOKENS
+            entries[f"replica-{replica}"].append(
+                IndexEntry(_hash(doc, depth), n_tokens, n_tokens * STATE_BYTES_PER_TOKEN)
+            )
+        chains = []
+        for i in range(lookups):
+            new_doc = docs + i  # never published
+            if rng.random() < 0.75:
+                doc, shared = rng.randrange(docs), rng.randint(1, chain)
+            else:
+                doc, shared = new_doc, 0
+            chains.append([_hash(doc if d < shared else new_doc, d) for d in range(chain)])
+        return cls(entries, chains)
+
+
+async def _run_backend(spec: str, workload: Workload) -> dict:
+    index: CheckpointIndex = await connect_index(
+        spec, os.urandom(32), timeout_s=1.0, write_timeout_s=30.0, liveness_ttl_s=600.0
+    )
+    try:
+        start = time.perf_counter()
+        for replica, entries in workload.entries.items():
+            for i in range(0, len(entries), BATCH):
+                await index.publish(replica, entries[i : i + BATCH])
+        publish_s = time.perf_counter() - start
+        for replica in workload.entries:
+            await index.heartbeat(replica)
+        for chain in workload.chains[:WARMUP_LOOKUPS]:
+            await index.lookup(chain)
+        latencies, hits = [], 0
+        for chain in workload.chains:
+            start = time.perf_counter()
+            found = await index.lookup(chain)
+            latencies.append(time.perf_counter() - start)
+            hits += bool(found)
+        for replica in workload.entries:
+            await index.forget(replica)
+    finally:
+        await index.close()
+    ms = np.array(latencies) * 1000
+    published = sum(len(e) for e in workload.entries.values())
+    return {
+        "publish_s": publish_s,
+        "publish_entries_per_s": published / publish_s,
+        "lookup_ms": {
+            "p50": float(np.percentile(ms, 50)),
+            "p99": float(np.percentile(ms, 99)),
+            "mean": float(ms.mean()),
+            "max": float(ms.max()),
+        },
+        "lookups_over_timeout": int((ms > DEFAULT_TIMEOUT_S * 1000).sum()),
+        "hit_rate": hits / len(workload.chains),
+    }
+
+
+@contextlib.contextmanager
+def _redis_url(redis_url: str | None) -> Iterator[str]:
+    if redis_url is not None:
+        yield redis_url
+        return
+    with RedisServer() as server:
+        yield server.url
+
+
+def index_benchmark(
+    redis_url: str | None,
+    *,
+    checkpoints: int = 100_000,
+    replicas: int = 8,
+    lookups: int = 2_000,
+    chain: int = 64,
+) -> dict:
+    """Benchmark Redis (at `redis_url`, or a private redis-server) and the embedded index
+    (in the running Ray cluster, or a local one started here)."""
+    workload = Workload.make(checkpoints, replicas, lookups, chain)
+    backends = {}
+    with _redis_url(redis_url) as url:
+        backends["redis"] = asyncio.run(_run_backend(url, workload))
+    with local_ray(num_cpus=2):
+        backends["embedded"] = asyncio.run(_run_backend("embedded", workload))
+    return {
+        "checkpoints": checkpoints,
+        "replicas": replicas,
+        "lookups": lookups,
+        "chain": chain,
+        "publish_batch": BATCH,
+        "lookup_timeout_ms": DEFAULT_TIMEOUT_S * 1000,
+        "backends": backends,
+    }
+
+
+def format_report(result: dict) -> str:
+    lines = [
+        f"{result['checkpoints']:,} checkpoints on {result['replicas']} replicas"
+        f" (published in batches of {result['publish_batch']:,});"
+        f" {result['lookups']:,} lookups of {result['chain']}-hash chains",
+        f"{'backend':<9} {'publish/s':>10} {'p50 ms':>7} {'p99 ms':>7} {'mean ms':>8}"
+        f" {'max ms':>7} {'hits':>5} {'>' + format(result['lookup_timeout_ms'], 'g') + ' ms':>7}",
+    ]
+    for name, r in result["backends"].items():
+        ms = r["lookup_ms"]
+        lines.append(
+            f"{name:<9} {r['publish_entries_per_s']:>10,.0f} {ms['p50']:>7.3f} {ms['p99']:>7.3f}"
+            f" {ms['mean']:>8.3f} {ms['max']:>7.2f} {r['hit_rate']:>5.0%}"
+            f" {r['lookups_over_timeout']:>7}"
+        )
+    return "\n".join(lines)

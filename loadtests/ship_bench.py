@@ -1,0 +1,99 @@
+"""`baton bench ship`: pulling a prefix state from a peer process against recomputing it.
+
+Three replica processes (Ray actors) share one embedded index. For each prefix length,
+replica A computes the prefix; replica B, which has nothing cached, is asked for the same
+prefix plus two tokens and pulls A's state (index lookup, export, transfer through Ray's
+object store, validation, restore); replica C, with the cache off, computes it all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from pathlib import Path
+
+import ray
+
+from deploy.local_ray import local_ray
+from loadtests.synthetic_text import filler_text
+from replicas.engine_config import EngineConfig
+from replicas.llama_model import LlamaModel
+from replicas.prompt import Prompt
+from replicas.protocol import GenerationRequest
+from replicas.replica_actor import spawn_replica
+from replicas.sampling import SamplingParams
+
+PREFILL_ONLY = SamplingParams(max_tokens=0)
+
+
+def _prompts(model: Path, lengths: list[int]) -> dict[int, tuple[int, ...]]:
+    with LlamaModel(model, vocab_only=True) as vocab:
+        count = lambda text: len(vocab.tokenize(text))  # noqa: E731
+        return {n: tuple(vocab.tokenize(filler_text(n + 64, count, seed=n)))[:n] for n in lengths}
+
+
+async def _timed(actor, prompt: tuple[int, ...], sampling: SamplingParams) -> tuple[float, object]:
+    started = time.perf_counter()
+    done = await actor.generate.remote(GenerationRequest(prompt=Prompt(tokens=prompt), sampling=sampling))
+    return time.perf_counter() - started, done
+
+
+async def _run(model: Path, lengths: list[int]) -> list[dict]:
+    key = secrets.token_bytes(32)
+    config = EngineConfig(n_ctx=max(lengths) + 256, n_slots=2)
+    holder, puller = (
+        spawn_replica(name, str(model), config, hmac_key=key, index="embedded", heartbeat_s=0.2)
+        for name in ("bench-a", "bench-b")
+    )
+    no_cache = config.model_copy(update={"prefix_cache": False})
+    baseline = spawn_replica("bench-c", str(model), no_cache, hmac_key=key)
+    await asyncio.gather(holder.start.remote(), puller.start.remote(), baseline.start.remote())
+    rows = []
+    try:
+        for n, tokens in _prompts(model, lengths).items():
+            # A holds exactly n tokens: a prompt of n-2, two generated tokens, replayed
+            _, first = await _timed(holder, tokens[:-2], SamplingParams(max_tokens=2, ignore_eos=True))
+            await holder.wait_idle.remote()
+            await asyncio.sleep(0.5)  # let A's publisher reach the index
+            prompt = tokens[:-2] + tuple(first.tokens) + tokens[:2]
+            ship_s, shipped = await _timed(puller, prompt, PREFILL_ONLY)
+            recompute_s, computed = await _timed(baseline, prompt, PREFILL_ONLY)
+            replica_stats, _ = await puller.stats.remote()
+            rows.append(
+                {
+                    "prefix_tokens": n,
+                    "ship_s": ship_s,
+                    "recompute_s": recompute_s,
+                    "ratio": ship_s / recompute_s,
+                    "cached_tokens": shipped.usage.cached_tokens,
+                    "computed_tokens_recompute": computed.usage.computed_tokens,
+                    "state_bytes": replica_stats.pulled_bytes - sum(r["state_bytes"] for r in rows),
+                }
+            )
+    finally:
+        for actor in (holder, puller, baseline):
+            await actor.close.remote()
+            ray.kill(actor)
+    return rows
+
+
+def ship_benchmark(model: Path, lengths: list[int] = [512, 2048, 4096]) -> dict:  # noqa: B006
+    with local_ray(num_cpus=2):
+        rows = asyncio.run(_run(model, lengths))
+    return {"model": str(model), "rows": rows}
+
+
+def format_report(result: dict) -> str:
+    lines = [
+        f"model: {result['model']}",
+        f"{'prefix':>7} {'state MB':>9} {'ship s':>8} {'recompute s':>12} {'ratio':>7} {'reused':>7}",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"{r['prefix_tokens']:>7} {r['state_bytes'] / 1e6:>9.1f} {r['ship_s']:>8.3f}"
+            f" {r['recompute_s']:>12.3f} {r['ratio']:>7.3f} {r['cached_tokens']:>7}"
+        )
+    lines.append("ship = index lookup + export + transfer + validate + restore + 2 new tokens")
+    return "\n".join(lines)
+

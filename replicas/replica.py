@@ -1,0 +1,241 @@
+"""A replica: one engine, its entries in the cluster index, and state pulls from peers.
+
+The index is only ever a hint. It is told which prefixes this replica holds (each
+checkpoint under the hash of the last whole block it covers, with its exact length) and
+is asked, before a request runs, whether a peer holds a longer prefix. The peer then
+exports its longest checkpoint that exactly prefixes the prompt; this replica validates
+it fully and restores it. When the index is down or slow, a peer dies, a blob is bad or
+a deadline passes, the request simply computes what it must: it never fails for that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from cache_store.checkpoint_store import Checkpoint
+from cache_store.index import CheckpointIndex, IndexEntry, IndexUnavailable
+from cache_store.state_blob import BlobError
+from replicas.engine import Engine
+from replicas.protocol import Completion, EngineError, GenerationRequest, TokenEvent
+from replicas.shipping import PeerDirectory, ShipPolicy
+
+logger = logging.getLogger("baton.replica")
+
+
+@dataclass
+class ReplicaStats:
+    pulls: int = 0
+    pulled_bytes: int = 0
+    pulls_skipped: int = 0  # a peer had more, but recomputing was estimated cheaper
+    pull_misses: int = 0  # the peer had nothing better after all
+    pull_failures: int = 0  # peer dead, unreachable or past the deadline
+    pulls_rejected: int = 0  # the blob failed validation
+    exports: int = 0
+    exported_bytes: int = 0
+    index_errors: int = 0
+
+
+class Replica:
+    """Serves requests from one engine and keeps the cluster index in step with it."""
+
+    def __init__(
+        self,
+        replica_id: str,
+        engine: Engine,
+        *,
+        index: CheckpointIndex | None = None,
+        peers: PeerDirectory | None = None,
+        policy: ShipPolicy | None = None,
+        heartbeat_s: float = 5.0,
+    ) -> None:
+        self.replica_id = replica_id
+        self.engine = engine
+        self.index = index
+        self.peers = peers
+        self.policy = policy or ShipPolicy()
+        self.heartbeat_s = heartbeat_s
+        self.stats = ReplicaStats()
+        self._anchors: dict[bytes, dict[int, int]] = {}  # anchor hash → {n_tokens: nbytes}
+        self._lock = threading.Lock()
+        self._dirty: set[bytes] = set()
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        engine.listener = self
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start publishing to the index (call once, on the loop that serves requests)."""
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        for checkpoint in self.engine.store.checkpoints():
+            self.checkpoint_added(checkpoint)
+        if self.index is not None:
+            self._tasks = [
+                asyncio.create_task(self._heartbeat_loop()),
+                asyncio.create_task(self._publish_loop()),
+            ]
+
+    async def close(self) -> None:
+        """Stop, and remove this replica's entries from the index (best effort)."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.index is not None:
+            with contextlib.suppress(IndexUnavailable):
+                await self.index.forget(self.replica_id)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        await self.prepare(request.prompt.tokens)
+        return await self.engine.submit(request).aresult()
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        await self.prepare(request.prompt.tokens)
+        handle = self.engine.submit(request)
+        try:
+            async for event in handle.aiter():
+                yield event
+        finally:
+            if not handle.done:
+                handle.cancel()
+
+    async def prepare(self, tokens: tuple[int, ...]) -> None:
+        """Pull a longer prefix from a peer when the index says one has it and that is
+        estimated faster than computing it. Never raises; never waits past a deadline."""
+        if self.index is None or self.peers is None:
+            return
+        usable = len(tokens) - 2  # the engine always computes the last piece itself
+        local = self.engine.reusable_tokens(tokens)
+        chain = self.engine.hasher.chain(tokens[:usable])
+        if not chain:
+            return
+        try:
+            matches = await self.index.lookup(chain)
+        except IndexUnavailable:
+            self.stats.index_errors += 1
+            return
+        peers = [m for rid, m in matches.items() if rid != self.replica_id]
+        if not peers:
+            return
+        best = max(peers, key=lambda m: m.n_tokens)
+        gain = min(best.n_tokens, usable) - local
+        prefill_speed = self.engine.stats.prefill_tokens_per_s
+        if not self.policy.should_pull(gain, best.nbytes, prefill_speed):
+            self.stats.pulls_skipped += gain > 0
+            return
+        await self._pull(best.replica_id, tokens, local, self.policy.deadline(gain, prefill_speed))
+
+    async def _pull(self, peer: str, tokens: tuple[int, ...], local: int, deadline: float) -> None:
+        assert self.peers is not None
+        started = time.perf_counter()
+        try:
+            blob = await asyncio.wait_for(self.peers.fetch(peer, tokens, local), deadline)
+        except Exception as exc:  # a dead, slow or unreachable peer only costs a recompute
+            self.stats.pull_failures += 1
+            logger.info("pull from %s failed (%s); computing instead", peer, type(exc).__name__)
+            return
+        if blob is None:
+            self.stats.pull_misses += 1
+            return
+        self.policy.record_pull(blob.nbytes, time.perf_counter() - started)
+        try:
+            await asyncio.to_thread(self.engine.import_checkpoint, blob)
+        except (BlobError, EngineError) as exc:
+            self.stats.pulls_rejected += 1
+            logger.warning("rejected a state blob from %s: %s", peer, exc)
+            return
+        self.stats.pulls += 1
+        self.stats.pulled_bytes += blob.nbytes
+
+    def export_best(self, tokens: tuple[int, ...], min_tokens: int) -> np.ndarray | None:
+        """For a peer: our longest checkpoint prefixing `tokens`, as a uint8 array (the
+        cheapest type to move through Ray's object store)."""
+        blob = self.engine.export_best(tokens, min_tokens)
+        if blob is None:
+            return None
+        self.stats.exports += 1
+        self.stats.exported_bytes += len(blob)
+        return np.frombuffer(blob, dtype=np.uint8)
+
+    # ---- index bookkeeping (CheckpointListener; called on the engine thread) -------------
+
+    def checkpoint_added(self, checkpoint: Checkpoint) -> None:
+        anchor = self._anchor(checkpoint)
+        if anchor is not None:
+            with self._lock:
+                self._anchors.setdefault(anchor, {})[checkpoint.n_tokens] = checkpoint.nbytes
+            self._mark_dirty(anchor)
+
+    def checkpoint_removed(self, checkpoint: Checkpoint) -> None:
+        anchor = self._anchor(checkpoint)
+        if anchor is not None:
+            with self._lock:
+                held = self._anchors.get(anchor, {})
+                held.pop(checkpoint.n_tokens, None)
+                if not held:
+                    self._anchors.pop(anchor, None)
+            self._mark_dirty(anchor)
+
+    def _anchor(self, checkpoint: Checkpoint) -> bytes | None:
+        """The hash of the last whole block a checkpoint covers: what lookups send."""
+        block = self.engine.hasher.block_tokens
+        covered = checkpoint.n_tokens // block * block
+        return self.engine.hasher.prefix_hash(checkpoint.tokens, covered) if covered else None
+
+    def _mark_dirty(self, anchor: bytes) -> None:
+        with self._lock:
+            self._dirty.add(anchor)
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def _publish_loop(self) -> None:
+        assert self.index is not None and self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                dirty, self._dirty = self._dirty, set()
+                held = {a: dict(self._anchors[a]) for a in dirty if a in self._anchors}
+            entries = [
+                IndexEntry(prefix_hash=a, n_tokens=max(sizes), nbytes=sizes[max(sizes)])
+                for a, sizes in held.items()
+            ]
+            gone = [a for a in dirty if a not in held]
+            try:
+                if entries:
+                    await self.index.publish(self.replica_id, entries)
+                if gone:
+                    await self.index.forget(self.replica_id, gone)
+            except IndexUnavailable:
+                self.stats.index_errors += 1
+                with self._lock:
+                    self._dirty |= dirty  # retried after the index answers a heartbeat again
+
+    async def _heartbeat_loop(self) -> None:
+        assert self.index is not None and self._wake is not None
+        while True:
+            try:
+                known = await self.index.heartbeat(self.replica_id)
+            except IndexUnavailable:
+                self.stats.index_errors += 1
+            else:
+                with self._lock:
+                    if not known:  # first beat, or the index lost its data: publish it all
+                        self._dirty |= set(self._anchors)
+                    pending = bool(self._dirty)
+                if pending:
+                    self._wake.set()
+            await asyncio.sleep(self.heartbeat_s)

@@ -1,0 +1,101 @@
+"""A replica as a named Ray actor, and the peer directory that reaches such actors.
+
+Each actor hosts one `Replica` (one engine) and is named ``baton-replica-<id>`` in the
+``baton`` namespace, so peers find it by the replica id the index gives them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import ray
+from ray.exceptions import RayActorError
+
+from cache_store.index import connect_index
+from replicas.engine import Engine
+from replicas.engine_config import EngineConfig
+from replicas.protocol import Completion, GenerationRequest
+from replicas.replica import Replica, ReplicaStats
+from replicas.shipping import ShipPolicy
+
+NAMESPACE = "baton"
+
+
+def actor_name(replica_id: str) -> str:
+    return f"baton-replica-{replica_id}"
+
+
+class ActorPeers:
+    """Reaches peers as named Ray actors; their blobs come back through the object store."""
+
+    async def fetch(self, replica_id: str, tokens: tuple[int, ...], min_tokens: int) -> np.ndarray | None:
+        try:
+            peer = ray.get_actor(actor_name(replica_id), namespace=NAMESPACE)
+        except ValueError as exc:  # no such actor: it died or never existed
+            raise RayActorError(f"peer {replica_id} is gone") from exc
+        return await peer.export_best.remote(tokens, min_tokens)
+
+
+class ReplicaHost:
+    """The body of the replica actor (async: requests run concurrently on its event loop)."""
+
+    def __init__(
+        self,
+        replica_id: str,
+        model_path: str,
+        config: EngineConfig,
+        *,
+        hmac_key: bytes,
+        index: str | None = None,
+        index_settings: dict | None = None,
+        policy: ShipPolicy | None = None,
+        heartbeat_s: float = 5.0,
+    ) -> None:
+        self._args = (replica_id, model_path, config, hmac_key, index, index_settings or {}, policy, heartbeat_s)
+        self.replica: Replica | None = None
+
+    async def start(self) -> str:
+        replica_id, model_path, config, hmac_key, index_spec, settings, policy, heartbeat_s = self._args
+        engine = Engine(model_path, config, hmac_key=hmac_key)
+        index = await connect_index(index_spec, engine.fingerprint, **settings) if index_spec else None
+        self.replica = Replica(
+            replica_id, engine, index=index, peers=ActorPeers(), policy=policy, heartbeat_s=heartbeat_s
+        )
+        await self.replica.start()
+        return replica_id
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        return await self._replica.generate(request)
+
+    async def export_best(self, tokens: tuple[int, ...], min_tokens: int) -> np.ndarray | None:
+        # Signing hashes the whole state: keep the event loop (other streams) free meanwhile.
+        return await asyncio.to_thread(self._replica.export_best, tuple(tokens), min_tokens)
+
+    def stats(self) -> tuple[ReplicaStats, dict]:
+        return self._replica.stats, dict(vars(self._replica.engine.stats))
+
+    async def wait_idle(self, timeout: float = 30.0) -> bool:
+        return await asyncio.to_thread(self._replica.engine.wait_idle, timeout)
+
+    async def close(self) -> None:
+        if self.replica is not None:
+            await self.replica.close()
+            self.replica.engine.close()
+            self.replica = None
+
+    @property
+    def _replica(self) -> Replica:
+        if self.replica is None:
+            raise RuntimeError("the replica is not started")
+        return self.replica
+
+
+ReplicaActor = ray.remote(num_cpus=0)(ReplicaHost)
+
+
+def spawn_replica(replica_id: str, *args: object, **kwargs: object) -> ray.actor.ActorHandle:
+    """Start a named replica actor; `await handle.start.remote()` before using it."""
+    return ReplicaActor.options(name=actor_name(replica_id), namespace=NAMESPACE).remote(
+        replica_id, *args, **kwargs
+    )

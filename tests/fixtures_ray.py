@@ -1,0 +1,20 @@
+"""A local Ray cluster shared by the test session (2 logical CPUs, no dashboard).
+
+Imported first by conftest.py: `deploy.local_ray` sets Ray's environment before Ray is
+imported anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from deploy.local_ray import local_ray
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """Ray initialised in namespace "baton" for the session."""
+    with local_ray(num_cpus=2):
+        yield

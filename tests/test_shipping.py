@@ -1,0 +1,205 @@
+"""State shipping between replicas: real engines, a real Redis server, real Ray actors.
+
+Two replica processes hold the same generated hybrid model. One computes a long prefix;
+the other finds it through the index and pulls it through Ray's object store. Faults —
+Redis down and back, a dead peer, a corrupted blob, a slow peer — cost a recompute, never a
+failed request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from cache_store.index import connect_index
+from replicas.engine import Engine
+from replicas.engine_config import EngineConfig
+from replicas.prompt import Prompt
+from replicas.protocol import GenerationRequest
+from replicas.replica import Replica
+from replicas.replica_actor import spawn_replica
+from replicas.sampling import SamplingParams
+from replicas.shipping import ShipPolicy
+
+KEY = secrets.token_bytes(32)
+CONFIG = EngineConfig(n_ctx=2048, n_slots=2, n_threads=1)
+# The tiny models prefill thousands of tokens a second: tell the policy so, and ship any gain.
+EAGER = ShipPolicy(min_gain_tokens=16, prefill_tokens_per_s=50.0, safety=1.0)
+FOUR = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+def _long_prompt(seed: int) -> tuple[int, ...]:
+    rng = np.random.default_rng(seed)
+    return tuple(int(t) for t in rng.integers(1000, 40000, size=700))
+
+
+def _request(tokens: tuple[int, ...], sampling: SamplingParams = FOUR, logits: bool = False) -> GenerationRequest:
+    return GenerationRequest(prompt=Prompt(tokens=tokens), sampling=sampling, return_logits=logits)
+
+
+async def _wait_for_entries(spec: str, fingerprint: bytes, chain: list[bytes], replica: str, timeout: float = 10.0) -> None:
+    index = await connect_index(spec, fingerprint)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if replica in await index.lookup(chain):
+                    return
+            except Exception:
+                pass
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"{replica} never appeared in the index")
+    finally:
+        await index.close()
+
+
+@pytest.fixture(params=["redis", "embedded"])
+def index_spec(request, ray_cluster) -> str:
+    if request.param == "redis":
+        return request.getfixturevalue("redis_server").url
+    return "embedded"
+
+
+def test_pull_through_index_and_object_store_is_exact(index_spec, tiny_model) -> None:
+    path = str(tiny_model("qwen35"))
+    suffix = f"-{index_spec[:5]}"
+    holder = spawn_replica("a" + suffix, path, CONFIG, hmac_key=KEY, index=index_spec, policy=EAGER, heartbeat_s=0.2)
+    puller = spawn_replica("b" + suffix, path, CONFIG, hmac_key=KEY, index=index_spec, policy=EAGER, heartbeat_s=0.2)
+    cold = spawn_replica("c" + suffix, path, CONFIG.model_copy(update={"prefix_cache": False}), hmac_key=KEY)
+    try:
+        ray.get([holder.start.remote(), puller.start.remote(), cold.start.remote()])
+        prefix = _long_prompt(seed=1)
+        first = ray.get(holder.generate.remote(_request(prefix)))
+        assert ray.get(holder.wait_idle.remote())
+        history = prefix + tuple(first.tokens)
+
+        with Engine(path, EngineConfig(n_ctx=256, n_slots=1, n_threads=1), hmac_key=KEY) as local:
+            chain = local.hasher.chain(history)
+            fingerprint = local.fingerprint
+        asyncio.run(_wait_for_entries(index_spec, fingerprint, chain, "a" + suffix))
+
+        follow_up = history + tuple(range(2000, 2040))
+        pulled = ray.get(puller.generate.remote(_request(follow_up, logits=True)))
+        scratch = ray.get(cold.generate.remote(_request(follow_up, logits=True)))
+
+        stats, _ = ray.get(puller.stats.remote())
+        assert stats.pulls == 1 and stats.pulled_bytes > 0
+        assert pulled.usage.cached_tokens == len(history)
+        assert pulled.usage.computed_tokens == len(follow_up) - len(history)
+        assert pulled.tokens == scratch.tokens
+        assert float(np.abs(pulled.logits - scratch.logits).max()) == 0.0
+    finally:
+        for actor in (holder, puller, cold):
+            ray.kill(actor)
+
+
+def test_dead_peer_costs_a_recompute_not_a_failure(redis_server, ray_cluster, tiny_model) -> None:
+    path = str(tiny_model("qwen35"))
+    holder = spawn_replica("dead-a", path, CONFIG, hmac_key=KEY, index=redis_server.url, policy=EAGER, heartbeat_s=0.2)
+    puller = spawn_replica("dead-b", path, CONFIG, hmac_key=KEY, index=redis_server.url, policy=EAGER, heartbeat_s=0.2)
+    try:
+        ray.get([holder.start.remote(), puller.start.remote()])
+        prefix = _long_prompt(seed=2)
+        first = ray.get(holder.generate.remote(_request(prefix)))
+        ray.get(holder.wait_idle.remote())
+        history = prefix + tuple(first.tokens)
+        with Engine(path, EngineConfig(n_ctx=256, n_slots=1, n_threads=1), hmac_key=KEY) as local:
+            chain, fingerprint = local.hasher.chain(history), local.fingerprint
+        asyncio.run(_wait_for_entries(redis_server.url, fingerprint, chain, "dead-a"))
+        ray.kill(holder)  # its index entries outlive it until its liveness expires
+
+        done = ray.get(puller.generate.remote(_request(history + (5, 6, 7))))
+        stats, _ = ray.get(puller.stats.remote())
+        assert stats.pull_failures == 1 and stats.pulls == 0
+        assert done.usage.cached_tokens == 0 and len(done.tokens) == 4
+    finally:
+        ray.kill(puller)
+
+
+class _TamperingPeers:
+    """Fault injection for what cannot be caused otherwise: a blob damaged in transit, or
+    a peer that answers late. It wraps a real peer's real export."""
+
+    def __init__(self, peer: Replica, *, flip_bit: int | None = None, delay_s: float = 0.0) -> None:
+        self.peer, self.flip_bit, self.delay_s = peer, flip_bit, delay_s
+
+    async def fetch(self, replica_id, tokens, min_tokens):
+        await asyncio.sleep(self.delay_s)
+        blob = self.peer.export_best(tokens, min_tokens)
+        if blob is not None and self.flip_bit is not None:
+            blob = blob.copy()
+            blob[self.flip_bit // 8 % blob.size] ^= 1 << (self.flip_bit % 8)
+        return blob
+
+
+@pytest.mark.parametrize(
+    "fault,expected",
+    [({"flip_bit": 8 * 4000 + 3}, "pulls_rejected"), ({"delay_s": 5.0}, "pull_failures")],
+    ids=["corrupted-in-transit", "slower-than-the-deadline"],
+)
+def test_bad_transfer_is_rejected_and_recomputed(fault, expected, redis_server, tiny_model) -> None:
+    path = str(tiny_model("qwen35"))
+
+    async def scenario() -> None:
+        policy = ShipPolicy(min_gain_tokens=16, prefill_tokens_per_s=50.0, safety=1.0, deadline_s=0.3)
+        with Engine(path, CONFIG, hmac_key=KEY) as a_engine, Engine(path, CONFIG, hmac_key=KEY) as b_engine:
+            a_index = await connect_index(redis_server.url, a_engine.fingerprint)
+            b_index = await connect_index(redis_server.url, b_engine.fingerprint)
+            holder = Replica("tamper-a-" + expected, a_engine, index=a_index, heartbeat_s=0.1)
+            puller = Replica(
+                "tamper-b-" + expected, b_engine, index=b_index, peers=_TamperingPeers(holder, **fault), policy=policy
+            )
+            await holder.start()
+            await puller.start()
+            prefix = _long_prompt(seed=3)
+            first = await holder.generate(_request(prefix))
+            await asyncio.to_thread(a_engine.wait_idle, 10)
+            history = prefix + tuple(first.tokens)
+            await _wait_for_entries(redis_server.url, a_engine.fingerprint, a_engine.hasher.chain(history), holder.replica_id)
+            started = time.perf_counter()
+            done = await puller.generate(_request(history + (9, 10, 11)))
+            elapsed = time.perf_counter() - started
+            assert getattr(puller.stats, expected) == 1 and puller.stats.pulls == 0
+            assert done.usage.cached_tokens == 0 and len(done.tokens) == 4
+            assert elapsed < 3.0  # the slow peer was abandoned at the deadline
+            await holder.close()
+            await puller.close()
+            await a_index.close()
+            await b_index.close()
+
+    asyncio.run(scenario())
+
+
+def test_redis_outage_never_fails_a_request_and_the_index_repopulates(private_redis_server, tiny_model) -> None:
+    path = str(tiny_model("qwen35"))
+    server = private_redis_server
+
+    async def scenario() -> None:
+        with Engine(path, CONFIG, hmac_key=KEY) as engine:
+            index = await connect_index(server.url, engine.fingerprint, liveness_ttl_s=2.0)
+            replica = Replica("outage", engine, index=index, heartbeat_s=0.2)
+            await replica.start()
+            prefix = _long_prompt(seed=4)
+            first = await replica.generate(_request(prefix))
+            await asyncio.to_thread(engine.wait_idle, 10)
+            history = prefix + tuple(first.tokens)
+            chain = engine.hasher.chain(history)
+            await _wait_for_entries(server.url, engine.fingerprint, chain, "outage")
+
+            server.stop()
+            for i in range(3):  # requests keep succeeding, reusing the local store
+                done = await replica.generate(_request(history + (100 + i, 7, 8)))
+                assert len(done.tokens) == 4 and done.usage.cached_tokens == len(history)
+            assert replica.stats.index_errors > 0
+
+            server.start()  # empty: Redis lost everything
+            await _wait_for_entries(server.url, engine.fingerprint, chain, "outage")
+            await replica.close()
+            await index.close()
+
+    asyncio.run(scenario())
