@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.baton-installed
 
-.PHONY: install serve test redis-server bench-engine clean
+.PHONY: install serve test redis-server bench clean
 
 install: $(STAMP)
 
@@ -30,9 +30,11 @@ redis-server:
 test: install redis-server
 	$(BIN)/python -m pytest
 
-bench-engine: install
+bench: install redis-server
 	$(BIN)/baton bench engine --model tiny:qwen35
-	$(BIN)/baton bench engine
+	$(BIN)/baton bench engine --concurrency 4
+	$(BIN)/baton bench index
+	$(BIN)/baton bench ship
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

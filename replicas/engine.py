@@ -65,6 +65,8 @@ class CheckpointListener(Protocol):
 
     def checkpoint_added(self, checkpoint: Checkpoint) -> None: ...
 
+    def checkpoint_used(self, checkpoint: Checkpoint) -> None: ...
+
     def checkpoint_removed(self, checkpoint: Checkpoint) -> None: ...
 
 
@@ -404,6 +406,8 @@ class Engine:
             self._evict(slot)
             if self._restore(slot, checkpoint):
                 self.stats.checkpoints_restored += 1
+                if self.listener is not None:
+                    self.listener.checkpoint_used(checkpoint)
                 return slot, checkpoint.n_tokens
             return slot, 0
         if live:

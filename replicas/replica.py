@@ -179,6 +179,11 @@ class Replica:
                 self._anchors.setdefault(anchor, {})[checkpoint.n_tokens] = checkpoint.nbytes
             self._mark_dirty(anchor)
 
+    def checkpoint_used(self, checkpoint: Checkpoint) -> None:
+        anchor = self._anchor(checkpoint)
+        if anchor is not None:
+            self._mark_dirty(anchor)  # publishing again refreshes the entry's TTL
+
     def checkpoint_removed(self, checkpoint: Checkpoint) -> None:
         anchor = self._anchor(checkpoint)
         if anchor is not None:
