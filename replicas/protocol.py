@@ -71,3 +71,19 @@ class PromptTooLong(EngineError, ValueError):
 
 class EngineClosed(EngineError):
     """The engine was shut down."""
+
+
+class ReplicaRequest(BaseModel):
+    """What the gateway hands a replica: the generation, plus what routers read.
+
+    `prefix_hashes` is the prompt's block hash chain (Baton's router looks it up in the
+    index); `prompt` / `messages` are the text forms that Ray Serve LLM's
+    `PrefixCacheAffinityRouter` reads from the first argument of a call.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    generation: GenerationRequest
+    prefix_hashes: tuple[bytes, ...] = ()
+    prompt: str = ""
+    messages: list[dict[str, str]] | None = None

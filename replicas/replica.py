@@ -24,7 +24,7 @@ from cache_store.checkpoint_store import Checkpoint
 from cache_store.index import CheckpointIndex, IndexEntry, IndexUnavailable
 from cache_store.state_blob import BlobError
 from replicas.engine import Engine
-from replicas.protocol import Completion, EngineError, GenerationRequest, TokenEvent
+from replicas.protocol import Completion, EngineError, ReplicaRequest, TokenEvent
 from replicas.shipping import PeerDirectory, ShipPolicy
 
 logger = logging.getLogger("baton.replica")
@@ -98,16 +98,20 @@ class Replica:
 
     # ---- requests ------------------------------------------------------------------------
 
-    async def generate(self, request: GenerationRequest) -> Completion:
-        await self.prepare(request.prompt.tokens)
-        return await self.engine.submit(request).aresult()
+    async def generate(self, request: ReplicaRequest) -> Completion:
+        """Run one request to completion (after pulling a peer's prefix if worth it)."""
+        await self.prepare(request.generation.prompt.tokens)
+        return await self.engine.submit(request.generation).aresult()
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        await self.prepare(request.prompt.tokens)
-        handle = self.engine.submit(request)
+    async def stream(self, request: ReplicaRequest) -> AsyncIterator[TokenEvent | Completion]:
+        """Stream the tokens of one request, then its `Completion`. Closing the stream
+        early (a client that went away) cancels the generation and frees its slot."""
+        await self.prepare(request.generation.prompt.tokens)
+        handle = self.engine.submit(request.generation)
         try:
             async for event in handle.aiter():
                 yield event
+            yield handle.result()
         finally:
             if not handle.done:
                 handle.cancel()

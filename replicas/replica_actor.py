@@ -15,7 +15,7 @@ from ray.exceptions import RayActorError
 from cache_store.index import connect_index
 from replicas.engine import Engine
 from replicas.engine_config import EngineConfig
-from replicas.protocol import Completion, GenerationRequest
+from replicas.protocol import Completion, GenerationRequest, ReplicaRequest
 from replicas.replica import Replica, ReplicaStats
 from replicas.shipping import ShipPolicy
 
@@ -66,7 +66,7 @@ class ReplicaHost:
         return replica_id
 
     async def generate(self, request: GenerationRequest) -> Completion:
-        return await self._replica.generate(request)
+        return await self._replica.generate(ReplicaRequest(generation=request))
 
     async def export_best(self, tokens: tuple[int, ...], min_tokens: int) -> np.ndarray | None:
         # Signing hashes the whole state: keep the event loop (other streams) free meanwhile.

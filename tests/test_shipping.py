@@ -20,7 +20,7 @@ from cache_store.index import connect_index
 from replicas.engine import Engine
 from replicas.engine_config import EngineConfig
 from replicas.prompt import Prompt
-from replicas.protocol import GenerationRequest
+from replicas.protocol import GenerationRequest, ReplicaRequest
 from replicas.replica import Replica
 from replicas.replica_actor import spawn_replica
 from replicas.sampling import SamplingParams
@@ -157,12 +157,12 @@ def test_bad_transfer_is_rejected_and_recomputed(fault, expected, redis_server, 
             await holder.start()
             await puller.start()
             prefix = _long_prompt(seed=3)
-            first = await holder.generate(_request(prefix))
+            first = await holder.generate(ReplicaRequest(generation=_request(prefix)))
             await asyncio.to_thread(a_engine.wait_idle, 10)
             history = prefix + tuple(first.tokens)
             await _wait_for_entries(redis_server.url, a_engine.fingerprint, a_engine.hasher.chain(history), holder.replica_id)
             started = time.perf_counter()
-            done = await puller.generate(_request(history + (9, 10, 11)))
+            done = await puller.generate(ReplicaRequest(generation=_request(history + (9, 10, 11))))
             elapsed = time.perf_counter() - started
             assert getattr(puller.stats, expected) == 1 and puller.stats.pulls == 0
             assert done.usage.cached_tokens == 0 and len(done.tokens) == 4
@@ -185,7 +185,7 @@ def test_redis_outage_never_fails_a_request_and_the_index_repopulates(private_re
             replica = Replica("outage", engine, index=index, heartbeat_s=0.2)
             await replica.start()
             prefix = _long_prompt(seed=4)
-            first = await replica.generate(_request(prefix))
+            first = await replica.generate(ReplicaRequest(generation=_request(prefix)))
             await asyncio.to_thread(engine.wait_idle, 10)
             history = prefix + tuple(first.tokens)
             chain = engine.hasher.chain(history)
@@ -193,7 +193,7 @@ def test_redis_outage_never_fails_a_request_and_the_index_repopulates(private_re
 
             server.stop()
             for i in range(3):  # requests keep succeeding, reusing the local store
-                done = await replica.generate(_request(history + (100 + i, 7, 8)))
+                done = await replica.generate(ReplicaRequest(generation=_request(history + (100 + i, 7, 8))))
                 assert len(done.tokens) == 4 and done.usage.cached_tokens == len(history)
             assert replica.stats.index_errors > 0
 
