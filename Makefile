@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 serve: install
-	$(BIN)/baton demo
+	$(BIN)/baton serve
 
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || { \

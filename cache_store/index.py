@@ -159,3 +159,11 @@ async def connect_index(spec: str, fingerprint: bytes, **settings: Any) -> Check
     raise ValueError(
         f"unknown index {spec!r}: expected {EMBEDDED_SPEC!r} or a redis:// or rediss:// URL"
     )
+
+
+async def connect_cluster_index(spec: str, fingerprint: bytes, **settings: Any) -> CheckpointIndex:
+    """`connect_index` for Serve replicas and routers: the embedded actor is detached, so
+    it outlives whichever replica happened to create it."""
+    if spec == EMBEDDED_SPEC:
+        settings = {"detached": True, **settings}
+    return await connect_index(spec, fingerprint, **settings)

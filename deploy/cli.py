@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from deploy.config import RouterPolicy, load_config
 from replicas.model_source import resolve_model
 
 
@@ -35,6 +36,23 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("--layers", type=int, default=2)
     make.add_argument("--embd", type=int, default=64, help="embedding size (multiple of 32)")
     make.set_defaults(run=_make_model)
+
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible API from a local Ray cluster")
+    serve.add_argument("--config", help="YAML file of settings (BATON_* variables and flags override it)")
+    serve.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--model-name", help="name served in the API (default: the file's stem)")
+    serve.add_argument("--replicas", type=int)
+    serve.add_argument("--gpus-per-replica", type=float, dest="num_gpus_per_replica")
+    serve.add_argument("--cpus-per-replica", type=float, dest="num_cpus_per_replica")
+    serve.add_argument("--n-ctx", type=int, help="context window per sequence")
+    serve.add_argument("--slots", type=int, help="concurrent sequences per replica")
+    serve.add_argument("--index", help="'embedded' (default) or a redis:// URL")
+    serve.add_argument("--router", choices=[p.value for p in RouterPolicy])
+    serve.add_argument("--api-key", action="append", dest="api_keys", help="require this key (repeatable)")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--address", help="join this Ray cluster instead of starting one")
+    serve.set_defaults(run=_serve)
 
     demo = commands.add_parser("demo", help="chat with the model on a local engine, showing cache reuse")
     demo.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
@@ -67,6 +85,20 @@ def _parser() -> argparse.ArgumentParser:
     ship.add_argument("--json", action="store_true", help="print one JSON object")
     ship.set_defaults(run=_bench_ship)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from deploy.server import serve_until_interrupted
+
+    overrides = {
+        key: getattr(args, key)
+        for key in ("model", "model_name", "replicas", "num_gpus_per_replica",
+                    "num_cpus_per_replica", "index", "router", "api_keys", "host", "port")
+    }
+    overrides["engine"] = {"n_ctx": args.n_ctx, "n_slots": args.slots}
+    config = load_config(args.config, overrides=overrides)
+    serve_until_interrupted(config, address=args.address)
+    return 0
 
 
 def _make_model(args: argparse.Namespace) -> int:

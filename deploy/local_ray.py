@@ -22,13 +22,18 @@ NAMESPACE = "baton"
 
 
 @contextlib.contextmanager
-def local_ray(num_cpus: int | None = None) -> Iterator[None]:
-    """A single-machine Ray runtime (no dashboard) for the block; joins one already up
-    and then leaves it running."""
+def local_ray(num_cpus: int | None = None, *, address: str | None = None) -> Iterator[None]:
+    """Ray for the block: a new single-machine runtime (no dashboard), or the cluster at
+    `address`. One already initialised in this process is used and left running."""
     if ray.is_initialized():
         yield
         return
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    else:
+        ray.init(
+            num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE
+        )
     try:
         yield
     finally:

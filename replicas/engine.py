@@ -70,6 +70,15 @@ class CheckpointListener(Protocol):
     def checkpoint_removed(self, checkpoint: Checkpoint) -> None: ...
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine is doing right now (for routing)."""
+
+    queued: int  # submitted, waiting for a slot
+    running: int  # in a slot (prefill, decode or replay)
+    free_slots: int
+
+
 @dataclass
 class EngineStats:
     """Counters since start (written by the engine loop, readable from any thread)."""
@@ -261,6 +270,12 @@ class Engine:
         return self._context.state_size_line(0, self.model.bos_token)
 
     # ---- lifecycle -----------------------------------------------------------------------
+
+    def load(self) -> EngineLoad:
+        with self._wakeup:
+            queued = len(self._waiting)
+        running = sum(slot.running is not None for slot in self._slots)
+        return EngineLoad(queued=queued, running=running, free_slots=len(self._slots) - running)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -11,6 +11,9 @@ from replicas.prompt import Prompt
 from replicas.sampling import SamplingParams
 
 
+TARGET_REPLICA_KWARG = "target_replica"  # a replica call carrying it goes to that replica only
+
+
 class GenerationRequest(BaseModel):
     """One generation: prompt tokens (with message boundaries) and sampling parameters."""
 
@@ -42,6 +45,7 @@ class Completion(BaseModel):
     ttft_s: float | None
     total_s: float
     logits: np.ndarray | None = None  # logits of the last sampling step, when asked for
+    replica_id: str | None = None  # the replica that served it (set by `Replica`)
 
 
 class TokenEvent(BaseModel):

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,9 +101,15 @@ class Replica:
     async def generate(self, request: ReplicaRequest) -> Completion:
         """Run one request to completion (after pulling a peer's prefix if worth it)."""
         await self.prepare(request.generation.prompt.tokens)
-        return await self.engine.submit(request.generation).aresult()
+        handle = self.engine.submit(request.generation)
+        try:
+            done = await handle.aresult()
+        finally:
+            if not handle.done:  # the caller went away: free the slot
+                handle.cancel()
+        return done.model_copy(update={"replica_id": self.replica_id})
 
-    async def stream(self, request: ReplicaRequest) -> AsyncIterator[TokenEvent | Completion]:
+    async def stream(self, request: ReplicaRequest) -> AsyncGenerator[TokenEvent | Completion, None]:
         """Stream the tokens of one request, then its `Completion`. Closing the stream
         early (a client that went away) cancels the generation and frees its slot."""
         await self.prepare(request.generation.prompt.tokens)
@@ -111,7 +117,7 @@ class Replica:
         try:
             async for event in handle.aiter():
                 yield event
-            yield handle.result()
+            yield handle.result().model_copy(update={"replica_id": self.replica_id})
         finally:
             if not handle.done:
                 handle.cancel()

@@ -1,0 +1,102 @@
+"""The Baton Serve application: a gateway deployment in front of the replica deployment.
+
+`build_app(config)` is what `baton serve` runs; `app_builder(args)` is the import path a
+Serve config names (`serve run`, `serve deploy`, and the Helm chart's serveConfigV2), with
+`args` made by `deploy.config.to_serve_args`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.deployment import Application
+
+from cache_store.fingerprint import file_fingerprint
+from deploy.config import BatonConfig, RouterPolicy, config_from_serve_args
+from replicas.model_source import resolve_model
+from replicas.serve_deployment import ReplicaDeployment, ReplicaSettings
+from router.gateway import GatewaySettings
+from router.serve_gateway import GatewayDeployment
+
+APP_NAME = "baton"
+REPLICA_DEPLOYMENT = "Replica"
+GATEWAY_DEPLOYMENT = "Gateway"
+ROUTING_STATS_PERIOD_S = 0.5
+
+_ROUTERS = {
+    RouterPolicy.BATON: "router.request_router:BatonRouter",
+    RouterPolicy.POW2: "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter",
+    RouterPolicy.PREFIX_AFFINITY: (
+        "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"
+        "PrefixCacheAffinityRouter"
+    ),
+    RouterPolicy.ROUND_ROBIN: "router.request_router:RoundRobinRouter",
+}
+
+
+def router_config(config: BatonConfig, fingerprint: bytes) -> RequestRouterConfig:
+    kwargs = {}
+    if config.router is RouterPolicy.BATON:
+        kwargs = {"index": config.index, "fingerprint_hex": fingerprint.hex()}
+    return RequestRouterConfig(
+        request_router_class=_ROUTERS[config.router],
+        request_router_kwargs=kwargs,
+        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+    )
+
+
+def build_app(config: BatonConfig, *, app_name: str = APP_NAME) -> Application:
+    """The application for `config` (its HMAC key must be set: see `with_hmac_key`)."""
+    if config.hmac_key is None:
+        raise ValueError("the application needs an HMAC key shared by every replica")
+    model_path = resolve_model(config.model)
+    engine = config.engine
+    if "n_threads" not in engine.model_fields_set:  # one thread per logical CPU a replica holds
+        engine = engine.model_copy(update={"n_threads": max(1, math.ceil(config.num_cpus_per_replica))})
+    replica = serve.deployment(
+        ReplicaDeployment,
+        name=REPLICA_DEPLOYMENT,
+        num_replicas=config.replicas,
+        # The router decides by load; this only bounds what one replica accepts at once.
+        max_ongoing_requests=4 * config.engine.n_slots + 4,
+        ray_actor_options={
+            "num_cpus": config.num_cpus_per_replica,
+            "num_gpus": config.num_gpus_per_replica,
+        },
+        request_router_config=router_config(config, file_fingerprint(model_path)),
+        graceful_shutdown_timeout_s=5,
+    ).bind(
+        ReplicaSettings(
+            model_path=str(model_path),
+            engine=engine,
+            hmac_key_hex=config.hmac_key.get_secret_value().encode().hex(),
+            index=config.index,
+            ship=config.router is RouterPolicy.BATON,
+            heartbeat_s=config.heartbeat_s,
+            app_name=app_name,
+            deployment_name=REPLICA_DEPLOYMENT,
+        )
+    )
+    gateway = serve.deployment(
+        GatewayDeployment,
+        name=GATEWAY_DEPLOYMENT,
+        num_replicas=config.gateway_replicas,
+        ray_actor_options={"num_cpus": 0.1},
+        max_ongoing_requests=1000,
+    )
+    settings = GatewaySettings(
+        model_name=config.served_model_name,
+        model_path=str(model_path),
+        n_ctx=config.engine.n_ctx,
+        block_tokens=config.engine.block_tokens,
+        api_keys=tuple(k.get_secret_value() for k in config.api_keys),
+        max_body_bytes=config.max_body_bytes,
+    )
+    return gateway.bind(settings, replica)
+
+
+def app_builder(args: dict) -> Application:
+    """Entry point for a Serve config's `import_path` (`deploy.app:app_builder`)."""
+    return build_app(config_from_serve_args(args))

@@ -1,0 +1,268 @@
+"""Baton's configuration: one model for `baton serve`, the Ray Serve app builder and the Helm chart.
+
+`load_config` reads, highest priority first: explicit overrides (CLI flags), `BATON_*`
+environment variables (nested with `__`, e.g. `BATON_ENGINE__N_CTX`), a YAML file, and the
+defaults below. `to_serve_args` / `config_from_serve_args` carry a config to the Serve app.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator, Mapping
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+from cache_store.index import EMBEDDED_SPEC
+from replicas.default_model import DEFAULT_MODEL_FILE
+from replicas.engine_config import EngineConfig
+from replicas.model_source import TINY_PREFIX
+from replicas.tiny_model import ARCHITECTURES
+
+ENV_PREFIX = "BATON_"
+ENV_NESTING = "__"
+REDIS_SCHEMES = ("redis://", "rediss://")
+MIN_HMAC_KEY_CHARS = 16
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message lists every problem as `field.path: message`."""
+
+
+class RouterPolicy(str, Enum):
+    """How the gateway picks a replica for a request."""
+
+    BATON = "baton"
+    POW2 = "pow2"
+    PREFIX_AFFINITY = "prefix-affinity"
+    ROUND_ROBIN = "round-robin"
+
+
+class BatonConfig(BaseModel):
+    """Everything `baton serve` deploys: the model, replicas, engine, index, router and API."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+    model: str | None = Field(
+        default=None, description='GGUF path, "tiny:ARCH", or None for SmolLM2-135M-Instruct'
+    )
+    model_name: str | None = Field(
+        default=None, description="name served in the OpenAI API (default: the model file's stem)"
+    )
+    replicas: int = Field(default=2, ge=1, description="engine replicas")
+    num_gpus_per_replica: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    num_cpus_per_replica: float = Field(
+        default=1.0, gt=0, allow_inf_nan=False, description="logical Ray CPUs a replica asks for"
+    )
+    gateway_replicas: int = Field(default=1, ge=1)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    index: str = Field(
+        default=EMBEDDED_SPEC, description='"embedded" or a redis:// / rediss:// URL'
+    )
+    router: RouterPolicy = RouterPolicy.BATON
+    api_keys: tuple[SecretStr, ...] = Field(
+        default=(), description="accepted API keys (empty: no auth)"
+    )
+    hmac_key: SecretStr | None = Field(
+        default=None, description="signs state blobs between replicas (None: generated per serve)"
+    )
+    host: str = Field(default="127.0.0.1", min_length=1)
+    port: int = Field(default=8000, ge=1, le=65535)
+    max_body_bytes: int = Field(default=4 << 20, ge=1, description="largest request body accepted")
+    heartbeat_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if value.startswith(TINY_PREFIX):
+            arch = value[len(TINY_PREFIX) :]
+            if arch not in ARCHITECTURES:
+                choices = ", ".join(ARCHITECTURES)
+                raise ValueError(f"unknown tiny model {arch!r}; choose from {choices}")
+            return value
+        if not value:
+            raise ValueError('must not be empty (leave it unset for the default model)')
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"model file not found: {path}")
+        return str(path.absolute())
+
+    @field_validator("model_name")
+    @classmethod
+    def _check_model_name(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must not be empty (leave it unset to serve the model file's stem)")
+        return value
+
+    @field_validator("index")
+    @classmethod
+    def _check_index(cls, value: str) -> str:
+        if value != EMBEDDED_SPEC and not value.startswith(REDIS_SCHEMES):
+            raise ValueError(f"expected {EMBEDDED_SPEC!r} or a redis:// or rediss:// URL")
+        return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _check_api_keys(cls, value: tuple[SecretStr, ...]) -> tuple[SecretStr, ...]:
+        if any(not key.get_secret_value() for key in value):
+            raise ValueError("an API key must not be empty")
+        return value
+
+    @field_validator("hmac_key")
+    @classmethod
+    def _check_hmac_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < MIN_HMAC_KEY_CHARS:
+            raise ValueError(f"must be at least {MIN_HMAC_KEY_CHARS} characters")
+        return value
+
+    @property
+    def served_model_name(self) -> str:
+        """The model's name in the OpenAI API: `model_name`, else the model file's stem."""
+        if self.model_name:
+            return self.model_name
+        if self.model is None:
+            return Path(DEFAULT_MODEL_FILE).stem
+        if self.model.startswith(TINY_PREFIX):
+            return f"tiny-{self.model[len(TINY_PREFIX):]}"  # the file resolve_model writes
+        return Path(self.model).stem
+
+    def with_hmac_key(self) -> BatonConfig:
+        """This config, with a random 32-byte (hex) `hmac_key` if none is set."""
+        if self.hmac_key is not None:
+            return self
+        return self.model_copy(update={"hmac_key": SecretStr(secrets.token_hex(32))})
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        for name, value in super().__repr_args__():
+            yield name, (_redact_url(value) if name == "index" else value)
+
+
+def load_config(
+    yaml_path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> BatonConfig:
+    """Read overrides > `BATON_*` variables of `env` (default: os.environ) > YAML > defaults.
+
+    `overrides` may nest (`{"engine": {"n_ctx": 2048}}`); None values in it are ignored.
+    Raises `ConfigError` naming every invalid field, or the file that cannot be read.
+    """
+    data = _read_yaml(Path(yaml_path)) if yaml_path is not None else {}
+    data = _merge(data, _from_env(os.environ if env is None else env))
+    data = _merge(data, _without_none(overrides or {}))
+    return _validate(data)
+
+
+def to_serve_args(config: BatonConfig) -> dict[str, Any]:
+    """The settings given explicitly, as plain JSON-able data with secrets revealed.
+
+    Unset fields are left out, so defaults (such as `engine.n_threads`, the CPU count) are
+    taken where the Serve app runs.
+    """
+    args = config.model_dump(mode="json", exclude_unset=True)
+    if "api_keys" in args:
+        args["api_keys"] = [key.get_secret_value() for key in config.api_keys]
+    if "hmac_key" in args and config.hmac_key is not None:
+        args["hmac_key"] = config.hmac_key.get_secret_value()
+    return args
+
+
+def config_from_serve_args(args: Mapping[str, Any]) -> BatonConfig:
+    """The config `to_serve_args` encoded (the Serve application builder's `args`)."""
+    return _validate(args)
+
+
+def _validate(data: Mapping[str, Any]) -> BatonConfig:
+    try:
+        return BatonConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+
+
+def _describe(exc: ValidationError) -> str:
+    """One line per problem, without the offending values (they may be secrets)."""
+    lines = ["invalid Baton configuration:"]
+    for error in exc.errors(include_input=False, include_url=False):
+        field = ".".join(str(part) for part in error["loc"]) or "config"
+        if error["type"] == "extra_forbidden":
+            message = "unknown setting"
+        else:
+            message = error["msg"].removeprefix("Value error, ")
+        lines.append(f"  {field}: {message}")
+    return "\n".join(lines)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"cannot read config file {path}: not UTF-8 text") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        # Built from the parts, not str(exc), whose snippet of the line could hold a secret.
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(exc, "problem", None) or "not valid YAML"
+        raise ConfigError(f"invalid YAML in config file {path}{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {path} must hold a mapping of settings, not a {type(data).__name__}"
+        )
+    return data
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """Settings from `BATON_<FIELD>[__<SUBFIELD>]` variables; other BATON_* names are ignored
+    (e.g. BATON_CACHE_DIR). `BATON_API_KEYS` is a comma-separated list."""
+    data: dict[str, Any] = {}
+    for name, value in sorted(env.items()):
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        path = name[len(ENV_PREFIX) :].lower().split(ENV_NESTING)
+        if path[0] not in BatonConfig.model_fields:
+            continue
+        setting: Any = value
+        if path == ["api_keys"]:
+            setting = [key.strip() for key in value.split(",") if key.strip()]
+        for key in reversed(path):
+            setting = {key: setting}
+        data = _merge(data, setting)
+    return data
+
+
+def _merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` updated by `override`, nested mappings merged key by key."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _without_none(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        key: _without_none(value) if isinstance(value, Mapping) else value
+        for key, value in values.items()
+        if value is not None
+    }
+
+
+def _redact_url(url: str) -> str:
+    """`url` with its user information (a Redis password) replaced by `***`."""
+    scheme, sep, rest = url.partition("://")
+    _, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}***@{host}" if at else url

@@ -1,0 +1,43 @@
+"""`baton serve`: a local (or joined) Ray cluster running the Baton application."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from ray import serve
+
+from deploy.app import APP_NAME, build_app
+from deploy.config import BatonConfig
+from deploy.local_ray import local_ray
+
+
+def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) -> None:
+    """Run the app until Ctrl-C or SIGTERM, then shut it down cleanly."""
+    config = config.with_hmac_key()
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    with local_ray(address=address):
+        serve.start(http_options={"host": config.host, "port": config.port})
+        print(f"starting {config.replicas} replica(s) of {config.served_model_name} ...", flush=True)
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+        print(_banner(config), flush=True)
+        stop.wait()
+        print("shutting down ...", flush=True)
+        serve.delete(APP_NAME)
+        if not address:  # a joined cluster keeps its Serve instance
+            serve.shutdown()
+
+
+def _banner(config: BatonConfig) -> str:
+    url = f"http://{config.host}:{config.port}"
+    auth = ' -H "Authorization: Bearer $BATON_API_KEY"' if config.api_keys else ""
+    return (
+        f"Baton is serving {config.served_model_name} at {url}/v1 "
+        f"({config.router.value} router, {config.index.split('@')[-1]} index)\n"
+        f"  curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\\n"
+        f"    -d '{{\"model\": \"{config.served_model_name}\", "
+        f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n"
+        "Press Ctrl-C to stop."
+    )

@@ -1,0 +1,98 @@
+"""The replica as a Ray Serve deployment: one engine per replica, on a GPU or the CPU.
+
+Peers are reached through a handle to this same deployment: a call carrying
+`target_replica=<id>` is routed to exactly that replica by Baton's request router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from cache_store.index import IndexUnavailable, connect_cluster_index
+from replicas.engine import Engine
+from replicas.engine_config import EngineConfig
+from replicas.protocol import TARGET_REPLICA_KWARG, Completion, ReplicaRequest, TokenEvent
+from replicas.replica import Replica
+from replicas.shipping import ShipPolicy
+
+class ReplicaSettings(BaseModel):
+    """Everything one replica needs (serialisable: it travels in the Serve config)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_path: str
+    engine: EngineConfig = EngineConfig()
+    hmac_key_hex: str
+    index: str | None = "embedded"
+    ship: bool = True  # pull from peers (needs Baton's router to reach a given replica)
+    heartbeat_s: float = 5.0
+    app_name: str = "baton"
+    deployment_name: str = "Replica"
+
+
+class ServePeers:
+    """Reaches a peer replica through a handle to this deployment, targeted by id."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._handle = handle.options(method_name="export_best")
+
+    async def fetch(self, replica_id: str, tokens: tuple[int, ...], min_tokens: int) -> np.ndarray | None:
+        return await self._handle.remote(tokens, min_tokens, **{TARGET_REPLICA_KWARG: replica_id})
+
+
+class ReplicaDeployment:
+    """Serves generation requests from one engine; publishes its checkpoints to the index."""
+
+    async def __init__(self, settings: ReplicaSettings) -> None:
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        engine = await asyncio.to_thread(
+            Engine, settings.model_path, settings.engine, hmac_key=bytes.fromhex(settings.hmac_key_hex)
+        )
+        index = None
+        if settings.index:
+            with contextlib.suppress(IndexUnavailable):
+                index = await connect_cluster_index(settings.index, engine.fingerprint)
+        peers = None
+        if settings.ship and index is not None:
+            peers = ServePeers(serve.get_deployment_handle(settings.deployment_name, settings.app_name))
+        self.replica = Replica(
+            self.replica_id, engine, index=index, peers=peers, heartbeat_s=settings.heartbeat_s
+        )
+        await self.replica.start()
+
+    async def generate(self, request: ReplicaRequest) -> Completion:
+        return await self.replica.generate(request)
+
+    async def stream(self, request: ReplicaRequest) -> AsyncGenerator[TokenEvent | Completion, None]:
+        async for item in self.replica.stream(request):
+            yield item
+
+    async def export_best(
+        self, tokens: tuple[int, ...], min_tokens: int, target_replica: str | None = None
+    ) -> np.ndarray | None:
+        """For a peer (the router already sent this call to `target_replica`)."""
+        return await asyncio.to_thread(self.replica.export_best, tuple(tokens), min_tokens)
+
+    def record_routing_stats(self) -> dict[str, int | str]:
+        load = self.replica.engine.load()
+        return {
+            "replica_id": self.replica_id,
+            "queued": load.queued,
+            "running": load.running,
+            "free_slots": load.free_slots,
+            "cache_bytes": self.replica.engine.store.used_bytes,
+        }
+
+    def ready(self) -> bool:
+        return True
+
+    async def __del__(self) -> None:
+        await self.replica.close()
+        await asyncio.to_thread(self.replica.engine.close)

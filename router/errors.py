@@ -1,0 +1,154 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
+
+Client mistakes get a 4xx that says what to fix; anything unexpected gets a generic 500
+whose detail goes only to the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from replicas.prompt import PromptError
+from replicas.protocol import EngineClosed, EngineError, PromptTooLong
+
+logger = logging.getLogger("baton.gateway")
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+
+
+class APIError(Exception):
+    """A failure answered with an HTTP status and an OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, INVALID_REQUEST, param, code)
+
+
+def context_length_exceeded(prompt_tokens: int, n_ctx: int) -> APIError:
+    return invalid_request(
+        f"This model's maximum context length is {n_ctx} tokens, but the prompt has "
+        f"{prompt_tokens} tokens (at most {n_ctx - 1} leave room for one generated token).",
+        code="context_length_exceeded",
+    )
+
+
+def model_not_found(model: str, served: str) -> APIError:
+    return APIError(
+        404,
+        f"The model '{model}' does not exist; this server serves '{served}'.",
+        INVALID_REQUEST,
+        param="model",
+        code="model_not_found",
+    )
+
+
+def invalid_api_key() -> APIError:
+    return APIError(
+        401,
+        "A valid API key is required: send it as 'Authorization: Bearer <key>'.",
+        INVALID_REQUEST,
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(
+        413, f"The request body exceeds {limit} bytes.", INVALID_REQUEST, code="request_too_large"
+    )
+
+
+def no_capacity(
+    message: str = "No replica can take the request now; retry shortly.", *, retry_after_s: int = 1
+) -> APIError:
+    """503 with `Retry-After`: raise it when no replica has room (or all are stopping)."""
+    headers = {"Retry-After": str(retry_after_s)}
+    return APIError(503, message, SERVER_ERROR, code="no_capacity", headers=headers)
+
+
+def from_exception(exc: Exception) -> APIError:
+    """The API error for an exception raised while serving; unexpected ones are logged."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, PromptTooLong):
+        return context_length_exceeded(exc.prompt_tokens, exc.n_ctx)
+    if isinstance(exc, PromptError):
+        return invalid_request(str(exc))
+    if isinstance(exc, EngineClosed):
+        return no_capacity("The replica is shutting down; retry shortly.")
+    logger.error("request failed", exc_info=exc)
+    return APIError(500, "The server failed to handle the request; see its log.", SERVER_ERROR)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every failure of `app` with an OpenAI error body."""
+    app.add_exception_handler(RequestValidationError, _invalid_body)
+    app.add_exception_handler(HTTPException, _http_error)
+    for kind in (APIError, PromptError, EngineError, Exception):
+        app.add_exception_handler(kind, _failed)
+
+
+async def _failed(_: Request, exc: Exception) -> JSONResponse:
+    return from_exception(exc).response()
+
+
+async def _invalid_body(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        reason = first.get("ctx", {}).get("error", "invalid JSON")
+        return invalid_request(f"The request body is not valid JSON: {reason}.").response()
+    param = _path(first["loc"])
+    if param is None:
+        message = "The request body must be a JSON object (Content-Type: application/json)."
+        return invalid_request(message).response()
+    problems = "; ".join(f"{_path(e['loc']) or 'body'}: {e['msg']}" for e in errors[:5])
+    return invalid_request(f"Invalid request: {problems}", param=param).response()
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    message = f"{exc.detail} ({request.method} {request.url.path})"
+    return APIError(exc.status_code, message, INVALID_REQUEST, headers=exc.headers).response()
+
+
+def _path(loc: Sequence[int | str]) -> str | None:
+    """A pydantic error location as a field path, e.g. `messages[0].content`."""
+    parts = list(loc)
+    path = ""
+    for part in parts[1:] if parts[:1] == ["body"] else parts:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    return path or None

@@ -1,0 +1,420 @@
+"""The OpenAI-compatible HTTP gateway, independent of how replicas are reached.
+
+`create_app` serves /v1/chat/completions, /v1/completions, /v1/models and /health. A
+request is checked, tokenised and hashed here, then handed to a `ReplicaClient` (a
+`Replica` in process, or a router over many) as a `ReplicaRequest`; the answer goes back
+as OpenAI JSON or as server-sent events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from replicas.prompt import ChatMessage, Prompt
+from replicas.protocol import Completion, GenerationRequest, ReplicaRequest, TokenEvent
+from replicas.sampling import SamplingParams
+from router import openai_types as api
+from router.errors import (
+    body_too_large,
+    from_exception,
+    install_error_handlers,
+    invalid_api_key,
+    invalid_request,
+    model_not_found,
+)
+from router.prompt_builder import PromptBuilder
+
+REPLICA_HEADER = "X-Baton-Replica"  # on non-streamed replies: the replica(s) that served them
+
+ReplicaStream = AsyncGenerator[TokenEvent | Completion, None]
+GenerationBody = api.ChatCompletionRequest | api.CompletionRequest
+
+
+class ReplicaClient(Protocol):
+    """Where the gateway sends requests: one replica, or a router over several."""
+
+    async def generate(self, request: ReplicaRequest) -> Completion: ...
+
+    def stream(self, request: ReplicaRequest) -> ReplicaStream:
+        """Tokens as they are generated, then the `Completion`; closing it early cancels."""
+        ...
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    model_name: str
+    model_path: str
+    n_ctx: int
+    block_tokens: int = 64
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 4 << 20
+    max_tokens_cap: int | None = None
+
+
+def create_app(
+    settings: GatewaySettings,
+    replicas: ReplicaClient,
+    *,
+    ready: Callable[[], Awaitable[bool]] | None = None,
+) -> FastAPI:
+    """The gateway for one model; `ready()` answers /health (always ready if not given)."""
+    builder = PromptBuilder(
+        settings.model_path, block_tokens=settings.block_tokens, n_ctx=settings.n_ctx
+    )
+    gateway = _Gateway(settings, replicas, builder, ready)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            builder.close()
+
+    app = FastAPI(title="Baton", summary="OpenAI-compatible API", lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_api_route(
+        "/v1/chat/completions", gateway.chat, methods=["POST"], response_model=api.ChatCompletion
+    )
+    app.add_api_route(
+        "/v1/completions", gateway.complete, methods=["POST"], response_model=api.TextCompletion
+    )
+    app.add_api_route("/v1/models", gateway.models, methods=["GET"], response_model=api.ModelList)
+    app.add_api_route("/health", gateway.health, methods=["GET"])
+    app.add_middleware(_BodySizeLimit, max_bytes=settings.max_body_bytes)
+    if settings.api_keys:
+        app.add_middleware(_APIKeyAuth, keys=settings.api_keys, prefix="/v1/")
+    return app
+
+
+class _Gateway:
+    """The endpoints, bound to one model's settings, prompt builder and replicas."""
+
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        replicas: ReplicaClient,
+        builder: PromptBuilder,
+        ready: Callable[[], Awaitable[bool]] | None,
+    ) -> None:
+        self._settings = settings
+        self._replicas = replicas
+        self._builder = builder
+        self._ready = ready
+        self._started = int(time.time())
+
+    async def chat(self, body: api.ChatCompletionRequest) -> Response:
+        self._check_model(body.model)
+        messages = [ChatMessage(role=m.role, content=m.content) for m in body.messages]
+        prompt = await run_in_threadpool(self._builder.from_messages, messages)
+        request_id = uuid.uuid4().hex
+        call = self._replica_request(
+            prompt, body, request_id, messages=[m.model_dump() for m in messages]
+        )
+        reply = _Reply(f"chatcmpl-{request_id}", int(time.time()), self._settings.model_name)
+        if body.stream:
+            chunks = _ChatChunks(reply)
+            return await _event_stream(self._replicas.stream(call), chunks, body.include_usage)
+        done = await self._replicas.generate(call)
+        message = api.AssistantMessage(content=done.text)
+        choice = api.ChatChoice(index=0, message=message, finish_reason=_finish_reason(done))
+        return _json(api.ChatCompletion(**asdict(reply), choices=[choice], usage=_usage([done])), [done])
+
+    async def complete(self, body: api.CompletionRequest) -> Response:
+        self._check_model(body.model)
+        if body.stream and len(body.prompt) > 1:
+            raise invalid_request("Streaming takes a single prompt.", param="prompt")
+        prompts = await run_in_threadpool(self._completion_prompts, body.prompt)
+        request_id = uuid.uuid4().hex
+        calls = []
+        for i, (prompt, given) in enumerate(zip(prompts, body.prompt, strict=True)):
+            text = given if isinstance(given, str) else ""
+            calls.append(self._replica_request(prompt, body, f"{request_id}-{i}", text=text))
+        reply = _Reply(f"cmpl-{request_id}", int(time.time()), self._settings.model_name)
+        if body.stream:
+            chunks = _TextChunks(reply)
+            return await _event_stream(self._replicas.stream(calls[0]), chunks, body.include_usage)
+        done = await asyncio.gather(*(self._replicas.generate(call) for call in calls))
+        choices = [
+            api.CompletionChoice(index=i, text=d.text, finish_reason=_finish_reason(d))
+            for i, d in enumerate(done)
+        ]
+        return _json(api.TextCompletion(**asdict(reply), choices=choices, usage=_usage(done)), done)
+
+    async def models(self) -> Response:
+        card = api.ModelCard(id=self._settings.model_name, created=self._started)
+        return _json(api.ModelList(data=[card]))
+
+    async def health(self) -> JSONResponse:
+        ok = self._ready is None or await self._ready()
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    def _check_model(self, model: str) -> None:
+        if model != self._settings.model_name:
+            raise model_not_found(model, self._settings.model_name)
+
+    def _completion_prompts(self, prompts: Sequence[str | list[int]]) -> list[Prompt]:
+        build = self._builder
+        return [build.from_text(p) if isinstance(p, str) else build.from_token_ids(p) for p in prompts]
+
+    def _replica_request(
+        self,
+        prompt: Prompt,
+        body: GenerationBody,
+        request_id: str,
+        *,
+        text: str = "",
+        messages: list[dict[str, str]] | None = None,
+    ) -> ReplicaRequest:
+        sampling = SamplingParams(
+            max_tokens=self._max_tokens(body.requested_tokens, len(prompt)),
+            temperature=body.temperature,
+            top_k=max(body.top_k, 0),
+            top_p=body.top_p,
+            min_p=body.min_p,
+            seed=body.seed,
+            stop=tuple(body.stop),
+            ignore_eos=body.ignore_eos,
+        )
+        return ReplicaRequest(
+            generation=GenerationRequest(prompt=prompt, sampling=sampling, request_id=request_id),
+            prefix_hashes=self._builder.hashes(prompt),
+            prompt=text,
+            messages=messages,
+        )
+
+    def _max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
+        """The client's limit within the server's cap; by default, the rest of the context."""
+        cap = self._settings.max_tokens_cap
+        if requested is not None and cap is not None and requested > cap:
+            raise invalid_request(
+                f"max_tokens is {requested}, but this server generates at most {cap} tokens.",
+                param="max_tokens",
+            )
+        if requested is not None:
+            return requested
+        room = self._settings.n_ctx - prompt_tokens
+        return room if cap is None else min(room, cap)
+
+
+# ---- responses -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """What every object of one response carries."""
+
+    id: str
+    created: int
+    model: str
+
+
+class _ChunkFormat(Protocol):
+    def opening(self) -> list[BaseModel]: ...
+
+    def text(self, text: str) -> BaseModel: ...
+
+    def finish(self, reason: api.FinishReason) -> BaseModel: ...
+
+    def usage(self, usage: api.Usage) -> BaseModel: ...
+
+
+class _ChatChunks:
+    def __init__(self, reply: _Reply) -> None:
+        self._reply = reply
+
+    def opening(self) -> list[BaseModel]:
+        return [self._chunk(api.ChatDelta(role="assistant", content=""))]
+
+    def text(self, text: str) -> BaseModel:
+        return self._chunk(api.ChatDelta(content=text))
+
+    def finish(self, reason: api.FinishReason) -> BaseModel:
+        return self._chunk(api.ChatDelta(), reason)
+
+    def usage(self, usage: api.Usage) -> BaseModel:
+        return api.ChatCompletionChunk(**asdict(self._reply), choices=[], usage=usage)
+
+    def _chunk(self, delta: api.ChatDelta, reason: api.FinishReason | None = None) -> BaseModel:
+        choice = api.ChatChunkChoice(delta=delta, finish_reason=reason)
+        return api.ChatCompletionChunk(**asdict(self._reply), choices=[choice])
+
+
+class _TextChunks:
+    def __init__(self, reply: _Reply) -> None:
+        self._reply = reply
+
+    def opening(self) -> list[BaseModel]:
+        return []
+
+    def text(self, text: str) -> BaseModel:
+        return self._chunk(api.CompletionChoice(index=0, text=text))
+
+    def finish(self, reason: api.FinishReason) -> BaseModel:
+        return self._chunk(api.CompletionChoice(index=0, text="", finish_reason=reason))
+
+    def usage(self, usage: api.Usage) -> BaseModel:
+        return api.TextCompletion(**asdict(self._reply), choices=[], usage=usage)
+
+    def _chunk(self, choice: api.CompletionChoice) -> BaseModel:
+        return api.TextCompletion(**asdict(self._reply), choices=[choice])
+
+
+def _json(body: BaseModel, done: Sequence[Completion] = ()) -> Response:
+    served_by = ",".join(dict.fromkeys(d.replica_id for d in done if d.replica_id))
+    headers = {REPLICA_HEADER: served_by} if served_by else None
+    return Response(body.model_dump_json(), media_type="application/json", headers=headers)
+
+
+def _finish_reason(done: Completion) -> api.FinishReason:
+    return "length" if done.finish_reason == "length" else "stop"
+
+
+def _usage(done: Sequence[Completion]) -> api.Usage:
+    prompt = sum(d.usage.prompt_tokens for d in done)
+    completion = sum(d.usage.completion_tokens for d in done)
+    cached = sum(d.usage.cached_tokens for d in done)
+    return api.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=api.PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+# ---- server-sent events --------------------------------------------------------------------
+
+_DONE = "data: [DONE]\n\n"
+
+
+def _sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+async def _event_stream(
+    items: ReplicaStream, chunks: _ChunkFormat, include_usage: bool
+) -> _EventStream:
+    """Start the request; a failure before its first token is answered with an HTTP status."""
+    first = await anext(items)
+    return _EventStream(_events(items, first, chunks, include_usage))
+
+
+async def _events(
+    items: ReplicaStream, item: TokenEvent | Completion, chunks: _ChunkFormat, include_usage: bool
+) -> AsyncGenerator[str, None]:
+    """OpenAI's chunks, then `[DONE]`; a failure mid-stream is sent as an error event."""
+    try:
+        for chunk in chunks.opening():
+            yield _sse(chunk.model_dump_json())
+        while isinstance(item, TokenEvent):
+            if item.text:
+                yield _sse(chunks.text(item.text).model_dump_json())
+            item = await anext(items)
+        yield _sse(chunks.finish(_finish_reason(item)).model_dump_json())
+        if include_usage:
+            yield _sse(chunks.usage(_usage([item])).model_dump_json())
+    except Exception as exc:
+        yield _sse(json.dumps(from_exception(exc).body()))
+    finally:
+        await items.aclose()
+    yield _DONE
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose source is closed however the response ends: a client that
+    goes away mid-stream cancels its generation."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+
+
+# ---- middleware ----------------------------------------------------------------------------
+
+
+class _APIKeyAuth:
+    """Requires `Authorization: Bearer <key>`, with one of `keys`, on paths under `prefix`."""
+
+    def __init__(self, app: ASGIApp, *, keys: Sequence[str], prefix: str) -> None:
+        self._app = app
+        self._keys = [key.encode() for key in keys]
+        self._prefix = prefix
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["path"].startswith(self._prefix)
+            and not self._authorized(Headers(scope=scope))
+        ):
+            await invalid_api_key().response()(scope, receive, send)
+            return
+        await self._app(scope, receive, send)
+
+    def _authorized(self, headers: Headers) -> bool:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        presented = token.strip().encode()
+        matches = [hmac.compare_digest(presented, key) for key in self._keys]  # all, in constant time
+        return scheme.lower() == "bearer" and any(matches)
+
+
+class _BodySizeLimit:
+    """Answers 413 to a body over `max_bytes` before anything parses it, going by its
+    Content-Length and by the bytes that actually arrive."""
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+        self._app = app
+        self._max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self._max_bytes:
+            await body_too_large(self._max_bytes).response()(scope, receive, send)
+            return
+        body = bytearray()
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            body += message.get("body", b"")
+            if len(body) > self._max_bytes:
+                await body_too_large(self._max_bytes).response()(scope, receive, send)
+                return
+            more = message.get("more_body", False)
+        await self._app(scope, _replaying(bytes(body), receive), send)
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """`receive` that hands over the body already read, then the connection's own events
+    (so a streaming response still hears of a disconnect)."""
+    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replay

@@ -1,0 +1,68 @@
+"""Prompts from OpenAI inputs, tokenised with the served model's own vocabulary and chat
+template (loaded without weights), and their prefix hash chains for routing."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from cache_store.prefix_hash import PrefixHasher
+from replicas.llama_model import LlamaModel
+from replicas.prompt import ChatMessage, ChatTemplate, Prompt, PromptError, chat_prompt, text_prompt
+from router.errors import context_length_exceeded, invalid_request
+
+
+class PromptBuilder:
+    """Builds the prompts a replica of one model would build, and checks they fit."""
+
+    def __init__(self, model_path: str | os.PathLike[str], *, block_tokens: int, n_ctx: int) -> None:
+        self._model = LlamaModel(model_path, vocab_only=True)
+        source = self._model.chat_template
+        self._template = (
+            ChatTemplate(
+                source,
+                bos_token=self._model.token_text(self._model.bos_token),
+                eos_token=self._model.token_text(self._model.eos_token),
+            )
+            if source
+            else None
+        )
+        self._hasher = PrefixHasher(self._model.fingerprint, block_tokens)
+        self.n_ctx = n_ctx
+
+    def from_messages(self, messages: Sequence[ChatMessage]) -> Prompt:
+        """A chat rendered with the model's template, ending with the generation prompt."""
+        if self._template is None:
+            raise invalid_request(f"model {self._model.name} has no chat template; use /v1/completions")
+        try:
+            prompt = chat_prompt(self._model, self._template, messages)
+        except PromptError as exc:
+            raise invalid_request(str(exc), param="messages") from exc
+        return self.check_length(prompt)
+
+    def from_text(self, text: str) -> Prompt:
+        """Raw text, with BOS where the model wants one."""
+        return self.check_length(text_prompt(self._model, text, add_bos=self._model.add_bos))
+
+    def from_token_ids(self, ids: Sequence[int]) -> Prompt:
+        """Token ids used exactly as given."""
+        n_vocab = self._model.n_vocab
+        if not all(0 <= token < n_vocab for token in ids):
+            raise invalid_request(f"token ids must be in [0, {n_vocab})", param="prompt")
+        return self.check_length(Prompt(tokens=tuple(ids)))
+
+    def hashes(self, prompt: Prompt) -> tuple[bytes, ...]:
+        """The prompt's block hash chain (what the router looks up in the index)."""
+        return tuple(self._hasher.chain(prompt.tokens))
+
+    def check_length(self, prompt: Prompt) -> Prompt:
+        """`prompt`, if it is not empty and leaves room for one generated token."""
+        if not prompt.tokens:
+            raise invalid_request("the prompt is empty")
+        if len(prompt) + 1 > self.n_ctx:
+            raise context_length_exceeded(len(prompt), self.n_ctx)
+        return prompt
+
+    def close(self) -> None:
+        self._model.close()
+

@@ -1,0 +1,184 @@
+"""Ray Serve request routers for the replica deployment.
+
+`BatonRouter` sends a request to the replica holding the longest cached prefix of its
+prompt (asked of the checkpoint index in one round trip), weighed against load, with a
+bounded-load rule so one hot prefix — a shared system prompt — cannot pile every request
+onto one replica. It also honours `target_replica=` on a call (`TARGET_REPLICA_KWARG`), which is how a replica
+reaches a specific peer to pull its state.
+
+It runs in the caller's process, on the router's event loop, and guards against what
+measured Ray 2.60 routers get wrong: it never blocks the loop (the lookup is awaited with
+a short timeout), never lets an exception escape (that would hang the request: it falls
+back to load-only ranks), always asks for backoff (else a full cluster is polled without
+pause), and matches each pending request by its own metadata object (sibling calls from
+one parent request share an internal request id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+from collections import Counter
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from cache_store.index import CheckpointIndex, IndexUnavailable, connect_cluster_index
+from replicas.protocol import TARGET_REPLICA_KWARG, ReplicaRequest
+
+logger = logging.getLogger("baton.router")
+
+# Routing decisions of this process by reason: prefix_hit, load_fallback, index_timeout,
+# no_prefix, targeted, error_fallback (exported as metrics; read by tests).
+DECISIONS: Counter[str] = Counter()
+
+
+class SiblingSafeMixin:
+    """Fulfil the pending request a routing task owns, not the first one that shares its
+    internal request id (Ray 2.60 leaves the second of two sibling calls unrouted)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._pending_by_metadata: dict[int, PendingRequest] = {}
+
+    def _add_pending_request_to_indices(self, pending_request: PendingRequest) -> None:
+        self._pending_by_metadata[id(pending_request.metadata)] = pending_request
+        super()._add_pending_request_to_indices(pending_request)
+
+    def _remove_pending_request_from_indices(self, pending_request: PendingRequest) -> None:
+        self._pending_by_metadata.pop(id(pending_request.metadata), None)
+        super()._remove_pending_request_from_indices(pending_request)
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
+        pending = self._pending_by_metadata.get(id(request_metadata))
+        if pending is None or pending.future.done():
+            return
+        self._cancel_routing_task_for_pending_request(pending)
+        self._record_queue_wait_time(pending)
+        pending.future.set_result(replica)
+        self._remove_pending_request_from_indices(pending)
+
+
+def _load(replica: RunningReplica) -> int:
+    """Requests waiting or running on a replica, from its routing stats (slightly stale)."""
+    stats = replica.routing_stats or {}
+    return int(stats.get("queued", 0)) + int(stats.get("running", 0))
+
+
+def _target_of(pending_request: PendingRequest | None) -> str | None:
+    if pending_request is None:
+        return None
+    return pending_request.kwargs.get(TARGET_REPLICA_KWARG)
+
+
+class BatonRouter(SiblingSafeMixin, RequestRouter):
+    """Prefix- and state-aware routing with bounded load."""
+
+    def initialize_state(
+        self,
+        *,
+        index: str = "embedded",
+        fingerprint_hex: str = "",
+        lookup_timeout_s: float = 0.02,
+        load_slack: float = 0.25,
+        tokens_per_queued_request: int = 256,
+    ) -> None:
+        self._index_spec = index
+        self._fingerprint = bytes.fromhex(fingerprint_hex)
+        self._lookup_timeout_s = lookup_timeout_s
+        self._load_slack = load_slack
+        self._tokens_per_queued_request = tokens_per_queued_request
+        self._index: CheckpointIndex | None = None
+        self._connecting: asyncio.Lock | None = None
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        try:
+            return await self._rank(candidate_replicas, pending_request)
+        except Exception:  # an escaping exception would hang the request
+            logger.exception("routing failed; falling back to load-only ranks")
+            DECISIONS["error_fallback"] += 1
+            return _by_load(candidate_replicas)
+
+    async def _rank(
+        self, candidates: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
+        target = _target_of(pending_request)
+        if target is not None:
+            DECISIONS["targeted"] += 1
+            return [[r for r in candidates if r.replica_id.unique_id == target]]
+        request = pending_request.args[0] if pending_request and pending_request.args else None
+        if not isinstance(request, ReplicaRequest) or not request.prefix_hashes:
+            DECISIONS["no_prefix"] += 1
+            return _by_load(candidates)
+        cached = await self._cached_tokens(request)
+        if cached is None:
+            DECISIONS["index_timeout"] += 1
+            return _by_load(candidates)
+        if not any(cached.get(r.replica_id.unique_id, 0) for r in candidates):
+            DECISIONS["load_fallback"] += 1
+            return _by_load(candidates)
+        DECISIONS["prefix_hit"] += 1
+        return self._by_prefix(candidates, cached, len(request.generation.prompt))
+
+    def _by_prefix(
+        self, candidates: list[RunningReplica], cached: dict[str, int], n_prompt: int
+    ) -> list[list[RunningReplica]]:
+        """Least estimated work first, among replicas within the load bound; then the rest."""
+        loads = {r.replica_id.unique_id: _load(r) for r in candidates}
+        bound = math.ceil((1 + self._load_slack) * (sum(loads.values()) + 1) / len(candidates))
+
+        def work(replica: RunningReplica) -> int:
+            rid = replica.replica_id.unique_id
+            return n_prompt - cached.get(rid, 0) + self._tokens_per_queued_request * loads[rid]
+
+        within = sorted((r for r in candidates if loads[r.replica_id.unique_id] < bound), key=work)
+        beyond = sorted((r for r in candidates if loads[r.replica_id.unique_id] >= bound), key=work)
+        return [[r] for r in within + beyond]
+
+    async def _cached_tokens(self, request: ReplicaRequest) -> dict[str, int] | None:
+        """Replica id → cached prefix length, from one index lookup; None if it timed out."""
+        try:
+            index = await self._connected_index()
+            matches = await asyncio.wait_for(
+                index.lookup(list(request.prefix_hashes)), self._lookup_timeout_s
+            )
+        except (IndexUnavailable, asyncio.TimeoutError):
+            return None
+        return {rid: m.n_tokens for rid, m in matches.items()}
+
+    async def _connected_index(self) -> CheckpointIndex:
+        if self._index is None:
+            self._connecting = self._connecting or asyncio.Lock()
+            async with self._connecting:
+                if self._index is None:
+                    self._index = await connect_cluster_index(
+                        self._index_spec, self._fingerprint, timeout_s=self._lookup_timeout_s
+                    )
+        return self._index
+
+
+class RoundRobinRouter(SiblingSafeMixin, RequestRouter):
+    """Each request to the next replica in turn (a baseline for the routing benchmark)."""
+
+    def initialize_state(self, **_: object) -> None:
+        self._turn = itertools.count()
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        if not candidate_replicas:
+            return []
+        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        start = next(self._turn) % len(ordered)
+        return [[r] for r in ordered[start:] + ordered[:start]]
+
+
+def _by_load(candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+    return [sorted(candidates, key=_load)] if candidates else []

@@ -1,0 +1,480 @@
+"""The OpenAI gateway over real HTTP: uvicorn serving a real replica of a generated hybrid
+model, spoken to with httpx and with the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from openai.types.chat import ChatCompletionMessageParam
+
+from replicas.engine import Engine
+from replicas.engine_config import EngineConfig
+from replicas.protocol import Completion, EngineClosed, PromptTooLong, ReplicaRequest, TokenEvent
+from replicas.replica import Replica
+from router.gateway import GatewaySettings, create_app
+
+MODEL = "baton-tiny"
+KEY = "sk-test-key"
+CAP = 512
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello! Who are you?"}]
+
+
+class StartedReplica:
+    """A `Replica` as the gateway's `ReplicaClient`, started by its first request on the
+    server's event loop."""
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self._started = False
+
+    async def _start(self) -> None:
+        if not self._started:
+            self._started = True
+            await self.replica.start()
+
+    async def generate(self, request: ReplicaRequest) -> Completion:
+        await self._start()
+        return await self.replica.generate(request)
+
+    async def stream(self, request: ReplicaRequest) -> AsyncGenerator[TokenEvent | Completion, None]:
+        await self._start()
+        async with contextlib.aclosing(self.replica.stream(request)) as items:
+            async for item in items:
+                yield item
+
+
+@dataclass
+class Served:
+    url: str
+    engine: Engine
+    readiness: dict[str, bool]
+
+
+@contextlib.contextmanager
+def _serve(app: FastAPI) -> Iterator[str]:
+    """Run `app` with uvicorn on a free local port, in a background thread."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@contextlib.contextmanager
+def _serving(settings: GatewaySettings, config: EngineConfig) -> Iterator[Served]:
+    """The gateway over one replica of the settings' model, served; the engine is closed after."""
+    engine = Engine(settings.model_path, config, hmac_key=b"k")
+    readiness = {"ready": True}
+
+    async def ready() -> bool:
+        return readiness["ready"]
+
+    app = create_app(settings, StartedReplica(Replica("r0", engine)), ready=ready)
+    try:
+        with _serve(app) as url:
+            yield Served(url, engine, readiness)
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model: Callable[[str], Path]) -> Iterator[Served]:
+    """The open gateway: two slots, a 1024-token context, max_tokens capped at CAP."""
+    settings = GatewaySettings(MODEL, str(tiny_model("qwen35")), n_ctx=1024, max_tokens_cap=CAP)
+    with _serving(settings, EngineConfig(n_ctx=1024, n_slots=2, n_threads=2)) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_model: Callable[[str], Path]) -> Iterator[Served]:
+    """A gateway that wants API key KEY; one slot, so a stuck stream would block it."""
+    settings = GatewaySettings(MODEL, str(tiny_model("qwen35")), n_ctx=4096, api_keys=(KEY,))
+    with _serving(settings, EngineConfig(n_ctx=4096, n_slots=1, n_threads=2)) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def client(served: Served) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=served.url, timeout=60) as client:
+        yield client
+
+
+def _data_lines(response: httpx.Response) -> list[str]:
+    return [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def _chat(**fields: object) -> dict[str, object]:
+    return {"model": MODEL, "messages": HELLO, "max_tokens": 8, "ignore_eos": True, **fields}
+
+
+def _text(prompt: object, **fields: object) -> dict[str, object]:
+    return {"model": MODEL, "prompt": prompt, **fields}
+
+
+# ---- the API -------------------------------------------------------------------------------
+
+
+def test_chat_completion(client: httpx.Client) -> None:
+    response = client.post(CHAT, json=_chat())
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion" and body["model"] == MODEL
+    assert body["id"].startswith("chatcmpl-") and abs(body["created"] - time.time()) < 60
+    assert response.headers["x-baton-replica"] == "r0"
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    assert choice["finish_reason"] == "length"
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 8
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 8
+    assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
+
+
+def test_chat_stream_gives_the_same_reply_in_chunks(client: httpx.Client) -> None:
+    request = _chat(temperature=0, max_tokens=12)
+    whole = client.post(CHAT, json=request).json()
+    streamed = {**request, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", CHAT, json=streamed) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        data = _data_lines(response)
+
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    *content, usage_chunk = chunks
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in content)
+    assert text == whole["choices"][0]["message"]["content"]
+    assert [c["choices"][0]["finish_reason"] for c in content][-2:] == [None, "length"]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 12
+    assert usage_chunk["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+
+
+def test_content_parts_are_joined(client: httpx.Client) -> None:
+    parts = [{"type": "text", "text": "Hello!"}, {"type": "text", "text": "Who are you?"}]
+    response = client.post(CHAT, json=_chat(messages=[{"role": "user", "content": parts}]))
+    assert response.status_code == 200, response.text
+
+
+def test_completion_of_text_texts_and_token_ids(client: httpx.Client) -> None:
+    one = client.post(COMPLETIONS, json=_text("Once upon a time", max_tokens=5, ignore_eos=True)).json()
+    assert one["object"] == "text_completion" and one["id"].startswith("cmpl-")
+    assert len(one["choices"]) == 1 and one["usage"]["completion_tokens"] == 5
+
+    texts = ["The sky is", "Cats like", "Numbers: 1, 2,"]
+    many = client.post(COMPLETIONS, json=_text(texts, max_tokens=3, ignore_eos=True)).json()
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2]
+    assert many["usage"]["completion_tokens"] == 9
+
+    ids = [17, 4, 9001, 250, 33, 7]
+    exact = client.post(COMPLETIONS, json=_text(ids, max_tokens=2)).json()
+    assert exact["usage"]["prompt_tokens"] == len(ids)
+
+    batches = client.post(COMPLETIONS, json=_text([[1, 2, 3], [4, 5]], max_tokens=2)).json()
+    assert len(batches["choices"]) == 2 and batches["usage"]["prompt_tokens"] == 5
+
+
+def test_completion_stream(client: httpx.Client) -> None:
+    request = _text("Once upon a time", max_tokens=6, ignore_eos=True, stream=True)
+    with client.stream("POST", COMPLETIONS, json=request) as response:
+        data = _data_lines(response)
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "usage" not in chunks[-1]
+
+
+def test_second_chat_turn_reuses_the_first(client: httpx.Client) -> None:
+    first = [
+        {"role": "system", "content": "You are a terse assistant who answers in one sentence. " * 4},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    turn1 = client.post(CHAT, json=_chat(messages=first, temperature=0)).json()
+    reply = turn1["choices"][0]["message"]
+    second = [*first, reply, {"role": "user", "content": "And another one?"}]
+    turn2 = client.post(CHAT, json=_chat(messages=second, temperature=0)).json()
+    assert turn2["usage"]["prompt_tokens"] > turn1["usage"]["prompt_tokens"]
+    assert turn2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_models_and_health(client: httpx.Client) -> None:
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [(m["id"], m["object"]) for m in models["data"]] == [(MODEL, "model")]
+    health = client.get("/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+def test_health_follows_readiness(keyed: Served) -> None:
+    keyed.readiness["ready"] = False
+    try:
+        assert httpx.get(f"{keyed.url}/health").status_code == 503
+    finally:
+        keyed.readiness["ready"] = True
+    assert httpx.get(f"{keyed.url}/health").status_code == 200
+
+
+# ---- the official client -------------------------------------------------------------------
+
+
+def test_openai_client(served: Served) -> None:
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    no_eos = {"ignore_eos": True}
+
+    chat = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, extra_body=no_eos)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason == "length"
+    assert chat.usage is not None and chat.usage.completion_tokens == 6
+    assert chat.usage.prompt_tokens_details is not None
+    assert chat.usage.prompt_tokens_details.cached_tokens is not None
+
+    text = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, extra_body=no_eos)
+    assert text.usage is not None and text.usage.completion_tokens == 4
+
+    ids = client.completions.create(model=MODEL, prompt=[11, 22, 33, 44], max_tokens=2)
+    assert ids.usage is not None and ids.usage.prompt_tokens == 4
+
+    stream = client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=5, stream=True,
+        stream_options={"include_usage": True}, extra_body=no_eos,
+    )
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 5
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+    text_chunks = client.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=3, stream=True, extra_body=no_eos
+    )
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+
+
+def test_openai_client_errors(served: Served, keyed: Served) -> None:
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=HELLO, n=2)
+    assert bad.value.param == "n" and bad.value.type == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(model=MODEL, prompt=[1] * 2000)
+    assert long.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-4", prompt="Hi")
+    assert missing.value.code == "model_not_found"
+    wrong_key = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as denied:
+        wrong_key.models.list()
+    assert denied.value.code == "invalid_api_key"
+    assert openai.OpenAI(base_url=f"{keyed.url}/v1", api_key=KEY).models.list().data[0].id == MODEL
+
+
+# ---- bad requests --------------------------------------------------------------------------
+
+
+def _says(content: object) -> list[dict[str, object]]:
+    return [{"role": "user", "content": content}]
+
+
+TOO_LONG = (400, None, "context_length_exceeded")
+BAD_REQUESTS = [  # path, body (JSON, or raw bytes), then (status, param, code)
+    pytest.param(CHAT, b'{"model": "baton-tiny", "messages": [', (400, None, None), id="malformed JSON"),
+    pytest.param(CHAT, b"", (400, None, None), id="empty body"),
+    pytest.param(CHAT, b"[1, 2]", (400, None, None), id="a JSON array"),
+    pytest.param(CHAT, {"messages": HELLO}, (400, "model", None), id="no model"),
+    pytest.param(CHAT, _chat(messages="hi"), (400, "messages", None), id="messages not a list"),
+    pytest.param(CHAT, _chat(messages=[]), (400, "messages", None), id="no messages"),
+    pytest.param(CHAT, _chat(messages=_says(5)), (400, "messages[0].content", None), id="content a number"),
+    pytest.param(CHAT, _chat(messages=_says([{"type": "image_url"}])), (400, "messages[0].content", None), id="image"),
+    pytest.param(CHAT, _chat(max_tokens=-1), (400, "max_tokens", None), id="max_tokens negative"),
+    pytest.param(CHAT, _chat(max_tokens="many"), (400, "max_tokens", None), id="max_tokens a word"),
+    pytest.param(CHAT, _chat(max_tokens=CAP + 1), (400, "max_tokens", None), id="max_tokens over the cap"),
+    pytest.param(CHAT, _chat(n=2), (400, "n", None), id="n=2"),
+    pytest.param(CHAT, _chat(temperature=3), (400, "temperature", None), id="temperature 3"),
+    pytest.param(CHAT, _chat(top_p=0), (400, "top_p", None), id="top_p 0"),
+    pytest.param(CHAT, _chat(stop=["a", "b", "c", "d", "e"]), (400, "stop", None), id="five stops"),
+    pytest.param(CHAT, _chat(stop=[""]), (400, "stop[0]", None), id="empty stop"),
+    pytest.param(CHAT, _chat(seed=-1), (400, "seed", None), id="negative seed"),
+    pytest.param(CHAT, _chat(logprobs=True), (400, "logprobs", None), id="logprobs"),
+    pytest.param(CHAT, _chat(presence_penalty=0.5), (400, "presence_penalty", None), id="penalty"),
+    pytest.param(CHAT, _chat(stream_options={"include_usage": True}), (400, "stream_options", None), id="no stream"),
+    pytest.param(CHAT, _chat(model="gpt-4"), (404, "model", "model_not_found"), id="unknown model"),
+    pytest.param(CHAT, _chat(messages=_says("word " * 2000)), TOO_LONG, id="huge chat"),
+    pytest.param(COMPLETIONS, _text("word " * 2000), TOO_LONG, id="huge prompt"),
+    pytest.param(COMPLETIONS, _text(5), (400, "prompt", None), id="prompt a number"),
+    pytest.param(COMPLETIONS, _text([[1, 2], "a"]), (400, "prompt", None), id="mixed prompt"),
+    pytest.param(COMPLETIONS, _text([1, 10**6]), (400, "prompt", None), id="token id too big"),
+    pytest.param(COMPLETIONS, _text([-1, 2]), (400, "prompt", None), id="negative token id"),
+    pytest.param(COMPLETIONS, _text([2**70]), (400, "prompt", None), id="token id past int64"),
+    pytest.param(COMPLETIONS, _text("a", echo=True), (400, "echo", None), id="echo"),
+    pytest.param(COMPLETIONS, _text(["a", "b"], stream=True), (400, "prompt", None), id="stream of two prompts"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "expected"), BAD_REQUESTS)
+def test_bad_request_gets_an_openai_error(
+    client: httpx.Client, path: str, body: object, expected: tuple[int, str | None, str | None]
+) -> None:
+    status, param, code = expected
+    if isinstance(body, bytes):
+        response = client.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        response = client.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert (error["param"], error["code"]) == (param, code)
+    if code == "context_length_exceeded":
+        assert "1024" in error["message"] and "prompt has" in error["message"]
+
+
+def test_unknown_routes_get_openai_errors(client: httpx.Client) -> None:
+    missing = client.post("/v1/embeddings", json={})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
+    wrong_method = client.get(CHAT)
+    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+
+
+def test_oversized_body_is_refused_before_parsing(client: httpx.Client) -> None:
+    big = b'{"model": "baton-tiny", "prompt": "' + b"a" * (5 << 20) + b'"}'
+    declared = client.post(COMPLETIONS, content=big, headers={"content-type": "application/json"})
+    assert declared.status_code == 413 and declared.json()["error"]["code"] == "request_too_large"
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: only the bytes tell
+        for start in range(0, len(big), 1 << 16):
+            yield big[start : start + (1 << 16)]
+
+    streamed = client.post(COMPLETIONS, content=chunked(), headers={"content-type": "application/json"})
+    assert streamed.status_code == 413
+    assert client.get("/health").status_code == 200
+
+
+def test_server_still_serves_after_bad_requests(client: httpx.Client) -> None:
+    response = client.post(COMPLETIONS, json=_text("Still there?", max_tokens=2))
+    assert response.status_code == 200, response.text
+
+
+# ---- API keys ------------------------------------------------------------------------------
+
+
+def test_api_key_is_required_on_the_api_only(keyed: Served) -> None:
+    with httpx.Client(base_url=keyed.url) as client:
+        wrong = "Bearer é".encode("latin-1")
+        for headers in ({}, {"authorization": "Bearer sk-wrong"}, {"authorization": f"Basic {KEY}"}, {b"authorization": wrong}):
+            denied = client.get("/v1/models", headers=headers)
+            assert denied.status_code == 401
+            assert denied.json()["error"]["code"] == "invalid_api_key"
+            assert denied.headers["www-authenticate"] == "Bearer"
+        assert client.post(CHAT, content=b"{", headers={"content-type": "application/json"}).status_code == 401
+        assert client.get("/v1/models", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
+        assert client.get("/health").status_code == 200
+
+
+# ---- client disconnects --------------------------------------------------------------------
+
+
+def test_disconnect_mid_stream_frees_the_slot(keyed: Served) -> None:
+    auth = {"authorization": f"Bearer {KEY}"}
+    # About 20 s of generation if nothing stops it; the engine has one slot.
+    long = _text("Tell me everything.", max_tokens=4000, ignore_eos=True, stream=True)
+    with httpx.Client(base_url=keyed.url, headers=auth, timeout=60) as client:
+        with client.stream("POST", COMPLETIONS, json=long) as response:
+            assert response.status_code == 200
+            received = 0
+            for line in response.iter_lines():
+                received += line.startswith("data: ")
+                if received == 3:
+                    break
+        closed_at = time.monotonic()
+        assert keyed.engine.wait_idle(timeout=10)
+        assert time.monotonic() - closed_at < 5
+        after = client.post(COMPLETIONS, json=_text("Next!", max_tokens=3))
+        assert after.status_code == 200, after.text
+
+
+# ---- failures of the replica ---------------------------------------------------------------
+
+
+class FailingReplica:
+    """Raises `error` at once, or after `tokens_first` tokens of a stream."""
+
+    def __init__(self, error: Exception, tokens_first: int = 0) -> None:
+        self.error = error
+        self.tokens_first = tokens_first
+
+    async def generate(self, request: ReplicaRequest) -> Completion:
+        raise self.error
+
+    async def stream(self, request: ReplicaRequest) -> AsyncGenerator[TokenEvent | Completion, None]:
+        for token in range(self.tokens_first):
+            yield TokenEvent(token=token, text="x")
+        raise self.error
+
+
+def _post_in_process(app: FastAPI, body: dict[str, object]) -> httpx.Response:
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            return await client.post(COMPLETIONS, json=body)
+
+    return asyncio.run(post())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("error", "status", "code"),
+    [
+        (RuntimeError("secret detail"), 500, None),
+        (EngineClosed("engine shut down"), 503, "no_capacity"),
+        (PromptTooLong(2000, 1024), 400, "context_length_exceeded"),
+    ],
+    ids=["unexpected", "closed", "too long"],
+)
+def test_replica_failures_map_to_statuses(
+    tiny_model: Callable[[str], Path], error: Exception, status: int, code: str | None, stream: bool
+) -> None:
+    settings = GatewaySettings(model_name=MODEL, model_path=str(tiny_model("qwen35")), n_ctx=1024)
+    app = create_app(settings, FailingReplica(error))
+    response = _post_in_process(app, _text("Hi", stream=stream))
+    assert response.status_code == status
+    assert response.json()["error"]["code"] == code
+    assert "secret" not in response.text
+    if status == 503:
+        assert response.headers["retry-after"] == "1"
+
+
+def test_failure_mid_stream_is_an_error_event(tiny_model: Callable[[str], Path]) -> None:
+    settings = GatewaySettings(model_name=MODEL, model_path=str(tiny_model("qwen35")), n_ctx=1024)
+    app = create_app(settings, FailingReplica(RuntimeError("secret detail"), tokens_first=2))
+    response = _post_in_process(app, _text("Hi", stream=True))
+    assert response.status_code == 200
+    data = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    assert [json.loads(d)["choices"][0]["text"] for d in data[:2]] == ["x", "x"]
+    assert json.loads(data[-2])["error"]["type"] == "server_error"
+    assert "secret" not in response.text

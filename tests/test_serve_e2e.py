@@ -1,0 +1,160 @@
+"""The whole Serve app end to end: real Ray cluster, real Redis, real HTTP, two replicas of
+a generated hybrid model behind the gateway and Baton's request router."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from ray import serve
+
+from deploy.app import APP_NAME, build_app
+from deploy.config import BatonConfig
+from loadtests.redis_server import free_port
+from replicas.engine import Engine
+from replicas.engine_config import EngineConfig
+from replicas.sampling import SamplingParams
+
+ENGINE = EngineConfig(n_ctx=2048, n_slots=1, n_threads=1, prefill_chunk=128)
+SYSTEM = "You answer in short sentences about routing, caches and state. " * 20
+
+
+@pytest.fixture(scope="session")
+def serve_port(ray_cluster) -> Iterator[int]:
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield port
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module", params=["embedded", "redis"])
+def app(request, serve_port, tiny_model) -> Iterator[tuple[str, BatonConfig]]:
+    index = "embedded" if request.param == "embedded" else request.getfixturevalue("redis_server").url
+    config = BatonConfig(
+        model=str(tiny_model("qwen35")),
+        replicas=2,
+        num_cpus_per_replica=0.5,
+        engine=ENGINE,
+        index=index,
+        heartbeat_s=0.2,
+        hmac_key=secrets.token_hex(16),
+    )
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    url = f"http://127.0.0.1:{serve_port}"
+    _wait_healthy(url)
+    yield url, config
+    serve.delete(APP_NAME)
+
+
+def _wait_healthy(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the app never became healthy")
+
+
+def _chat(url: str, config: BatonConfig, messages: list[dict], max_tokens: int = 8) -> httpx.Response:
+    body = {"model": config.served_model_name, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def test_conversation_keeps_landing_on_the_replica_with_its_prefix(app) -> None:
+    url, config = app
+    messages = [{"role": "system", "content": SYSTEM}]
+    served_by = []
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"Question {turn}: which replica holds item {turn}?"})
+        response = _chat(url, config, messages)
+        body = response.json()
+        served_by.append(response.headers["x-baton-replica"])
+        if turn:
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, f"turn {turn}"
+        messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+    assert len(set(served_by[1:])) == 1, served_by
+
+
+def test_a_saturated_holder_ships_its_state_to_the_other_replica(app, tiny_model) -> None:
+    url, config = app
+    messages = [{"role": "system", "content": SYSTEM + " Shipping test."}, {"role": "user", "content": "Start."}]
+    first = _chat(url, config, messages)
+    holder = first.headers["x-baton-replica"]
+    messages.append({"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]})
+    messages.append({"role": "user", "content": "And now, from the other replica?"})
+    time.sleep(1.0)  # the holder's end-of-reply checkpoint reaches the index
+
+    # Occupy the holder: long generations whose conversation it also holds.
+    busy = [threading.Thread(target=_chat, args=(url, config, messages[:2], 1200)) for _ in range(3)]
+    for thread in busy:
+        thread.start()
+    time.sleep(1.0)  # routing stats (every 0.5 s) now show the holder's load
+    shipped = _chat(url, config, messages)
+    for thread in busy:
+        thread.join()
+
+    assert shipped.headers["x-baton-replica"] != holder
+    usage = shipped.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0  # pulled, not recomputed
+    with Engine(str(tiny_model("qwen35")), ENGINE.model_copy(update={"prefix_cache": False}), hmac_key=b"k") as cold:
+        reference = cold.generate(cold.chat_prompt(messages), SamplingParams(max_tokens=8))
+    assert shipped.json()["choices"][0]["message"]["content"] == reference.text
+    assert usage["prompt_tokens"] == reference.usage.prompt_tokens
+
+
+def test_openai_client_against_the_served_app(app) -> None:
+    url, config = app
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(
+        model=config.served_model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=5
+    )
+    assert chat.choices[0].message.content is not None
+    chunks = list(
+        client.chat.completions.create(
+            model=config.served_model_name,
+            messages=[{"role": "user", "content": "Stream please"}],
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    completion = client.completions.create(model=config.served_model_name, prompt=[1, 2, 3, 4], max_tokens=3)
+    assert completion.usage.prompt_tokens == 4
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=config.served_model_name, messages=[{"role": "user", "content": "x"}], max_tokens=-1
+        )
+
+
+def test_bad_inputs_get_4xx_and_the_app_stays_healthy(app) -> None:
+    url, config = app
+    cases = [
+        (b"{not json", 400),
+        (b'{"model": 5, "messages": "no"}', 400),
+        (b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "n": 3}' % config.served_model_name.encode(), 400),
+        (b'{"model": "%s", "prompt": "%s"}' % (config.served_model_name.encode(), b"word " * 5000), 400),
+    ]
+    for body, status in cases:
+        response = httpx.post(
+            f"{url}/v1/chat/completions" if b"messages" in body or b"not json" in body else f"{url}/v1/completions",
+            content=body,
+            headers={"Content-Type": "application/json"},
+            timeout=60,
+        )
+        assert response.status_code == status, (body[:60], response.text)
+        assert "error" in response.json()
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    assert _chat(url, config, [{"role": "user", "content": "still here?"}]).status_code == 200
