@@ -35,6 +35,7 @@ bench: install redis-server
 	$(BIN)/baton bench engine --concurrency 4
 	$(BIN)/baton bench index
 	$(BIN)/baton bench ship
+	$(BIN)/baton bench serve
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -47,10 +47,10 @@ def router_config(config: BatonConfig, fingerprint: bytes) -> RequestRouterConfi
     )
 
 
-def build_app(config: BatonConfig, *, app_name: str = APP_NAME) -> Application:
-    """The application for `config` (its HMAC key must be set: see `with_hmac_key`)."""
-    if config.hmac_key is None:
-        raise ValueError("the application needs an HMAC key shared by every replica")
+def build_app(config: BatonConfig) -> Application:
+    """The application for `config`. Without an HMAC key, one is generated here: every
+    replica of this application receives the same one."""
+    config = config.with_hmac_key()
     model_path = resolve_model(config.model)
     engine = config.engine
     if "n_threads" not in engine.model_fields_set:  # one thread per logical CPU a replica holds
@@ -75,8 +75,6 @@ def build_app(config: BatonConfig, *, app_name: str = APP_NAME) -> Application:
             index=config.index,
             ship=config.router is RouterPolicy.BATON,
             heartbeat_s=config.heartbeat_s,
-            app_name=app_name,
-            deployment_name=REPLICA_DEPLOYMENT,
         )
     )
     gateway = serve.deployment(

@@ -54,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", help="join this Ray cluster instead of starting one")
     serve.set_defaults(run=_serve)
 
+    yaml_config = commands.add_parser(
+        "serve-config", help="write the Ray Serve config YAML (serve run / serve deploy / Helm)"
+    )
+    yaml_config.add_argument("--config", help="YAML file of Baton settings")
+    yaml_config.add_argument("--out", default="-", help="output file (default: stdout)")
+    yaml_config.set_defaults(run=_serve_config)
+
     demo = commands.add_parser("demo", help="chat with the model on a local engine, showing cache reuse")
     demo.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
     demo.add_argument("--max-tokens", type=int, default=64)
@@ -84,6 +91,12 @@ def _parser() -> argparse.ArgumentParser:
     ship.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 4096])
     ship.add_argument("--json", action="store_true", help="print one JSON object")
     ship.set_defaults(run=_bench_ship)
+
+    served = benches.add_parser("serve", help="routing overhead, and decode tokens/s over HTTP vs the engine")
+    served.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
+    served.add_argument("--redis", help="redis:// URL (default: a private redis-server)")
+    served.add_argument("--json", action="store_true", help="print one JSON object")
+    served.set_defaults(run=_bench_serve)
     return parser
 
 
@@ -98,6 +111,19 @@ def _serve(args: argparse.Namespace) -> int:
     overrides["engine"] = {"n_ctx": args.n_ctx, "n_slots": args.slots}
     config = load_config(args.config, overrides=overrides)
     serve_until_interrupted(config, address=args.address)
+    return 0
+
+
+def _serve_config(args: argparse.Namespace) -> int:
+    from deploy.serve_config import serve_config, write_serve_config
+
+    config = load_config(args.config)
+    if args.out == "-":
+        import yaml
+
+        print(yaml.safe_dump(serve_config(config), sort_keys=False), end="")
+    else:
+        write_serve_config(config, args.out)
     return 0
 
 
@@ -145,6 +171,14 @@ def _bench_ship(args: argparse.Namespace) -> int:
     from loadtests.ship_bench import format_report, ship_benchmark
 
     result = ship_benchmark(resolve_model(args.model), args.tokens)
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from loadtests.serve_bench import format_report, serve_benchmark
+
+    result = serve_benchmark(resolve_model(args.model), args.redis)
     print(json.dumps(result, indent=2) if args.json else format_report(result))
     return 0
 

@@ -90,4 +90,10 @@ class ReplicaRequest(BaseModel):
     generation: GenerationRequest
     prefix_hashes: tuple[bytes, ...] = ()
     prompt: str = ""
-    messages: list[dict[str, str]] | None = None
+    chat_messages: list[dict[str, str]] | None = None
+
+    @property
+    def messages(self) -> list[dict[str, str]] | str:
+        """The chat messages, or the prompt text for a raw prompt (that router reads
+        `.messages` whenever the attribute exists, so it is never None)."""
+        return self.chat_messages if self.chat_messages is not None else self.prompt

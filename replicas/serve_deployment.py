@@ -33,8 +33,6 @@ class ReplicaSettings(BaseModel):
     index: str | None = "embedded"
     ship: bool = True  # pull from peers (needs Baton's router to reach a given replica)
     heartbeat_s: float = 5.0
-    app_name: str = "baton"
-    deployment_name: str = "Replica"
 
 
 class ServePeers:
@@ -51,7 +49,8 @@ class ReplicaDeployment:
     """Serves generation requests from one engine; publishes its checkpoints to the index."""
 
     async def __init__(self, settings: ReplicaSettings) -> None:
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
         engine = await asyncio.to_thread(
             Engine, settings.model_path, settings.engine, hmac_key=bytes.fromhex(settings.hmac_key_hex)
         )
@@ -61,7 +60,7 @@ class ReplicaDeployment:
                 index = await connect_cluster_index(settings.index, engine.fingerprint)
         peers = None
         if settings.ship and index is not None:
-            peers = ServePeers(serve.get_deployment_handle(settings.deployment_name, settings.app_name))
+            peers = ServePeers(serve.get_deployment_handle(context.deployment, context.app_name))
         self.replica = Replica(
             self.replica_id, engine, index=index, peers=peers, heartbeat_s=settings.heartbeat_s
         )

@@ -194,7 +194,7 @@ class _Gateway:
             generation=GenerationRequest(prompt=prompt, sampling=sampling, request_id=request_id),
             prefix_hashes=self._builder.hashes(prompt),
             prompt=text,
-            messages=messages,
+            chat_messages=messages,
         )
 
     def _max_tokens(self, requested: int | None, prompt_tokens: int) -> int:

@@ -20,18 +20,14 @@ import asyncio
 import itertools
 import logging
 import math
-from collections import Counter
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from cache_store.index import CheckpointIndex, IndexUnavailable, connect_cluster_index
 from replicas.protocol import TARGET_REPLICA_KWARG, ReplicaRequest
+from router.routing_metrics import record_decision
 
 logger = logging.getLogger("baton.router")
-
-# Routing decisions of this process by reason: prefix_hit, load_fallback, index_timeout,
-# no_prefix, targeted, error_fallback (exported as metrics; read by tests).
-DECISIONS: Counter[str] = Counter()
 
 
 class SiblingSafeMixin:
@@ -101,7 +97,7 @@ class BatonRouter(SiblingSafeMixin, RequestRouter):
             return await self._rank(candidate_replicas, pending_request)
         except Exception:  # an escaping exception would hang the request
             logger.exception("routing failed; falling back to load-only ranks")
-            DECISIONS["error_fallback"] += 1
+            record_decision("error_fallback")
             return _by_load(candidate_replicas)
 
     async def _rank(
@@ -109,20 +105,20 @@ class BatonRouter(SiblingSafeMixin, RequestRouter):
     ) -> list[list[RunningReplica]]:
         target = _target_of(pending_request)
         if target is not None:
-            DECISIONS["targeted"] += 1
+            record_decision("targeted")
             return [[r for r in candidates if r.replica_id.unique_id == target]]
         request = pending_request.args[0] if pending_request and pending_request.args else None
         if not isinstance(request, ReplicaRequest) or not request.prefix_hashes:
-            DECISIONS["no_prefix"] += 1
+            record_decision("no_prefix")
             return _by_load(candidates)
         cached = await self._cached_tokens(request)
         if cached is None:
-            DECISIONS["index_timeout"] += 1
+            record_decision("index_timeout")
             return _by_load(candidates)
         if not any(cached.get(r.replica_id.unique_id, 0) for r in candidates):
-            DECISIONS["load_fallback"] += 1
+            record_decision("load_fallback")
             return _by_load(candidates)
-        DECISIONS["prefix_hit"] += 1
+        record_decision("prefix_hit")
         return self._by_prefix(candidates, cached, len(request.generation.prompt))
 
     def _by_prefix(

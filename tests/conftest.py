@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # First: sets Ray's environment before anything imports ray.
-from fixtures_ray import ray_cluster  # noqa: F401
+from fixtures_ray import ray_cluster, serve_port  # noqa: F401
 from fixtures_redis import private_redis_server, redis_server  # noqa: F401
 
 from collections.abc import Callable, Iterator

@@ -18,3 +18,16 @@ def ray_cluster() -> Iterator[None]:
     """Ray initialised in namespace "baton" for the session."""
     with local_ray(num_cpus=2):
         yield
+
+
+@pytest.fixture(scope="session")
+def serve_port(ray_cluster: None) -> Iterator[int]:
+    """Ray Serve's HTTP proxy on a free local port, for the session."""
+    from ray import serve
+
+    from loadtests.redis_server import free_port
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield port
+    serve.shutdown()

@@ -15,21 +15,12 @@ from ray import serve
 
 from deploy.app import APP_NAME, build_app
 from deploy.config import BatonConfig
-from loadtests.redis_server import free_port
 from replicas.engine import Engine
 from replicas.engine_config import EngineConfig
 from replicas.sampling import SamplingParams
 
 ENGINE = EngineConfig(n_ctx=2048, n_slots=1, n_threads=1, prefill_chunk=128)
 SYSTEM = "You answer in short sentences about routing, caches and state. " * 20
-
-
-@pytest.fixture(scope="session")
-def serve_port(ray_cluster) -> Iterator[int]:
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield port
-    serve.shutdown()
 
 
 @pytest.fixture(scope="module", params=["embedded", "redis"])
@@ -158,3 +149,35 @@ def test_bad_inputs_get_4xx_and_the_app_stays_healthy(app) -> None:
         assert "error" in response.json()
     assert httpx.get(f"{url}/health", timeout=5).status_code == 200
     assert _chat(url, config, [{"role": "user", "content": "still here?"}]).status_code == 200
+
+
+def test_the_checked_in_serve_config_builds_through_serves_own_loader(serve_port, tiny_model) -> None:
+    """What `serve run deploy/serve_config.yaml` does: validate the file with Serve's
+    schema, import the builder, call it with the file's args (here overridden to a tiny
+    model on one replica), run the application."""
+    import yaml
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(open("deploy/serve_config.yaml")))
+    (application,) = schema.applications
+    args = {
+        **application.args,
+        "model": str(tiny_model("llama")),
+        "replicas": 1,
+        "num_cpus_per_replica": 0.5,
+        "engine": {"n_ctx": 512, "n_slots": 1, "n_threads": 1},
+    }
+    built = call_user_app_builder_with_args_if_necessary(import_attr(application.import_path), args)
+    serve.run(built, name="from-yaml", route_prefix="/from-yaml")
+    try:
+        response = httpx.post(
+            f"http://127.0.0.1:{serve_port}/from-yaml/v1/completions",
+            json={"model": tiny_model("llama").stem, "prompt": "Hello", "max_tokens": 3},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 3
+    finally:
+        serve.delete("from-yaml")

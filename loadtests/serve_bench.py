@@ -1,0 +1,462 @@
+"""`baton bench serve`: what the Serve layer costs on top of the engine and the index.
+
+Two figures:
+
+- **routing overhead** — time in `BatonRouter.choose_replicas`, index lookup included, with
+  `checkpoints` entries indexed across `replicas` replicas (the `baton bench index` workload,
+  published under the router's fingerprint), for both index backends. The router is built
+  the way Ray Serve builds one and called directly, one decision at a time.
+- **HTTP decode** — single-stream decode speed through the whole HTTP path (proxy, gateway,
+  handle, replica, engine) against the same engine alone in this process: same model, engine
+  settings, prompt and token count, greedy, `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import secrets
+import statistics
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+from ray import serve
+from ray.serve._private.common import (
+    DeploymentHandleSource,
+    DeploymentID,
+    ReplicaID,
+    RequestMetadata,
+)
+from ray.serve.request_router import PendingRequest
+
+from cache_store.index import CheckpointIndex, connect_index
+from deploy.app import REPLICA_DEPLOYMENT, build_app
+from deploy.config import BatonConfig
+from deploy.local_ray import local_ray
+from loadtests.index_bench import BATCH, BLOCK_TOKENS, Workload, _redis_url
+from loadtests.redis_server import free_port
+from replicas.engine import Engine
+from replicas.engine_config import EngineConfig
+from replicas.prompt import Prompt
+from replicas.protocol import GenerationRequest, ReplicaRequest
+from replicas.sampling import SamplingParams
+from router.request_router import BatonRouter
+from router.routing_metrics import decision_counts
+
+# ---- routing overhead ----------------------------------------------------------------------
+
+ROUTER_LOOKUP_TIMEOUT_S = 0.02  # BatonRouter's default: what `build_app` deploys
+CHAIN_BLOCKS = 64  # a 4,096-token prompt at 64 tokens per block
+WARMUP_DECISIONS = 20  # connect the router's index client, warm both ends
+LOAD_PATTERNS = 16  # distinct replica-load snapshots the decisions cycle through
+BENCH_APP = "baton-bench"
+ROUTER_TARGET_P99_MS = 2.0
+RATIO_TARGET = 0.9
+
+
+@dataclass
+class _Candidate:
+    """Stand-in for Ray's `RunningReplica` with just what `BatonRouter` reads: its
+    `replica_id.unique_id` and its `routing_stats`. A real `RunningReplica` wraps a live
+    replica actor, which a benchmark of the routing decision alone does not need."""
+
+    replica_id: ReplicaID
+    routing_stats: dict[str, int]
+
+
+def _router(spec: str, fingerprint: bytes, deployment: DeploymentID) -> BatonRouter:
+    """A `BatonRouter` constructed and initialised as Ray Serve's handle router does it
+    (`ray.serve._private.router`), for a caller that is not a Serve replica."""
+    router = BatonRouter(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(
+        index=spec, fingerprint_hex=fingerprint.hex(), lookup_timeout_s=ROUTER_LOOKUP_TIMEOUT_S
+    )
+    return router
+
+
+def _candidate_sets(
+    replica_ids: list[str], deployment: DeploymentID, rng: random.Random
+) -> list[list[_Candidate]]:
+    """`LOAD_PATTERNS` snapshots of the replicas with small random loads, so the router's
+    bounded-load rule has something to weigh."""
+    return [
+        [
+            _Candidate(
+                ReplicaID(unique_id=rid, deployment_id=deployment),
+                {"queued": rng.randint(0, 1), "running": rng.randint(0, 2)},
+            )
+            for rid in replica_ids
+        ]
+        for _ in range(LOAD_PATTERNS)
+    ]
+
+
+def _pending(request: ReplicaRequest, i: int) -> PendingRequest:
+    """A pending handle call `stream(request)`, as the gateway makes it (needs a running loop)."""
+    rid = f"bench-{i}"
+    metadata = RequestMetadata(
+        request_id=rid,
+        internal_request_id=rid,
+        call_method="stream",
+        app_name=BENCH_APP,
+        is_streaming=True,
+    )
+    return PendingRequest(args=[request], kwargs={}, metadata=metadata)
+
+
+async def _publish(index: CheckpointIndex, workload: Workload) -> float:
+    started = time.perf_counter()
+    for replica, entries in workload.entries.items():
+        for i in range(0, len(entries), BATCH):
+            await index.publish(replica, entries[i : i + BATCH])
+        await index.heartbeat(replica)
+    return time.perf_counter() - started
+
+
+async def _route_backend(spec: str, workload: Workload, seed: int) -> dict:
+    fingerprint = os.urandom(32)  # a fresh model namespace; the router is bound to it too
+    publisher = await connect_index(
+        spec, fingerprint, timeout_s=1.0, write_timeout_s=30.0, liveness_ttl_s=600.0
+    )
+    deployment = DeploymentID(name=REPLICA_DEPLOYMENT, app_name=BENCH_APP)
+    router = _router(spec, fingerprint, deployment)
+    rng = random.Random(seed)
+    candidate_sets = _candidate_sets(list(workload.entries), deployment, rng)
+    # One 4,096-token prompt shared by every request: the router reads only its length,
+    # and 2,000 distinct 4,096-token tuples would cost ~250 MB of Python ints.
+    prompt = Prompt(tokens=tuple(rng.randrange(1, 32_000) for _ in range(CHAIN_BLOCKS * BLOCK_TOKENS)))
+    sampling = SamplingParams(max_tokens=128)
+    # Each request carries one of the workload's 64-hash chains: 16-byte hashes that share
+    # a prefix of blocks with a published document, then diverge (or share none), as a
+    # gateway's chain would. They are not `PrefixHasher` hashes of `prompt` — the index
+    # and the router only match hashes, so the cost of a lookup is the same.
+    pendings = [
+        _pending(
+            ReplicaRequest(
+                generation=GenerationRequest(prompt=prompt, sampling=sampling),
+                prefix_hashes=tuple(chain),
+            ),
+            i,
+        )
+        for i, chain in enumerate(workload.chains)
+    ]
+    try:
+        publish_s = await _publish(publisher, workload)
+        for i in range(WARMUP_DECISIONS):
+            warm = _pending(pendings[i % len(pendings)].args[0], -1 - i)
+            await router.choose_replicas(candidate_sets[i % LOAD_PATTERNS], warm)
+        before = Counter(decision_counts())
+        latencies = []
+        for i, pending in enumerate(pendings):
+            candidates = candidate_sets[i % LOAD_PATTERNS]
+            started = time.perf_counter()
+            ranks = await router.choose_replicas(candidates, pending)
+            latencies.append(time.perf_counter() - started)
+            if not ranks or not ranks[0]:
+                raise RuntimeError(f"the router chose no replica for decision {i}")
+        reasons = dict(Counter(decision_counts()) - before)
+        for replica in workload.entries:
+            await publisher.forget(replica)
+    finally:
+        # BatonRouter has no close hook (Ray never closes a router); release its client here.
+        if router._index is not None:
+            await router._index.close()
+        await publisher.close()
+    ms = np.array(latencies) * 1000
+    return {
+        "publish_s": publish_s,
+        "decision_ms": {
+            "p50": float(np.percentile(ms, 50)),
+            "p99": float(np.percentile(ms, 99)),
+            "mean": float(ms.mean()),
+            "max": float(ms.max()),
+        },
+        "prefix_hit_share": reasons.get("prefix_hit", 0) / len(pendings),
+        "decisions_by_reason": reasons,
+    }
+
+
+def routing_overhead(
+    redis_url: str | None = None,
+    *,
+    checkpoints: int = 100_000,
+    replicas: int = 8,
+    decisions: int = 2_000,
+) -> dict:
+    """Time `BatonRouter.choose_replicas` (index lookup included) on Redis (at `redis_url`,
+    or a private redis-server) and on the embedded index (Ray started here if needed)."""
+    workload = Workload.make(checkpoints, replicas, decisions, CHAIN_BLOCKS)
+    backends = {}
+    with _redis_url(redis_url) as url:
+        backends["redis"] = asyncio.run(_route_backend(url, workload, seed=1))
+    with local_ray(num_cpus=2):
+        backends["embedded"] = asyncio.run(_route_backend("embedded", workload, seed=1))
+    return {
+        "checkpoints": checkpoints,
+        "replicas": replicas,
+        "decisions": decisions,
+        "chain": CHAIN_BLOCKS,
+        "prompt_tokens": CHAIN_BLOCKS * BLOCK_TOKENS,
+        "lookup_timeout_ms": ROUTER_LOOKUP_TIMEOUT_S * 1000,
+        "target_p99_ms": ROUTER_TARGET_P99_MS,
+        "backends": backends,
+    }
+
+
+# ---- HTTP decode ---------------------------------------------------------------------------
+
+PROMPT = (
+    "The lighthouse keeper kept a logbook of every ship that passed the point. "
+    "Write the next entries of that logbook, one ship at a time, in plain sentences."
+)
+HTTP_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 120.0
+IDLE_TIMEOUT_S = 60.0
+
+
+def _engine_config(n_threads: int) -> EngineConfig:
+    return EngineConfig(n_ctx=2048, n_slots=2, n_threads=n_threads)
+
+
+def _rate(stamps: list[float]) -> float:
+    """Content chunks per second, from the first chunk to the last."""
+    if len(stamps) < 2 or stamps[-1] <= stamps[0]:
+        return 0.0
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def _run_row(started: float, stamps: list[float], completion_tokens: int) -> dict:
+    return {
+        "tokens_per_s": _rate(stamps),
+        "content_chunks": len(stamps),
+        "completion_tokens": completion_tokens,
+        "first_chunk_s": stamps[0] - started if stamps else None,
+        "decode_s": stamps[-1] - stamps[0] if stamps else 0.0,
+    }
+
+
+def _engine_runs(
+    model: Path, config: EngineConfig, hmac_key: str, tokens: int, runs: int
+) -> tuple[list[dict], int]:
+    """The engine alone, in this process; each run iterates the handle's token events."""
+    with Engine(str(model), config, hmac_key=hmac_key.encode()) as engine:
+        prompt = engine.text_prompt(PROMPT)
+        engine.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        engine.wait_idle(IDLE_TIMEOUT_S)
+        sampling = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        rows = []
+        for _ in range(runs):
+            started = time.perf_counter()
+            handle = engine.submit(GenerationRequest(prompt=prompt, sampling=sampling))
+            stamps = [time.perf_counter() for event in handle if event.text]
+            done = handle.result()
+            rows.append(_run_row(started, stamps, done.usage.completion_tokens))
+            engine.wait_idle(IDLE_TIMEOUT_S)  # the reply's replay must not overlap the next run
+    return rows, len(prompt)
+
+
+def _stream_completion(client: httpx.Client, url: str, body: dict) -> tuple[dict, int]:
+    """One streamed `POST /v1/completions`; the run's row and its prompt token count."""
+    stamps: list[float] = []
+    usage: dict = {}
+    started = time.perf_counter()
+    with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            response.read()
+            raise RuntimeError(f"completion failed: HTTP {response.status_code}: {response.text}")
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"completion failed mid-stream: {chunk['error']}")
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                stamps.append(time.perf_counter())
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    row = _run_row(started, stamps, usage.get("completion_tokens", 0))
+    return row, usage.get("prompt_tokens", 0)
+
+
+def _wait_healthy(client: httpx.Client, url: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if client.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"the Serve app at {url} never became healthy")
+
+
+def _wait_replica_idle(app_name: str) -> None:
+    """Until the replica has nothing queued or running (its reply replay included)."""
+    handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name)
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        stats = handle.record_routing_stats.remote().result(timeout_s=10)
+        if stats["queued"] == 0 and stats["running"] == 0:
+            return
+        time.sleep(0.05)
+    raise TimeoutError("the replica did not go idle")
+
+
+@contextlib.contextmanager
+def _serve_app(config: BatonConfig, http_port: int | None) -> Iterator[str]:
+    """The Baton app under `BENCH_APP` on Serve's HTTP proxy; yields its base URL. Starts
+    Serve on a free port (and shuts it down after) unless `http_port` says it is running."""
+    port = http_port or free_port()
+    if http_port is None:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app(config), name=BENCH_APP, route_prefix=f"/{BENCH_APP}")
+        try:
+            yield f"http://127.0.0.1:{port}/{BENCH_APP}"
+        finally:
+            serve.delete(BENCH_APP)
+    finally:
+        if http_port is None:
+            serve.shutdown()
+
+
+def _http_runs(
+    model: Path, engine: EngineConfig, hmac_key: str, tokens: int, runs: int, http_port: int | None
+) -> tuple[list[dict], int]:
+    config = BatonConfig(
+        model=str(model),
+        replicas=1,
+        num_cpus_per_replica=1,
+        engine=engine,
+        hmac_key=hmac_key,
+    )
+    body = {
+        "model": config.served_model_name,
+        "prompt": PROMPT,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with (
+        local_ray(num_cpus=2),
+        _serve_app(config, http_port) as url,
+        httpx.Client(timeout=HTTP_TIMEOUT_S) as client,
+    ):
+        _wait_healthy(client, url)
+        _stream_completion(client, url, {**body, "max_tokens": 4})  # warm-up
+        _wait_replica_idle(BENCH_APP)
+        rows, prompt_tokens = [], 0
+        for _ in range(runs):
+            row, prompt_tokens = _stream_completion(client, url, body)
+            rows.append(row)
+            _wait_replica_idle(BENCH_APP)
+    return rows, prompt_tokens
+
+
+def _summary(rows: list[dict]) -> dict:
+    rates = [r["tokens_per_s"] for r in rows]
+    return {"best_tokens_per_s": max(rates), "median_tokens_per_s": statistics.median(rates), "runs": rows}
+
+
+def http_decode(
+    model: Path,
+    *,
+    tokens: int = 256,
+    runs: int = 3,
+    n_threads: int = 1,
+    http_port: int | None = None,
+) -> dict:
+    """Single-stream decode tokens/s through HTTP vs the engine alone (best of `runs`),
+    both with `EngineConfig(n_ctx=2048, n_slots=2, n_threads=n_threads)`.
+
+    The engine is measured first, with no Serve app running (both share the CPUs). Serve is
+    started on a free port and shut down at the end, unless `http_port` names the port of a
+    Serve instance already running (then only the benchmark's app is added and deleted).
+    """
+    if tokens < 2 or runs < 1:
+        raise ValueError("tokens must be >= 2 and runs >= 1")
+    hmac_key = secrets.token_hex(16)
+    config = _engine_config(n_threads)
+    engine_rows, engine_prompt = _engine_runs(model, config, hmac_key, tokens, runs)
+    http_rows, http_prompt = _http_runs(model, config, hmac_key, tokens, runs, http_port)
+    engine, http = _summary(engine_rows), _summary(http_rows)
+    return {
+        "model": str(model),
+        "tokens": tokens,
+        "runs": runs,
+        "n_threads": n_threads,
+        "prompt_tokens": {"engine": engine_prompt, "http": http_prompt},
+        "engine": engine,
+        "http": http,
+        "ratio": http["best_tokens_per_s"] / engine["best_tokens_per_s"],
+        "ratio_median": http["median_tokens_per_s"] / engine["median_tokens_per_s"],
+        "target_ratio": RATIO_TARGET,
+    }
+
+
+# ---- both ----------------------------------------------------------------------------------
+
+
+def serve_benchmark(model: Path, redis_url: str | None) -> dict:
+    """Routing overhead (Redis at `redis_url` or a private server, and embedded) and HTTP
+    decode speed of `model`, on one local Ray runtime (started here if none is running)."""
+    with local_ray(num_cpus=2):
+        return {"routing": routing_overhead(redis_url), "http_decode": http_decode(model)}
+
+
+def format_routing(result: dict) -> str:
+    lines = [
+        f"routing: {result['decisions']:,} decisions of BatonRouter.choose_replicas over"
+        f" {result['replicas']} replicas, {result['checkpoints']:,} checkpoints indexed,"
+        f" {result['chain']}-hash chains ({result['prompt_tokens']:,}-token prompts),"
+        f" lookup timeout {result['lookup_timeout_ms']:g} ms",
+        f"{'backend':<9} {'p50 ms':>7} {'p99 ms':>7} {'mean ms':>8} {'max ms':>7} {'hits':>5}"
+        f" {'timeouts':>8}",
+    ]
+    for name, r in result["backends"].items():
+        ms = r["decision_ms"]
+        lines.append(
+            f"{name:<9} {ms['p50']:>7.3f} {ms['p99']:>7.3f} {ms['mean']:>8.3f} {ms['max']:>7.2f}"
+            f" {r['prefix_hit_share']:>5.0%} {r['decisions_by_reason'].get('index_timeout', 0):>8}"
+        )
+    redis_p99 = result["backends"]["redis"]["decision_ms"]["p99"]
+    verdict = "met" if redis_p99 <= result["target_p99_ms"] else "NOT met"
+    lines.append(f"target p99 <= {result['target_p99_ms']:g} ms (Redis): {verdict}")
+    return "\n".join(lines)
+
+
+def format_http(result: dict) -> str:
+    e, h = result["engine"], result["http"]
+    verdict = "met" if result["ratio"] >= result["target_ratio"] else "NOT met"
+    return "\n".join(
+        [
+            f"decode: {result['model']}, one stream, {result['tokens']} tokens (ignore_eos, greedy),"
+            f" prompt {result['prompt_tokens']['engine']} tokens, {result['n_threads']} llama.cpp"
+            f" thread(s), best of {result['runs']}",
+            f"  engine alone:  {e['best_tokens_per_s']:7.1f} tok/s (median {e['median_tokens_per_s']:.1f})",
+            f"  through HTTP:  {h['best_tokens_per_s']:7.1f} tok/s (median {h['median_tokens_per_s']:.1f})",
+            f"  HTTP / engine: {result['ratio']:.3f} (median {result['ratio_median']:.3f});"
+            f" target >= {result['target_ratio']:g}: {verdict}",
+        ]
+    )
+
+
+def format_report(result: dict) -> str:
+    """A `serve_benchmark` result, or either part of one on its own."""
+    parts = []
+    if "routing" in result or "backends" in result:
+        parts.append(format_routing(result.get("routing", result)))
+    if "http_decode" in result or "engine" in result:
+        parts.append(format_http(result.get("http_decode", result)))
+    return "\n\n".join(parts)

@@ -1,0 +1,27 @@
+"""`baton bench serve` on a tiny configuration: the result's shape and sanity, not its speed."""
+
+from __future__ import annotations
+
+from loadtests.serve_bench import format_report, http_decode, routing_overhead
+
+
+def test_routing_overhead_reports_both_backends(redis_server, ray_cluster) -> None:
+    result = routing_overhead(redis_server.url, checkpoints=2_000, decisions=50)
+    assert set(result["backends"]) == {"redis", "embedded"}
+    for backend in result["backends"].values():
+        ms = backend["decision_ms"]
+        assert 0 < ms["p50"] <= ms["p99"] <= ms["max"]
+        assert sum(backend["decisions_by_reason"].values()) == 50
+        assert 0 < backend["prefix_hit_share"] < 1  # most chains share a published prefix, some not
+    assert "redis" in format_report(result)
+
+
+def test_http_decode_compares_http_with_the_engine(tiny_model, serve_port) -> None:
+    result = http_decode(tiny_model("llama"), tokens=32, runs=1, http_port=serve_port)
+    assert result["prompt_tokens"]["engine"] == result["prompt_tokens"]["http"]
+    for side in ("engine", "http"):
+        (run,) = result[side]["runs"]
+        assert run["completion_tokens"] == 32
+        assert result[side]["best_tokens_per_s"] > 0
+    assert result["ratio"] > 0
+    assert "HTTP / engine" in format_report(result)
