@@ -24,6 +24,7 @@ APP_NAME = "baton"
 REPLICA_DEPLOYMENT = "Replica"
 GATEWAY_DEPLOYMENT = "Gateway"
 ROUTING_STATS_PERIOD_S = 0.5
+GATEWAY_CPUS = 0.1
 
 _ROUTERS = {
     RouterPolicy.BATON: "router.request_router:BatonRouter",
@@ -45,6 +46,11 @@ def router_config(config: BatonConfig, fingerprint: bytes) -> RequestRouterConfi
         request_router_kwargs=kwargs,
         request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
     )
+
+
+def logical_cpus(config: BatonConfig) -> float:
+    """Ray CPUs the application asks for."""
+    return config.replicas * config.num_cpus_per_replica + config.gateway_replicas * GATEWAY_CPUS
 
 
 def build_app(config: BatonConfig) -> Application:
@@ -81,7 +87,7 @@ def build_app(config: BatonConfig) -> Application:
         GatewayDeployment,
         name=GATEWAY_DEPLOYMENT,
         num_replicas=config.gateway_replicas,
-        ray_actor_options={"num_cpus": 0.1},
+        ray_actor_options={"num_cpus": GATEWAY_CPUS},
         max_ongoing_requests=1000,
     )
     settings = GatewaySettings(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import os
 import signal
 import threading
 
 from ray import serve
 
-from deploy.app import APP_NAME, build_app
+from deploy.app import APP_NAME, build_app, logical_cpus
 from deploy.config import BatonConfig
 from deploy.local_ray import local_ray
 
@@ -15,19 +17,29 @@ from deploy.local_ray import local_ray
 def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) -> None:
     """Run the app until Ctrl-C or SIGTERM, then shut it down cleanly."""
     config = config.with_hmac_key()
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-    with local_ray(address=address):
+    # Ray's CPUs are logical: a local cluster must declare at least what the app asks for,
+    # or Serve waits forever to place the last replica.
+    num_cpus = None if address else max(os.cpu_count() or 1, math.ceil(logical_cpus(config)))
+    with local_ray(num_cpus, address=address):
+        # After ray.init, which installs handlers of its own: both signals mean "stop".
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, _raise_interrupt)
         serve.start(http_options={"host": config.host, "port": config.port})
-        print(f"starting {config.replicas} replica(s) of {config.served_model_name} ...", flush=True)
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
-        print(_banner(config), flush=True)
-        stop.wait()
-        print("shutting down ...", flush=True)
-        serve.delete(APP_NAME)
-        if not address:  # a joined cluster keeps its Serve instance
-            serve.shutdown()
+        try:
+            print(f"starting {config.replicas} replica(s) of {config.served_model_name} ...", flush=True)
+            serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+            print(_banner(config), flush=True)
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            print("shutting down ...", flush=True)
+        finally:
+            serve.delete(APP_NAME)
+            if not address:  # a joined cluster keeps its Serve instance
+                serve.shutdown()
+
+
+def _raise_interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _banner(config: BatonConfig) -> str:
