@@ -42,7 +42,14 @@ from replicas.llama_context import (
     StateRestoreError,
 )
 from replicas.llama_model import LlamaModel
-from replicas.prompt import ChatMessage, ChatTemplate, Prompt, PromptError, chat_prompt, text_prompt
+from replicas.prompt import (
+    ChatMessage,
+    Prompt,
+    PromptError,
+    chat_prompt,
+    model_chat_template,
+    text_prompt,
+)
 from replicas.protocol import (
     Completion,
     EngineClosed,
@@ -134,16 +141,7 @@ class Engine:
         )
         self.n_ctx = self._context.n_ctx_per_seq
         self._state_size = self._measure_state_size()
-        template = self.model.chat_template
-        self._chat_template = (
-            ChatTemplate(
-                template,
-                bos_token=self.model.token_text(self.model.bos_token),
-                eos_token=self.model.token_text(self.model.eos_token),
-            )
-            if template
-            else None
-        )
+        self._chat_template = model_chat_template(self.model)
         self._slots = [Slot(seq_id=i) for i in range(self.config.n_slots)]
         self._waiting: list[RequestHandle] = []
         self._wakeup = threading.Condition()

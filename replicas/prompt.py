@@ -79,6 +79,23 @@ class ChatTemplate:
             raise PromptError(f"chat template error: {exc}") from exc
 
 
+class TemplatedModel(Tokenizer, Protocol):
+    chat_template: str | None
+    bos_token: int
+    eos_token: int
+
+
+def model_chat_template(model: TemplatedModel) -> ChatTemplate | None:
+    """The model's own chat template, or None if its GGUF carries none."""
+    if not model.chat_template:
+        return None
+    return ChatTemplate(
+        model.chat_template,
+        bos_token=model.token_text(model.bos_token),
+        eos_token=model.token_text(model.eos_token),
+    )
+
+
 def _raise_template_exception(message: str) -> None:
     raise PromptError(f"chat template rejected the messages: {message}")
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from cache_store.prefix_hash import PrefixHasher
 from replicas.llama_model import LlamaModel
-from replicas.prompt import ChatMessage, ChatTemplate, Prompt, PromptError, chat_prompt, text_prompt
+from replicas.prompt import ChatMessage, Prompt, PromptError, chat_prompt, model_chat_template, text_prompt
 from router.errors import context_length_exceeded, invalid_request
 
 
@@ -17,16 +17,7 @@ class PromptBuilder:
 
     def __init__(self, model_path: str | os.PathLike[str], *, block_tokens: int, n_ctx: int) -> None:
         self._model = LlamaModel(model_path, vocab_only=True)
-        source = self._model.chat_template
-        self._template = (
-            ChatTemplate(
-                source,
-                bos_token=self._model.token_text(self._model.bos_token),
-                eos_token=self._model.token_text(self._model.eos_token),
-            )
-            if source
-            else None
-        )
+        self._template = model_chat_template(self._model)
         self._hasher = PrefixHasher(self._model.fingerprint, block_tokens)
         self.n_ctx = n_ctx
 
