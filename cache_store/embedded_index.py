@@ -197,9 +197,7 @@ class IndexActor:
     ) -> None:
         self._index.touch(fingerprint, replica_id, hashes, ttl_s)
 
-    def forget(
-        self, fingerprint: bytes, replica_id: str, hashes: Sequence[bytes] | None
-    ) -> None:
+    def forget(self, fingerprint: bytes, replica_id: str, hashes: Sequence[bytes] | None) -> None:
         self._index.forget(fingerprint, replica_id, hashes)
 
     def heartbeat(self, fingerprint: bytes, replica_id: str, ttl_s: float) -> bool:

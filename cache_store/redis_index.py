@@ -47,7 +47,9 @@ end
 """
 
 # KEYS: replica set, then hash keys. ARGV: replica, ttl_ms, then one value per hash key.
-_PUBLISH = _EXTEND + """
+_PUBLISH = (
+    _EXTEND
+    + """
 local replica, ttl = ARGV[1], tonumber(ARGV[2])
 for i = 2, #KEYS do
   redis.call('HSET', KEYS[i], replica, ARGV[i + 1])
@@ -56,9 +58,12 @@ for i = 2, #KEYS do
 end
 extend(KEYS[1], ttl)
 """
+)
 
 # KEYS: replica set, then hash keys. ARGV: replica, ttl_ms, new expires_ms, now_ms.
-_TOUCH = _EXTEND + """
+_TOUCH = (
+    _EXTEND
+    + """
 local replica, ttl, expires, now = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local touched = false
 for i = 2, #KEYS do
@@ -74,6 +79,7 @@ for i = 2, #KEYS do
 end
 if touched then extend(KEYS[1], ttl) end
 """
+)
 
 # KEYS: replica set, alive key. ARGV: hash key prefix, replica.
 _FORGET_ALL = """

@@ -60,7 +60,9 @@ def build_app(config: BatonConfig) -> Application:
     model_path = resolve_model(config.model)
     engine = config.engine
     if "n_threads" not in engine.model_fields_set:  # one thread per logical CPU a replica holds
-        engine = engine.model_copy(update={"n_threads": max(1, math.ceil(config.num_cpus_per_replica))})
+        engine = engine.model_copy(
+            update={"n_threads": max(1, math.ceil(config.num_cpus_per_replica))}
+        )
     replica = serve.deployment(
         ReplicaDeployment,
         name=REPLICA_DEPLOYMENT,

@@ -37,8 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("--embd", type=int, default=64, help="embedding size (multiple of 32)")
     make.set_defaults(run=_make_model)
 
-    serve = commands.add_parser("serve", help="serve the OpenAI-compatible API from a local Ray cluster")
-    serve.add_argument("--config", help="YAML file of settings (BATON_* variables and flags override it)")
+    serve = commands.add_parser(
+        "serve", help="serve the OpenAI-compatible API from a local Ray cluster"
+    )
+    serve.add_argument(
+        "--config", help="YAML file of settings (BATON_* variables and flags override it)"
+    )
     serve.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
     serve.add_argument("--model-name", help="name served in the API (default: the file's stem)")
     serve.add_argument("--replicas", type=int)
@@ -48,7 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--slots", type=int, help="concurrent sequences per replica")
     serve.add_argument("--index", help="'embedded' (default) or a redis:// URL")
     serve.add_argument("--router", choices=[p.value for p in RouterPolicy])
-    serve.add_argument("--api-key", action="append", dest="api_keys", help="require this key (repeatable)")
+    serve.add_argument(
+        "--api-key", action="append", dest="api_keys", help="require this key (repeatable)"
+    )
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--address", help="join this Ray cluster instead of starting one")
@@ -61,7 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     yaml_config.add_argument("--out", default="-", help="output file (default: stdout)")
     yaml_config.set_defaults(run=_serve_config)
 
-    demo = commands.add_parser("demo", help="chat with the model on a local engine, showing cache reuse")
+    demo = commands.add_parser(
+        "demo", help="chat with the model on a local engine, showing cache reuse"
+    )
     demo.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.set_defaults(run=_demo)
@@ -74,7 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--system-tokens", type=int, default=2000)
     engine.add_argument("--turn-tokens", type=int, default=100)
     engine.add_argument("--reply-tokens", type=int, default=32)
-    engine.add_argument("--concurrency", type=int, default=0, help="also measure K concurrent streams")
+    engine.add_argument(
+        "--concurrency", type=int, default=0, help="also measure K concurrent streams"
+    )
     engine.add_argument("--json", action="store_true", help="print one JSON object")
     engine.set_defaults(run=_bench_engine)
 
@@ -92,7 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     ship.add_argument("--json", action="store_true", help="print one JSON object")
     ship.set_defaults(run=_bench_ship)
 
-    served = benches.add_parser("serve", help="routing overhead, and decode tokens/s over HTTP vs the engine")
+    served = benches.add_parser(
+        "serve", help="routing overhead, and decode tokens/s over HTTP vs the engine"
+    )
     served.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
     served.add_argument("--redis", help="redis:// URL (default: a private redis-server)")
     served.add_argument("--json", action="store_true", help="print one JSON object")
@@ -105,8 +117,18 @@ def _serve(args: argparse.Namespace) -> int:
 
     overrides = {
         key: getattr(args, key)
-        for key in ("model", "model_name", "replicas", "num_gpus_per_replica",
-                    "num_cpus_per_replica", "index", "router", "api_keys", "host", "port")
+        for key in (
+            "model",
+            "model_name",
+            "replicas",
+            "num_gpus_per_replica",
+            "num_cpus_per_replica",
+            "index",
+            "router",
+            "api_keys",
+            "host",
+            "port",
+        )
     }
     overrides["engine"] = {"n_ctx": args.n_ctx, "n_slots": args.slots}
     config = load_config(args.config, overrides=overrides)
@@ -130,7 +152,9 @@ def _serve_config(args: argparse.Namespace) -> int:
 def _make_model(args: argparse.Namespace) -> int:
     from replicas.tiny_model import write_tiny_model
 
-    path = write_tiny_model(args.arch, args.out, seed=args.seed, n_layers=args.layers, n_embd=args.embd)
+    path = write_tiny_model(
+        args.arch, args.out, seed=args.seed, n_layers=args.layers, n_embd=args.embd
+    )
     print(path)
     return 0
 

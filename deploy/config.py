@@ -87,7 +87,7 @@ class BatonConfig(BaseModel):
                 raise ValueError(f"unknown tiny model {arch!r}; choose from {choices}")
             return value
         if not value:
-            raise ValueError('must not be empty (leave it unset for the default model)')
+            raise ValueError("must not be empty (leave it unset for the default model)")
         path = Path(value).expanduser()
         if not path.is_file():
             raise ValueError(f"model file not found: {path}")
@@ -129,7 +129,7 @@ class BatonConfig(BaseModel):
         if self.model is None:
             return Path(DEFAULT_MODEL_FILE).stem
         if self.model.startswith(TINY_PREFIX):
-            return f"tiny-{self.model[len(TINY_PREFIX):]}"  # the file resolve_model writes
+            return f"tiny-{self.model[len(TINY_PREFIX) :]}"  # the file resolve_model writes
         return Path(self.model).stem
 
     def with_hmac_key(self) -> BatonConfig:

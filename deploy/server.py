@@ -26,7 +26,10 @@ def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) 
             signal.signal(signum, _raise_interrupt)
         serve.start(http_options={"host": config.host, "port": config.port})
         try:
-            print(f"starting {config.replicas} replica(s) of {config.served_model_name} ...", flush=True)
+            print(
+                f"starting {config.replicas} replica(s) of {config.served_model_name} ...",
+                flush=True,
+            )
             serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
             print(_banner(config), flush=True)
             threading.Event().wait()
@@ -49,7 +52,7 @@ def _banner(config: BatonConfig) -> str:
         f"Baton is serving {config.served_model_name} at {url}/v1 "
         f"({config.router.value} router, {config.index.split('@')[-1]} index)\n"
         f"  curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\\n"
-        f"    -d '{{\"model\": \"{config.served_model_name}\", "
-        f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n"
+        f'    -d \'{{"model": "{config.served_model_name}", '
+        f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\'\n'
         "Press Ctrl-C to stop."
     )

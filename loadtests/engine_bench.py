@@ -49,7 +49,9 @@ def run_chat(
     config = EngineConfig(n_ctx=n_ctx, n_slots=2)
     with (
         Engine(str(model), config, hmac_key=BENCH_HMAC_KEY) as cached,
-        Engine(str(model), config.model_copy(update={"prefix_cache": False}), hmac_key=BENCH_HMAC_KEY) as plain,
+        Engine(
+            str(model), config.model_copy(update={"prefix_cache": False}), hmac_key=BENCH_HMAC_KEY
+        ) as plain,
     ):
         count = lambda text: len(cached.model.tokenize(text))  # noqa: E731
         messages = [{"role": "system", "content": filler_text(system_tokens, count, seed=0)}]
@@ -81,9 +83,14 @@ def run_chat(
 
 def decode_throughput(model: Path, *, streams: int, tokens: int, n_ctx: int) -> float:
     """Aggregate generated tokens per second with `streams` concurrent requests."""
-    with Engine(str(model), EngineConfig(n_ctx=n_ctx, n_slots=streams), hmac_key=BENCH_HMAC_KEY) as engine:
+    with Engine(
+        str(model), EngineConfig(n_ctx=n_ctx, n_slots=streams), hmac_key=BENCH_HMAC_KEY
+    ) as engine:
         sampling = SamplingParams(max_tokens=tokens, ignore_eos=True)
-        prompts = [engine.text_prompt(f"Stream {i} writes a story about number {i}.") for i in range(streams)]
+        prompts = [
+            engine.text_prompt(f"Stream {i} writes a story about number {i}.")
+            for i in range(streams)
+        ]
         engine.generate(prompts[0], SamplingParams(max_tokens=4))  # warm-up
         started = time.perf_counter()
         handles = [engine.submit(GenerationRequest(prompt=p, sampling=sampling)) for p in prompts]
@@ -103,8 +110,12 @@ def engine_benchmark(
 ) -> dict:
     n_ctx = system_tokens + turns * (turn_tokens + reply_tokens + 32) + 256
     rows = run_chat(
-        model, turns=turns, system_tokens=system_tokens, turn_tokens=turn_tokens,
-        reply_tokens=reply_tokens, n_ctx=n_ctx,
+        model,
+        turns=turns,
+        system_tokens=system_tokens,
+        turn_tokens=turn_tokens,
+        reply_tokens=reply_tokens,
+        n_ctx=n_ctx,
     )
     new = sum(r.new_tokens for r in rows)
     result: dict = {
@@ -153,4 +164,3 @@ def format_report(result: dict) -> str:
             f" streams ({d['speedup']:.2f}x)"
         )
     return "\n".join(lines)
-

@@ -132,7 +132,9 @@ async def _route_backend(spec: str, workload: Workload, seed: int) -> dict:
     candidate_sets = _candidate_sets(list(workload.entries), deployment, rng)
     # One 4,096-token prompt shared by every request: the router reads only its length,
     # and 2,000 distinct 4,096-token tuples would cost ~250 MB of Python ints.
-    prompt = Prompt(tokens=tuple(rng.randrange(1, 32_000) for _ in range(CHAIN_BLOCKS * BLOCK_TOKENS)))
+    prompt = Prompt(
+        tokens=tuple(rng.randrange(1, 32_000) for _ in range(CHAIN_BLOCKS * BLOCK_TOKENS))
+    )
     sampling = SamplingParams(max_tokens=128)
     # Each request carries one of the workload's 64-hash chains: 16-byte hashes that share
     # a prefix of blocks with a published document, then diverge (or share none), as a
@@ -366,7 +368,11 @@ def _http_runs(
 
 def _summary(rows: list[dict]) -> dict:
     rates = [r["tokens_per_s"] for r in rows]
-    return {"best_tokens_per_s": max(rates), "median_tokens_per_s": statistics.median(rates), "runs": rows}
+    return {
+        "best_tokens_per_s": max(rates),
+        "median_tokens_per_s": statistics.median(rates),
+        "runs": rows,
+    }
 
 
 def http_decode(

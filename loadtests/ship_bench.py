@@ -35,7 +35,9 @@ def _prompts(model: Path, lengths: list[int]) -> dict[int, tuple[int, ...]]:
 
 async def _timed(actor, prompt: tuple[int, ...], sampling: SamplingParams) -> tuple[float, object]:
     started = time.perf_counter()
-    done = await actor.generate.remote(GenerationRequest(prompt=Prompt(tokens=prompt), sampling=sampling))
+    done = await actor.generate.remote(
+        GenerationRequest(prompt=Prompt(tokens=prompt), sampling=sampling)
+    )
     return time.perf_counter() - started, done
 
 
@@ -53,7 +55,9 @@ async def _run(model: Path, lengths: list[int]) -> list[dict]:
     try:
         for n, tokens in _prompts(model, lengths).items():
             # A holds exactly n tokens: a prompt of n-2, two generated tokens, replayed
-            _, first = await _timed(holder, tokens[:-2], SamplingParams(max_tokens=2, ignore_eos=True))
+            _, first = await _timed(
+                holder, tokens[:-2], SamplingParams(max_tokens=2, ignore_eos=True)
+            )
             await holder.wait_idle.remote()
             await asyncio.sleep(0.5)  # let A's publisher reach the index
             prompt = tokens[:-2] + tuple(first.tokens) + tokens[:2]
@@ -96,4 +100,3 @@ def format_report(result: dict) -> str:
         )
     lines.append("ship = index lookup + export + transfer + validate + restore + 2 new tokens")
     return "\n".join(lines)
-

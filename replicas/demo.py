@@ -20,7 +20,9 @@ _QUESTIONS = (
 
 def run_demo(model: Path, *, max_tokens: int = 64) -> None:
     """Chat three turns; print each reply as it streams, then its token accounting."""
-    with Engine(str(model), EngineConfig(n_ctx=2048, n_slots=2), hmac_key=secrets.token_bytes(32)) as engine:
+    with Engine(
+        str(model), EngineConfig(n_ctx=2048, n_slots=2), hmac_key=secrets.token_bytes(32)
+    ) as engine:
         print(f"model: {model.name} ({engine.kind.value}), {engine.config.n_slots} slots")
         messages = [{"role": "system", "content": "You are a concise, helpful assistant."}]
         for question in _QUESTIONS:

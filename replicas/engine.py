@@ -254,7 +254,10 @@ class Engine:
         """
         limit = max(0, len(tokens) - MIN_PIECE)
         best = self.store.longest_match(self.hasher, tokens, limit, touch=False)
-        live = max((self._live_reuse(s, tokens, limit) for s in self._slots if s.running is None), default=0)
+        live = max(
+            (self._live_reuse(s, tokens, limit) for s in self._slots if s.running is None),
+            default=0,
+        )
         return max(live, best.n_tokens if best else 0)
 
     def _measure_state_size(self) -> tuple[int, int] | None:
@@ -534,7 +537,9 @@ class Engine:
         elif run.phase is Phase.REPLAY and not run.pieces:
             self._release(slot)
 
-    def _decode(self, entries: list[BatchEntry], runs: list[Running]) -> dict[int, np.ndarray] | None:
+    def _decode(
+        self, entries: list[BatchEntry], runs: list[Running]
+    ) -> dict[int, np.ndarray] | None:
         """Decode `entries`; return logits by batch index. On failure, fail `runs`."""
         try:
             return self._decode_split(entries, 0)
@@ -593,7 +598,9 @@ class Engine:
         if not self.config.prefix_cache:
             self._release(run.slot)
             return
-        history = run.prompt + tuple(run.generated) + ((end_token,) if end_token is not None else ())
+        history = (
+            run.prompt + tuple(run.generated) + ((end_token,) if end_token is not None else ())
+        )
         history = history[: self.n_ctx]
         self._rewind_to_prompt(run)
         start = len(run.slot.tokens)
@@ -620,7 +627,9 @@ class Engine:
                     computed_tokens=n_prompt - run.cached,
                     completion_tokens=len(run.generated),
                 ),
-                ttft_s=None if run.first_token_at is None else run.first_token_at - run.submitted_at,
+                ttft_s=None
+                if run.first_token_at is None
+                else run.first_token_at - run.submitted_at,
                 total_s=time.perf_counter() - run.submitted_at,
                 logits=run.last_logits,
             )

@@ -37,7 +37,9 @@ class EngineConfig(BaseModel):
         if self.n_slots > self.n_batch:
             raise ValueError(f"n_slots ({self.n_slots}) exceeds n_batch ({self.n_batch})")
         if self.prefill_chunk > self.n_batch:
-            raise ValueError(f"prefill_chunk ({self.prefill_chunk}) exceeds n_batch ({self.n_batch})")
+            raise ValueError(
+                f"prefill_chunk ({self.prefill_chunk}) exceeds n_batch ({self.n_batch})"
+            )
         if self.checkpoint_interval % self.block_tokens:
             raise ValueError(
                 f"checkpoint_interval ({self.checkpoint_interval}) must be a multiple of "

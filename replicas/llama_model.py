@@ -122,7 +122,9 @@ class LlamaModel:
     def chat_template(self) -> str | None:
         return self.metadata("tokenizer.chat_template")
 
-    def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> list[int]:
         """Text → token ids. Special tokens written in the text (e.g. ``<|im_start|>``) are parsed."""
         data = text.encode("utf-8")
         capacity = len(data) + 8

@@ -48,7 +48,9 @@ class Prompt(BaseModel):
 
 
 class Tokenizer(Protocol):
-    def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]: ...
+    def tokenize(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> list[int]: ...
 
     def token_text(self, token: int) -> str: ...
 

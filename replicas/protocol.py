@@ -10,7 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from replicas.prompt import Prompt
 from replicas.sampling import SamplingParams
 
-
 TARGET_REPLICA_KWARG = "target_replica"  # a replica call carrying it goes to that replica only
 
 

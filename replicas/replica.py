@@ -109,7 +109,9 @@ class Replica:
                 handle.cancel()
         return done.model_copy(update={"replica_id": self.replica_id})
 
-    async def stream(self, request: ReplicaRequest) -> AsyncGenerator[TokenEvent | Completion, None]:
+    async def stream(
+        self, request: ReplicaRequest
+    ) -> AsyncGenerator[TokenEvent | Completion, None]:
         """Stream the tokens of one request, then its `Completion`. Closing the stream
         early (a client that went away) cancels the generation and frees its slot."""
         await self.prepare(request.generation.prompt.tokens)

@@ -29,7 +29,9 @@ def actor_name(replica_id: str) -> str:
 class ActorPeers:
     """Reaches peers as named Ray actors; their blobs come back through the object store."""
 
-    async def fetch(self, replica_id: str, tokens: tuple[int, ...], min_tokens: int) -> np.ndarray | None:
+    async def fetch(
+        self, replica_id: str, tokens: tuple[int, ...], min_tokens: int
+    ) -> np.ndarray | None:
         try:
             peer = ray.get_actor(actor_name(replica_id), namespace=NAMESPACE)
         except ValueError as exc:  # no such actor: it died or never existed
@@ -52,15 +54,33 @@ class ReplicaHost:
         policy: ShipPolicy | None = None,
         heartbeat_s: float = 5.0,
     ) -> None:
-        self._args = (replica_id, model_path, config, hmac_key, index, index_settings or {}, policy, heartbeat_s)
+        self._args = (
+            replica_id,
+            model_path,
+            config,
+            hmac_key,
+            index,
+            index_settings or {},
+            policy,
+            heartbeat_s,
+        )
         self.replica: Replica | None = None
 
     async def start(self) -> str:
-        replica_id, model_path, config, hmac_key, index_spec, settings, policy, heartbeat_s = self._args
+        replica_id, model_path, config, hmac_key, index_spec, settings, policy, heartbeat_s = (
+            self._args
+        )
         engine = Engine(model_path, config, hmac_key=hmac_key)
-        index = await connect_index(index_spec, engine.fingerprint, **settings) if index_spec else None
+        index = (
+            await connect_index(index_spec, engine.fingerprint, **settings) if index_spec else None
+        )
         self.replica = Replica(
-            replica_id, engine, index=index, peers=ActorPeers(), policy=policy, heartbeat_s=heartbeat_s
+            replica_id,
+            engine,
+            index=index,
+            peers=ActorPeers(),
+            policy=policy,
+            heartbeat_s=heartbeat_s,
         )
         await self.replica.start()
         return replica_id

@@ -61,7 +61,9 @@ class RequestHandle:
         events: asyncio.Queue[object] = asyncio.Queue()
         with self._lock:
             backlog = list(self._history)
-            self._subscribers.append(lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
+            self._subscribers.append(
+                lambda item: loop.call_soon_threadsafe(events.put_nowait, item)
+            )
         for item in backlog:
             events.put_nowait(item)
         while (item := await events.get()) is not _DONE:

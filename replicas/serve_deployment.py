@@ -20,7 +20,7 @@ from replicas.engine import Engine
 from replicas.engine_config import EngineConfig
 from replicas.protocol import TARGET_REPLICA_KWARG, Completion, ReplicaRequest, TokenEvent
 from replicas.replica import Replica
-from replicas.shipping import ShipPolicy
+
 
 class ReplicaSettings(BaseModel):
     """Everything one replica needs (serialisable: it travels in the Serve config)."""
@@ -41,7 +41,9 @@ class ServePeers:
     def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = handle.options(method_name="export_best")
 
-    async def fetch(self, replica_id: str, tokens: tuple[int, ...], min_tokens: int) -> np.ndarray | None:
+    async def fetch(
+        self, replica_id: str, tokens: tuple[int, ...], min_tokens: int
+    ) -> np.ndarray | None:
         return await self._handle.remote(tokens, min_tokens, **{TARGET_REPLICA_KWARG: replica_id})
 
 
@@ -52,7 +54,10 @@ class ReplicaDeployment:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         engine = await asyncio.to_thread(
-            Engine, settings.model_path, settings.engine, hmac_key=bytes.fromhex(settings.hmac_key_hex)
+            Engine,
+            settings.model_path,
+            settings.engine,
+            hmac_key=bytes.fromhex(settings.hmac_key_hex),
         )
         index = None
         if settings.index:
@@ -69,7 +74,9 @@ class ReplicaDeployment:
     async def generate(self, request: ReplicaRequest) -> Completion:
         return await self.replica.generate(request)
 
-    async def stream(self, request: ReplicaRequest) -> AsyncGenerator[TokenEvent | Completion, None]:
+    async def stream(
+        self, request: ReplicaRequest
+    ) -> AsyncGenerator[TokenEvent | Completion, None]:
         async for item in self.replica.stream(request):
             yield item
 

@@ -16,7 +16,9 @@ import numpy as np
 class PeerDirectory(Protocol):
     """How a replica asks a peer for its best checkpoint of a prompt."""
 
-    async def fetch(self, replica_id: str, tokens: tuple[int, ...], min_tokens: int) -> np.ndarray | None:
+    async def fetch(
+        self, replica_id: str, tokens: tuple[int, ...], min_tokens: int
+    ) -> np.ndarray | None:
         """The peer's signed blob for its longest checkpoint prefixing `tokens`, if longer
         than `min_tokens`; None if it has none. Raises if the peer is unreachable."""
         ...

@@ -45,7 +45,12 @@ class APIError(Exception):
 
     def body(self) -> dict[str, dict[str, str | None]]:
         return {
-            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
         }
 
     def response(self) -> JSONResponse:

@@ -132,7 +132,9 @@ class _Gateway:
         done = await self._replicas.generate(call)
         message = api.AssistantMessage(content=done.text)
         choice = api.ChatChoice(index=0, message=message, finish_reason=_finish_reason(done))
-        return _json(api.ChatCompletion(**asdict(reply), choices=[choice], usage=_usage([done])), [done])
+        return _json(
+            api.ChatCompletion(**asdict(reply), choices=[choice], usage=_usage([done])), [done]
+        )
 
     async def complete(self, body: api.CompletionRequest) -> Response:
         self._check_model(body.model)
@@ -161,7 +163,9 @@ class _Gateway:
 
     async def health(self) -> JSONResponse:
         ok = self._ready is None or await self._ready()
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503
+        )
 
     def _check_model(self, model: str) -> None:
         if model != self._settings.model_name:
@@ -169,7 +173,9 @@ class _Gateway:
 
     def _completion_prompts(self, prompts: Sequence[str | list[int]]) -> list[Prompt]:
         build = self._builder
-        return [build.from_text(p) if isinstance(p, str) else build.from_token_ids(p) for p in prompts]
+        return [
+            build.from_text(p) if isinstance(p, str) else build.from_token_ids(p) for p in prompts
+        ]
 
     def _replica_request(
         self,
@@ -375,7 +381,9 @@ class _APIKeyAuth:
     def _authorized(self, headers: Headers) -> bool:
         scheme, _, token = headers.get("authorization", "").partition(" ")
         presented = token.strip().encode()
-        matches = [hmac.compare_digest(presented, key) for key in self._keys]  # all, in constant time
+        matches = [
+            hmac.compare_digest(presented, key) for key in self._keys
+        ]  # all, in constant time
         return scheme.lower() == "bearer" and any(matches)
 
 

@@ -42,7 +42,9 @@ def _joined_text_parts(value: object) -> object:
     for part in value:
         text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
         if not isinstance(text, str):
-            raise ValueError('only text content parts ({"type": "text", "text": "..."}) are supported')
+            raise ValueError(
+                'only text content parts ({"type": "text", "text": "..."}) are supported'
+            )
         texts.append(text)
     return "\n".join(texts)
 
@@ -150,7 +152,11 @@ class ChatCompletionRequest(_GenerationRequest):
     @property
     def requested_tokens(self) -> int | None:
         """The most tokens to generate, if the client said (None: up to the context)."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
 
 class CompletionRequest(_GenerationRequest):

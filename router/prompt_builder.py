@@ -8,14 +8,23 @@ from collections.abc import Sequence
 
 from cache_store.prefix_hash import PrefixHasher
 from replicas.llama_model import LlamaModel
-from replicas.prompt import ChatMessage, Prompt, PromptError, chat_prompt, model_chat_template, text_prompt
+from replicas.prompt import (
+    ChatMessage,
+    Prompt,
+    PromptError,
+    chat_prompt,
+    model_chat_template,
+    text_prompt,
+)
 from router.errors import context_length_exceeded, invalid_request
 
 
 class PromptBuilder:
     """Builds the prompts a replica of one model would build, and checks they fit."""
 
-    def __init__(self, model_path: str | os.PathLike[str], *, block_tokens: int, n_ctx: int) -> None:
+    def __init__(
+        self, model_path: str | os.PathLike[str], *, block_tokens: int, n_ctx: int
+    ) -> None:
         self._model = LlamaModel(model_path, vocab_only=True)
         self._template = model_chat_template(self._model)
         self._hasher = PrefixHasher(self._model.fingerprint, block_tokens)
@@ -24,7 +33,9 @@ class PromptBuilder:
     def from_messages(self, messages: Sequence[ChatMessage]) -> Prompt:
         """A chat rendered with the model's template, ending with the generation prompt."""
         if self._template is None:
-            raise invalid_request(f"model {self._model.name} has no chat template; use /v1/completions")
+            raise invalid_request(
+                f"model {self._model.name} has no chat template; use /v1/completions"
+            )
         try:
             prompt = chat_prompt(self._model, self._template, messages)
         except PromptError as exc:
@@ -56,4 +67,3 @@ class PromptBuilder:
 
     def close(self) -> None:
         self._model.close()
-

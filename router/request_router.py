@@ -89,7 +89,9 @@ class BatonRouter(SiblingSafeMixin, RequestRouter):
         self._connecting: asyncio.Lock | None = None
 
     async def choose_replicas(
-        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True
@@ -165,7 +167,9 @@ class RoundRobinRouter(SiblingSafeMixin, RequestRouter):
         self._turn = itertools.count()
 
     async def choose_replicas(
-        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True

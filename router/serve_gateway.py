@@ -27,7 +27,9 @@ class HandleReplicas:
         except RayTaskError as exc:
             raise exc.cause from None  # the replica's own error (e.g. a bad prompt → 400)
 
-    async def stream(self, request: ReplicaRequest) -> AsyncGenerator[TokenEvent | Completion, None]:
+    async def stream(
+        self, request: ReplicaRequest
+    ) -> AsyncGenerator[TokenEvent | Completion, None]:
         response = self._handle.options(stream=True).stream.remote(request)
         try:
             async for item in response:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-# First: sets Ray's environment before anything imports ray.
-from fixtures_ray import ray_cluster, serve_port  # noqa: F401
-from fixtures_redis import private_redis_server, redis_server  # noqa: F401
-
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+# First: sets Ray's environment before anything imports ray.
+from fixtures_ray import ray_cluster, serve_port  # noqa: F401
+from fixtures_redis import private_redis_server, redis_server  # noqa: F401
 
 from replicas.engine import Engine
 from replicas.engine_config import EngineConfig

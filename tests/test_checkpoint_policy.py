@@ -133,7 +133,8 @@ def test_prefill_checkpoints_examples(
 
 
 @pytest.mark.parametrize(
-    ("n_tokens", "expected"), [(60, [16, 32, 48, 58]), (50, [16, 32, 48]), (3, [1]), (2, []), (1, [])]
+    ("n_tokens", "expected"),
+    [(60, [16, 32, 48, 58]), (50, [16, 32, 48]), (3, [1]), (2, []), (1, [])],
 )
 def test_raw_prompt_has_no_user_checkpoint(n_tokens: int, expected: list[int]) -> None:
     """A raw text prompt: only the grid and the point two tokens before the end."""
@@ -161,7 +162,9 @@ def test_prefill_checkpoints_properties() -> None:
         cached = rng.choice([0, rng.randint(0, end), end - 3, end - 2, end - 1, end])
         interval = rng.choice([0, 1, 7, 64, 256, rng.randint(1, 600)])
         max_interval = rng.choice([0, 1, 3, rng.randint(0, 40)])
-        got = prefill_checkpoints(prompt, cached=cached, interval=interval, max_interval=max_interval)
+        got = prefill_checkpoints(
+            prompt, cached=cached, interval=interval, max_interval=max_interval
+        )
 
         assert got == sorted(set(got))
         assert all(cached < p < end for p in got)

@@ -16,13 +16,28 @@ from replicas.llama_model import LlamaModel, ModelKind
 def _baton(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "BATON_CACHE_DIR": str(cache)}
     return subprocess.run(
-        [sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-m", "deploy.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
 
 
 def test_make_model_writes_a_loadable_hybrid(tmp_path: Path) -> None:
     out = tmp_path / "m.gguf"
-    done = _baton("make-model", "--arch", "lfm2", "--out", str(out), "--layers", "3", "--embd", "96", cache=tmp_path)
+    done = _baton(
+        "make-model",
+        "--arch",
+        "lfm2",
+        "--out",
+        str(out),
+        "--layers",
+        "3",
+        "--embd",
+        "96",
+        cache=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     with LlamaModel(out) as model:
         assert model.kind is ModelKind.HYBRID
@@ -38,8 +53,20 @@ def test_make_model_rejects_an_unknown_arch(tmp_path: Path) -> None:
 
 def test_bench_engine_json_reports_cache_savings(tmp_path: Path) -> None:
     done = _baton(
-        "bench", "engine", "--model", "tiny:mamba2", "--turns", "3", "--system-tokens", "300",
-        "--turn-tokens", "40", "--reply-tokens", "8", "--json", cache=tmp_path,
+        "bench",
+        "engine",
+        "--model",
+        "tiny:mamba2",
+        "--turns",
+        "3",
+        "--system-tokens",
+        "300",
+        "--turn-tokens",
+        "40",
+        "--reply-tokens",
+        "8",
+        "--json",
+        cache=tmp_path,
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
@@ -58,7 +85,9 @@ def test_missing_model_file_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_bench_index_reports_both_backends(tmp_path: Path) -> None:
-    done = _baton("bench", "index", "--checkpoints", "2000", "--lookups", "100", "--json", cache=tmp_path)
+    done = _baton(
+        "bench", "index", "--checkpoints", "2000", "--lookups", "100", "--json", cache=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     backends = json.loads(done.stdout)["backends"]
     assert set(backends) == {"redis", "embedded"}
@@ -67,7 +96,9 @@ def test_bench_index_reports_both_backends(tmp_path: Path) -> None:
 
 
 def test_bench_ship_pulls_instead_of_recomputing(tmp_path: Path) -> None:
-    done = _baton("bench", "ship", "--model", "tiny:qwen35", "--tokens", "1024", "--json", cache=tmp_path)
+    done = _baton(
+        "bench", "ship", "--model", "tiny:qwen35", "--tokens", "1024", "--json", cache=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     (row,) = json.loads(done.stdout)["rows"]
     assert row["cached_tokens"] == 1024

@@ -96,9 +96,7 @@ def test_env_overrides_yaml_and_nested_settings_merge(tmp_path: Path) -> None:
 
 
 def test_nested_engine_from_env() -> None:
-    config = load_config(
-        env={"BATON_ENGINE__N_CTX": "2048", "BATON_ENGINE__FLASH_ATTN": "true"}
-    )
+    config = load_config(env={"BATON_ENGINE__N_CTX": "2048", "BATON_ENGINE__FLASH_ATTN": "true"})
     assert config.engine.n_ctx == 2048
     assert config.engine.flash_attn is True
     assert config.engine.n_slots == EngineConfig().n_slots

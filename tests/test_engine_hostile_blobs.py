@@ -19,6 +19,7 @@ from replicas.engine import Engine
 from replicas.engine_config import EngineConfig
 from replicas.prompt import Prompt
 from replicas.sampling import SamplingParams
+
 HMAC_KEY = b"test-cluster-key"
 
 _SIGNED = struct.Struct("<8sHH32sI16sQ32s")  # the header layout, written out independently
@@ -33,8 +34,13 @@ def engines(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hostile")
     config = EngineConfig(n_ctx=512, n_slots=2, n_threads=2)
     hybrid = Engine(str(write_tiny_model("qwen35", folder / "q.gguf")), config, hmac_key=HMAC_KEY)
-    other = Engine(str(write_tiny_model("llama", folder / "l.gguf", seed=1)), config, hmac_key=HMAC_KEY)
-    hybrid.generate(hybrid.text_prompt("A prompt whose state is checkpointed. " * 4), SamplingParams(max_tokens=4))
+    other = Engine(
+        str(write_tiny_model("llama", folder / "l.gguf", seed=1)), config, hmac_key=HMAC_KEY
+    )
+    hybrid.generate(
+        hybrid.text_prompt("A prompt whose state is checkpointed. " * 4),
+        SamplingParams(max_tokens=4),
+    )
     other.generate(other.text_prompt("Another model's state."), SamplingParams(max_tokens=2))
     other.generate(other.text_prompt("Evict the first slot's state."), SamplingParams(max_tokens=2))
     other.generate(other.text_prompt("And the second one."), SamplingParams(max_tokens=2))
@@ -52,7 +58,16 @@ def _valid_blob(engine: Engine) -> bytes:
 
 def _resign(blob: bytes, key: bytes = HMAC_KEY, **fields: object) -> bytes:
     """Rewrite header fields and sign again: only the field checks can catch these."""
-    names = ("magic", "version", "flags", "fingerprint", "n_tokens", "prefix_hash", "state_len", "checksum")
+    names = (
+        "magic",
+        "version",
+        "flags",
+        "fingerprint",
+        "n_tokens",
+        "prefix_hash",
+        "state_len",
+        "checksum",
+    )
     values = dict(zip(names, _SIGNED.unpack_from(blob)))
     values.update(fields)
     signed = _SIGNED.pack(*(values[n] for n in names))
@@ -70,16 +85,29 @@ def _cases() -> list[tuple[str, object]]:
     cases: list[tuple[str, object]] = [("empty", lambda b, o: b"")]
     for i in range(70):
         cut = RNG.randrange(1, HEADER_SIZE) if i < 20 else None
-        cases.append((f"truncated-{i}", lambda b, o, cut=cut: b[: cut if cut else RNG.randrange(HEADER_SIZE, len(b))]))
+        cases.append(
+            (
+                f"truncated-{i}",
+                lambda b, o, cut=cut: b[: cut if cut else RNG.randrange(HEADER_SIZE, len(b))],
+            )
+        )
     for i in range(100):
         region = "header" if i < 30 else "payload"
         cases.append(
-            (f"bitflip-{region}-{i}", lambda b, o, region=region: _flip(
-                b, RNG.randrange(HEADER_SIZE * 8) if region == "header" else RNG.randrange(HEADER_SIZE * 8, len(b) * 8)
-            ))
+            (
+                f"bitflip-{region}-{i}",
+                lambda b, o, region=region: _flip(
+                    b,
+                    RNG.randrange(HEADER_SIZE * 8)
+                    if region == "header"
+                    else RNG.randrange(HEADER_SIZE * 8, len(b) * 8),
+                ),
+            )
         )
     for i in range(10):
-        cases.append((f"forged-key-{i}", lambda b, o, i=i: _resign(b, key=f"attacker-{i}".encode())))
+        cases.append(
+            (f"forged-key-{i}", lambda b, o, i=i: _resign(b, key=f"attacker-{i}".encode()))
+        )
     cases += [
         ("missing-hmac", lambda b, o: b[: HEADER_SIZE - 32] + bytes(32) + b[HEADER_SIZE:]),
         ("other-model", lambda b, o: o),
@@ -99,10 +127,18 @@ def _cases() -> list[tuple[str, object]]:
         ("random-bytes", lambda b, o: RNG.randbytes(len(b))),
         ("header-only", lambda b, o: b[:HEADER_SIZE]),
         ("wrong-prefix-hash", lambda b, o: _resign(b, prefix_hash=bytes(16))),
-        ("payload-swapped-checksum-kept", lambda b, o: b[:HEADER_SIZE] + bytes(len(b) - HEADER_SIZE)),
-        ("truncated-state-resigned", lambda b, o: _resign(
-            b[:-100], state_len=_SIGNED.unpack_from(b)[6] - 100,
-            checksum=hashlib.sha256(b[HEADER_SIZE:-100]).digest())),
+        (
+            "payload-swapped-checksum-kept",
+            lambda b, o: b[:HEADER_SIZE] + bytes(len(b) - HEADER_SIZE),
+        ),
+        (
+            "truncated-state-resigned",
+            lambda b, o: _resign(
+                b[:-100],
+                state_len=_SIGNED.unpack_from(b)[6] - 100,
+                checksum=hashlib.sha256(b[HEADER_SIZE:-100]).digest(),
+            ),
+        ),
     ]
     return cases
 
@@ -130,7 +166,9 @@ def test_engine_still_serves_and_restores_after_the_hostile_suite(engines) -> No
     hybrid, _ = engines
     blob = _valid_blob(hybrid)
     checkpoint = hybrid.import_checkpoint(blob)
-    prompt = Prompt(tokens=tuple(checkpoint.tokens.tolist()) + tuple(hybrid.model.tokenize(" More.")))
+    prompt = Prompt(
+        tokens=tuple(checkpoint.tokens.tolist()) + tuple(hybrid.model.tokenize(" More."))
+    )
     done = hybrid.generate(prompt, SamplingParams(max_tokens=3))
     assert done.usage.cached_tokens == checkpoint.n_tokens
     assert len(done.tokens) == 3

@@ -78,7 +78,9 @@ def test_checkpoint_exported_to_a_second_engine_is_bit_exact(arch, tiny_model, m
     assert blob is not None
     assert second.import_checkpoint(blob).n_tokens == best.n_tokens
 
-    follow_up = Prompt(tokens=tuple(best.tokens.tolist()) + tuple(second.model.tokenize(" Go on, please.")))
+    follow_up = Prompt(
+        tokens=tuple(best.tokens.tolist()) + tuple(second.model.tokenize(" Go on, please."))
+    )
     on_second = second.generate(follow_up, GREEDY, return_logits=True)
     from_scratch = scratch.generate(follow_up, GREEDY, return_logits=True)
 

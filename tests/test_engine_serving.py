@@ -37,7 +37,14 @@ def test_concurrent_streams_share_decode_steps(arch, tiny_model, make_engine) ->
 @pytest.mark.parametrize("arch", ARCHS)
 def test_more_requests_than_slots_all_complete(arch, tiny_model, make_engine) -> None:
     engine = make_engine(tiny_model(arch), n_slots=2)
-    handles = [engine.submit(_request(engine.text_prompt(f"Request {i}."), SamplingParams(max_tokens=5, ignore_eos=True))) for i in range(7)]
+    handles = [
+        engine.submit(
+            _request(
+                engine.text_prompt(f"Request {i}."), SamplingParams(max_tokens=5, ignore_eos=True)
+            )
+        )
+        for i in range(7)
+    ]
     assert [len(h.result(timeout=60).tokens) for h in handles] == [5] * 7
 
 
@@ -55,7 +62,11 @@ def test_stop_string_ends_generation_before_it(tiny_model, make_engine) -> None:
     engine = make_engine(tiny_model("llama"))
     prompt = engine.text_prompt("Tell me something")
     free = engine.generate(prompt, LONG)
-    start = next(i for i in range(len(free.text) // 3, len(free.text)) if free.text[i : i + 2].strip() == free.text[i : i + 2])
+    start = next(
+        i
+        for i in range(len(free.text) // 3, len(free.text))
+        if free.text[i : i + 2].strip() == free.text[i : i + 2]
+    )
     stop = free.text[start : start + 2]
     stopped = engine.generate(prompt, LONG.model_copy(update={"stop": (stop,)}))
     assert stopped.finish_reason == "stop"
@@ -66,7 +77,9 @@ def test_stop_string_ends_generation_before_it(tiny_model, make_engine) -> None:
 def test_seeded_sampling_is_reproducible(tiny_model, make_engine) -> None:
     engine = make_engine(tiny_model("qwen35"))
     prompt = engine.text_prompt("Pick some words:")
-    params = SamplingParams(max_tokens=16, temperature=1.0, top_k=50, top_p=0.95, min_p=0.01, seed=7, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=16, temperature=1.0, top_k=50, top_p=0.95, min_p=0.01, seed=7, ignore_eos=True
+    )
     first = engine.generate(prompt, params)
     again = engine.generate(prompt, params)
     other = engine.generate(prompt, params.model_copy(update={"seed": 8}))
@@ -90,7 +103,10 @@ def test_prompt_longer_than_context_is_a_clear_error(arch, tiny_model, make_engi
     with pytest.raises(PromptTooLong) as caught:
         engine.submit(_request(prompt))
     assert "300" in str(caught.value) and str(engine.n_ctx) in str(caught.value)
-    assert len(engine.generate(engine.text_prompt("still fine"), SamplingParams(max_tokens=2)).tokens) <= 2
+    assert (
+        len(engine.generate(engine.text_prompt("still fine"), SamplingParams(max_tokens=2)).tokens)
+        <= 2
+    )
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -100,7 +116,10 @@ def test_generation_stops_at_the_context_limit(arch, tiny_model, make_engine) ->
     done = engine.generate(prompt, SamplingParams(max_tokens=500, ignore_eos=True))
     assert done.finish_reason == "length"
     assert 0 < len(done.tokens) and len(prompt) + len(done.tokens) <= engine.n_ctx
-    assert engine.generate(prompt, SamplingParams(max_tokens=3, ignore_eos=True)).usage.cached_tokens > 0
+    assert (
+        engine.generate(prompt, SamplingParams(max_tokens=3, ignore_eos=True)).usage.cached_tokens
+        > 0
+    )
 
 
 def test_bad_token_ids_are_rejected(tiny_model, make_engine) -> None:
@@ -114,7 +133,11 @@ def test_bad_token_ids_are_rejected(tiny_model, make_engine) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cancel_mid_stream_frees_the_slot(arch, tiny_model, make_engine) -> None:
     engine = make_engine(tiny_model(arch), n_slots=1)
-    handle = engine.submit(_request(engine.text_prompt("A long story"), SamplingParams(max_tokens=400, ignore_eos=True)))
+    handle = engine.submit(
+        _request(
+            engine.text_prompt("A long story"), SamplingParams(max_tokens=400, ignore_eos=True)
+        )
+    )
     seen = 0
     for _ in handle:
         seen += 1
@@ -124,12 +147,21 @@ def test_cancel_mid_stream_frees_the_slot(arch, tiny_model, make_engine) -> None
     assert done.finish_reason == "cancelled"
     assert 3 <= len(done.tokens) < 400
     # the only slot is free again: the next request is served
-    assert len(engine.generate(engine.text_prompt("Next"), SamplingParams(max_tokens=4, ignore_eos=True)).tokens) == 4
+    assert (
+        len(
+            engine.generate(
+                engine.text_prompt("Next"), SamplingParams(max_tokens=4, ignore_eos=True)
+            ).tokens
+        )
+        == 4
+    )
 
 
 def test_cancel_before_start_never_runs(tiny_model, make_engine) -> None:
     engine = make_engine(tiny_model("llama"), n_slots=1)
-    blocker = engine.submit(_request(engine.text_prompt("Busy"), SamplingParams(max_tokens=60, ignore_eos=True)))
+    blocker = engine.submit(
+        _request(engine.text_prompt("Busy"), SamplingParams(max_tokens=60, ignore_eos=True))
+    )
     queued = engine.submit(_request(engine.text_prompt("Waiting")))
     queued.cancel()
     assert queued.result(timeout=30).finish_reason == "cancelled"
@@ -140,15 +172,22 @@ def test_cancel_before_start_never_runs(tiny_model, make_engine) -> None:
 def test_edited_last_turn_reuses_the_state_before_it(tiny_model, make_engine) -> None:
     """A hybrid model keeps a checkpoint at the start of the last user message."""
     engine = make_engine(tiny_model("qwen35"))
-    history = [{"role": "system", "content": "Be brief. " * 30}, {"role": "user", "content": "First question?"}]
+    history = [
+        {"role": "system", "content": "Be brief. " * 30},
+        {"role": "user", "content": "First question?"},
+    ]
     engine.generate(engine.chat_prompt(history), SamplingParams(max_tokens=4))
-    retried = engine.chat_prompt(history[:1] + [{"role": "user", "content": "A different first question?"}])
+    retried = engine.chat_prompt(
+        history[:1] + [{"role": "user", "content": "A different first question?"}]
+    )
     done = engine.generate(retried, SamplingParams(max_tokens=4))
     assert done.usage.cached_tokens == retried.last_user_start
 
 
 def test_long_prefill_takes_a_bounded_number_of_checkpoints(tiny_model, make_engine) -> None:
-    engine = make_engine(tiny_model("mamba2"), n_ctx=1024, checkpoint_interval=64, max_interval_checkpoints=3)
+    engine = make_engine(
+        tiny_model("mamba2"), n_ctx=1024, checkpoint_interval=64, max_interval_checkpoints=3
+    )
     prompt = Prompt(tokens=tuple(range(500, 1200)))
     done = engine.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
     assert engine.wait_idle(timeout=30)  # the reply is replayed after the response
@@ -162,7 +201,9 @@ def test_long_prefill_takes_a_bounded_number_of_checkpoints(tiny_model, make_eng
 def test_store_budget_is_never_exceeded(tiny_model, make_engine) -> None:
     engine = make_engine(tiny_model("qwen35"), store_budget_bytes=400_000)
     for i in range(8):
-        engine.generate(engine.text_prompt(f"Conversation {i}: " + "words " * 40), SamplingParams(max_tokens=3))
+        engine.generate(
+            engine.text_prompt(f"Conversation {i}: " + "words " * 40), SamplingParams(max_tokens=3)
+        )
         assert engine.store.used_bytes <= 400_000
     assert len(engine.store) > 0
 
@@ -183,7 +224,9 @@ def test_submit_is_thread_safe(tiny_model, make_engine) -> None:
     lock = threading.Lock()
 
     def client(i: int) -> None:
-        done = engine.generate(engine.text_prompt(f"Client {i}"), SamplingParams(max_tokens=6, ignore_eos=True))
+        done = engine.generate(
+            engine.text_prompt(f"Client {i}"), SamplingParams(max_tokens=6, ignore_eos=True)
+        )
         with lock:
             results.append(len(done.tokens))
 

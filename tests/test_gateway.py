@@ -51,7 +51,9 @@ class StartedReplica:
         await self._start()
         return await self.replica.generate(request)
 
-    async def stream(self, request: ReplicaRequest) -> AsyncGenerator[TokenEvent | Completion, None]:
+    async def stream(
+        self, request: ReplicaRequest
+    ) -> AsyncGenerator[TokenEvent | Completion, None]:
         await self._start()
         async with contextlib.aclosing(self.replica.stream(request)) as items:
             async for item in items:
@@ -147,7 +149,9 @@ def test_chat_completion(client: httpx.Client) -> None:
     assert body["id"].startswith("chatcmpl-") and abs(body["created"] - time.time()) < 60
     assert response.headers["x-baton-replica"] == "r0"
     (choice,) = body["choices"]
-    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    assert choice["message"]["role"] == "assistant" and isinstance(
+        choice["message"]["content"], str
+    )
     assert choice["finish_reason"] == "length"
     usage = body["usage"]
     assert usage["completion_tokens"] == 8
@@ -166,7 +170,9 @@ def test_chat_stream_gives_the_same_reply_in_chunks(client: httpx.Client) -> Non
 
     assert data[-1] == "[DONE]"
     chunks = [json.loads(d) for d in data[:-1]]
-    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert all(
+        c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks
+    )
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     *content, usage_chunk = chunks
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in content)
@@ -184,7 +190,9 @@ def test_content_parts_are_joined(client: httpx.Client) -> None:
 
 
 def test_completion_of_text_texts_and_token_ids(client: httpx.Client) -> None:
-    one = client.post(COMPLETIONS, json=_text("Once upon a time", max_tokens=5, ignore_eos=True)).json()
+    one = client.post(
+        COMPLETIONS, json=_text("Once upon a time", max_tokens=5, ignore_eos=True)
+    ).json()
     assert one["object"] == "text_completion" and one["id"].startswith("cmpl-")
     assert len(one["choices"]) == 1 and one["usage"]["completion_tokens"] == 5
 
@@ -214,7 +222,10 @@ def test_completion_stream(client: httpx.Client) -> None:
 
 def test_second_chat_turn_reuses_the_first(client: httpx.Client) -> None:
     first = [
-        {"role": "system", "content": "You are a terse assistant who answers in one sentence. " * 4},
+        {
+            "role": "system",
+            "content": "You are a terse assistant who answers in one sentence. " * 4,
+        },
         {"role": "user", "content": "Name a colour."},
     ]
     turn1 = client.post(CHAT, json=_chat(messages=first, temperature=0)).json()
@@ -249,7 +260,9 @@ def test_openai_client(served: Served) -> None:
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
     no_eos = {"ignore_eos": True}
 
-    chat = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, extra_body=no_eos)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=6, extra_body=no_eos
+    )
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason == "length"
     assert chat.usage is not None and chat.usage.completion_tokens == 6
     assert chat.usage.prompt_tokens_details is not None
@@ -262,8 +275,12 @@ def test_openai_client(served: Served) -> None:
     assert ids.usage is not None and ids.usage.prompt_tokens == 4
 
     stream = client.chat.completions.create(
-        model=MODEL, messages=HELLO, max_tokens=5, stream=True,
-        stream_options={"include_usage": True}, extra_body=no_eos,
+        model=MODEL,
+        messages=HELLO,
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=no_eos,
     )
     chunks = list(stream)
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
@@ -303,17 +320,28 @@ def _says(content: object) -> list[dict[str, object]]:
 
 TOO_LONG = (400, None, "context_length_exceeded")
 BAD_REQUESTS = [  # path, body (JSON, or raw bytes), then (status, param, code)
-    pytest.param(CHAT, b'{"model": "baton-tiny", "messages": [', (400, None, None), id="malformed JSON"),
+    pytest.param(
+        CHAT, b'{"model": "baton-tiny", "messages": [', (400, None, None), id="malformed JSON"
+    ),
     pytest.param(CHAT, b"", (400, None, None), id="empty body"),
     pytest.param(CHAT, b"[1, 2]", (400, None, None), id="a JSON array"),
     pytest.param(CHAT, {"messages": HELLO}, (400, "model", None), id="no model"),
     pytest.param(CHAT, _chat(messages="hi"), (400, "messages", None), id="messages not a list"),
     pytest.param(CHAT, _chat(messages=[]), (400, "messages", None), id="no messages"),
-    pytest.param(CHAT, _chat(messages=_says(5)), (400, "messages[0].content", None), id="content a number"),
-    pytest.param(CHAT, _chat(messages=_says([{"type": "image_url"}])), (400, "messages[0].content", None), id="image"),
+    pytest.param(
+        CHAT, _chat(messages=_says(5)), (400, "messages[0].content", None), id="content a number"
+    ),
+    pytest.param(
+        CHAT,
+        _chat(messages=_says([{"type": "image_url"}])),
+        (400, "messages[0].content", None),
+        id="image",
+    ),
     pytest.param(CHAT, _chat(max_tokens=-1), (400, "max_tokens", None), id="max_tokens negative"),
     pytest.param(CHAT, _chat(max_tokens="many"), (400, "max_tokens", None), id="max_tokens a word"),
-    pytest.param(CHAT, _chat(max_tokens=CAP + 1), (400, "max_tokens", None), id="max_tokens over the cap"),
+    pytest.param(
+        CHAT, _chat(max_tokens=CAP + 1), (400, "max_tokens", None), id="max_tokens over the cap"
+    ),
     pytest.param(CHAT, _chat(n=2), (400, "n", None), id="n=2"),
     pytest.param(CHAT, _chat(temperature=3), (400, "temperature", None), id="temperature 3"),
     pytest.param(CHAT, _chat(top_p=0), (400, "top_p", None), id="top_p 0"),
@@ -322,7 +350,12 @@ BAD_REQUESTS = [  # path, body (JSON, or raw bytes), then (status, param, code)
     pytest.param(CHAT, _chat(seed=-1), (400, "seed", None), id="negative seed"),
     pytest.param(CHAT, _chat(logprobs=True), (400, "logprobs", None), id="logprobs"),
     pytest.param(CHAT, _chat(presence_penalty=0.5), (400, "presence_penalty", None), id="penalty"),
-    pytest.param(CHAT, _chat(stream_options={"include_usage": True}), (400, "stream_options", None), id="no stream"),
+    pytest.param(
+        CHAT,
+        _chat(stream_options={"include_usage": True}),
+        (400, "stream_options", None),
+        id="no stream",
+    ),
     pytest.param(CHAT, _chat(model="gpt-4"), (404, "model", "model_not_found"), id="unknown model"),
     pytest.param(CHAT, _chat(messages=_says("word " * 2000)), TOO_LONG, id="huge chat"),
     pytest.param(COMPLETIONS, _text("word " * 2000), TOO_LONG, id="huge prompt"),
@@ -332,7 +365,12 @@ BAD_REQUESTS = [  # path, body (JSON, or raw bytes), then (status, param, code)
     pytest.param(COMPLETIONS, _text([-1, 2]), (400, "prompt", None), id="negative token id"),
     pytest.param(COMPLETIONS, _text([2**70]), (400, "prompt", None), id="token id past int64"),
     pytest.param(COMPLETIONS, _text("a", echo=True), (400, "echo", None), id="echo"),
-    pytest.param(COMPLETIONS, _text(["a", "b"], stream=True), (400, "prompt", None), id="stream of two prompts"),
+    pytest.param(
+        COMPLETIONS,
+        _text(["a", "b"], stream=True),
+        (400, "prompt", None),
+        id="stream of two prompts",
+    ),
 ]
 
 
@@ -369,7 +407,9 @@ def test_oversized_body_is_refused_before_parsing(client: httpx.Client) -> None:
         for start in range(0, len(big), 1 << 16):
             yield big[start : start + (1 << 16)]
 
-    streamed = client.post(COMPLETIONS, content=chunked(), headers={"content-type": "application/json"})
+    streamed = client.post(
+        COMPLETIONS, content=chunked(), headers={"content-type": "application/json"}
+    )
     assert streamed.status_code == 413
     assert client.get("/health").status_code == 200
 
@@ -385,13 +425,25 @@ def test_server_still_serves_after_bad_requests(client: httpx.Client) -> None:
 def test_api_key_is_required_on_the_api_only(keyed: Served) -> None:
     with httpx.Client(base_url=keyed.url) as client:
         wrong = "Bearer é".encode("latin-1")
-        for headers in ({}, {"authorization": "Bearer sk-wrong"}, {"authorization": f"Basic {KEY}"}, {b"authorization": wrong}):
+        for headers in (
+            {},
+            {"authorization": "Bearer sk-wrong"},
+            {"authorization": f"Basic {KEY}"},
+            {b"authorization": wrong},
+        ):
             denied = client.get("/v1/models", headers=headers)
             assert denied.status_code == 401
             assert denied.json()["error"]["code"] == "invalid_api_key"
             assert denied.headers["www-authenticate"] == "Bearer"
-        assert client.post(CHAT, content=b"{", headers={"content-type": "application/json"}).status_code == 401
-        assert client.get("/v1/models", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
+        assert (
+            client.post(
+                CHAT, content=b"{", headers={"content-type": "application/json"}
+            ).status_code
+            == 401
+        )
+        assert (
+            client.get("/v1/models", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
+        )
         assert client.get("/health").status_code == 200
 
 
@@ -430,7 +482,9 @@ class FailingReplica:
     async def generate(self, request: ReplicaRequest) -> Completion:
         raise self.error
 
-    async def stream(self, request: ReplicaRequest) -> AsyncGenerator[TokenEvent | Completion, None]:
+    async def stream(
+        self, request: ReplicaRequest
+    ) -> AsyncGenerator[TokenEvent | Completion, None]:
         for token in range(self.tokens_first):
             yield TokenEvent(token=token, text="x")
         raise self.error
@@ -473,7 +527,9 @@ def test_failure_mid_stream_is_an_error_event(tiny_model: Callable[[str], Path])
     app = create_app(settings, FailingReplica(RuntimeError("secret detail"), tokens_first=2))
     response = _post_in_process(app, _text("Hi", stream=True))
     assert response.status_code == 200
-    data = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
+    data = [
+        line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")
+    ]
     assert data[-1] == "[DONE]"
     assert [json.loads(d)["choices"][0]["text"] for d in data[:2]] == ["x", "x"]
     assert json.loads(data[-2])["error"]["type"] == "server_error"

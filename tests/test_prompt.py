@@ -33,7 +33,9 @@ def template(model: LlamaModel) -> ChatTemplate:
 
 def make_template(model: LlamaModel, source: str) -> ChatTemplate:
     return ChatTemplate(
-        source, bos_token=model.token_text(model.bos_token), eos_token=model.token_text(model.eos_token)
+        source,
+        bos_token=model.token_text(model.bos_token),
+        eos_token=model.token_text(model.eos_token),
     )
 
 
@@ -202,7 +204,9 @@ def test_raise_exception_becomes_prompt_error(model: LlamaModel) -> None:
         chat_prompt(model, make_template(model, "{{ raise_exception('x') }}"), msgs(("user", "hi")))
 
 
-@pytest.mark.parametrize("source", ["{% for m in messages %}", "{{ messages[ }}", "{% if %}{% endif %}"])
+@pytest.mark.parametrize(
+    "source", ["{% for m in messages %}", "{{ messages[ }}", "{% if %}{% endif %}"]
+)
 def test_template_syntax_error_is_prompt_error(model: LlamaModel, source: str) -> None:
     """A template that does not parse is refused when it is loaded."""
     with pytest.raises(PromptError, match="does not parse"):
@@ -251,7 +255,9 @@ def test_text_prompt(model: LlamaModel, text: str) -> None:
 class _RecordingTokenizer:
     """A stand-in tokenizer (the Tokenizer protocol) that adds token 1 as BOS when asked."""
 
-    def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> list[int]:
         return ([1] if add_special else []) + [ord(c) for c in text]
 
     def token_text(self, token: int) -> str:

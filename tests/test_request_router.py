@@ -33,11 +33,15 @@ ROUTER = RequestRouterConfig(
 
 
 def _request(hashes: tuple[bytes, ...] = ()) -> ReplicaRequest:
-    return ReplicaRequest(generation=GenerationRequest(prompt=Prompt(tokens=(1, 2, 3))), prefix_hashes=hashes)
+    return ReplicaRequest(
+        generation=GenerationRequest(prompt=Prompt(tokens=(1, 2, 3))), prefix_hashes=hashes
+    )
 
 
 # No logical CPUs: the session's cluster has two, kept for the apps of other tests.
-@serve.deployment(max_ongoing_requests=1, request_router_config=ROUTER, ray_actor_options={"num_cpus": 0})
+@serve.deployment(
+    max_ongoing_requests=1, request_router_config=ROUTER, ray_actor_options={"num_cpus": 0}
+)
 class Worker:
     async def work(self, request: ReplicaRequest, delay_s: float = 0.0) -> str:
         await asyncio.sleep(delay_s)
@@ -56,10 +60,16 @@ class Caller:
 
     async def siblings(self) -> list[str]:
         # Two concurrent child calls of one parent request share its internal request id.
-        return list(await asyncio.gather(self.worker.work.remote(_request()), self.worker.work.remote(_request())))
+        return list(
+            await asyncio.gather(
+                self.worker.work.remote(_request()), self.worker.work.remote(_request())
+            )
+        )
 
     async def crowd(self, n: int, delay_s: float) -> list[str]:
-        return list(await asyncio.gather(*(self.worker.work.remote(_request(), delay_s) for _ in range(n))))
+        return list(
+            await asyncio.gather(*(self.worker.work.remote(_request(), delay_s) for _ in range(n)))
+        )
 
     async def malformed(self) -> str:
         return await self.worker.work.remote(_request(hashes=(b"\x01\x02\x03",)))
@@ -108,7 +118,11 @@ def test_every_routing_policy_serves(policy, serve_port, tiny_model) -> None:
     try:
         base = f"http://127.0.0.1:{serve_port}/{name}"
         for body in (
-            {"model": config.served_model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+            {
+                "model": config.served_model_name,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 4,
+            },
             {"model": config.served_model_name, "prompt": "Once upon", "max_tokens": 4},
         ):
             path = "chat/completions" if "messages" in body else "completions"

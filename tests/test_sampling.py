@@ -94,7 +94,9 @@ def test_top_k_only_yields_k_highest(k: int) -> None:
 def test_top_k_larger_than_vocab_keeps_everything() -> None:
     """top_k beyond the vocabulary size filters nothing."""
     logits = np.zeros(6)
-    assert set(draw(SamplingParams(temperature=1.0, top_k=50, seed=2), logits, 600)) == set(range(6))
+    assert set(draw(SamplingParams(temperature=1.0, top_k=50, seed=2), logits, 600)) == set(
+        range(6)
+    )
 
 
 @pytest.mark.parametrize(

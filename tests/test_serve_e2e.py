@@ -25,7 +25,9 @@ SYSTEM = "You answer in short sentences about routing, caches and state. " * 20
 
 @pytest.fixture(scope="module", params=["embedded", "redis"])
 def app(request, serve_port, tiny_model) -> Iterator[tuple[str, BatonConfig]]:
-    index = "embedded" if request.param == "embedded" else request.getfixturevalue("redis_server").url
+    index = (
+        "embedded" if request.param == "embedded" else request.getfixturevalue("redis_server").url
+    )
     config = BatonConfig(
         model=str(tiny_model("qwen35")),
         replicas=2,
@@ -54,8 +56,15 @@ def _wait_healthy(url: str, timeout: float = 60.0) -> None:
     raise AssertionError("the app never became healthy")
 
 
-def _chat(url: str, config: BatonConfig, messages: list[dict], max_tokens: int = 8) -> httpx.Response:
-    body = {"model": config.served_model_name, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+def _chat(
+    url: str, config: BatonConfig, messages: list[dict], max_tokens: int = 8
+) -> httpx.Response:
+    body = {
+        "model": config.served_model_name,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
     response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response
@@ -66,7 +75,9 @@ def test_conversation_keeps_landing_on_the_replica_with_its_prefix(app) -> None:
     messages = [{"role": "system", "content": SYSTEM}]
     served_by = []
     for turn in range(4):
-        messages.append({"role": "user", "content": f"Question {turn}: which replica holds item {turn}?"})
+        messages.append(
+            {"role": "user", "content": f"Question {turn}: which replica holds item {turn}?"}
+        )
         response = _chat(url, config, messages)
         body = response.json()
         served_by.append(response.headers["x-baton-replica"])
@@ -78,15 +89,22 @@ def test_conversation_keeps_landing_on_the_replica_with_its_prefix(app) -> None:
 
 def test_a_saturated_holder_ships_its_state_to_the_other_replica(app, tiny_model) -> None:
     url, config = app
-    messages = [{"role": "system", "content": SYSTEM + " Shipping test."}, {"role": "user", "content": "Start."}]
+    messages = [
+        {"role": "system", "content": SYSTEM + " Shipping test."},
+        {"role": "user", "content": "Start."},
+    ]
     first = _chat(url, config, messages)
     holder = first.headers["x-baton-replica"]
-    messages.append({"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]})
+    messages.append(
+        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]}
+    )
     messages.append({"role": "user", "content": "And now, from the other replica?"})
     time.sleep(1.0)  # the holder's end-of-reply checkpoint reaches the index
 
     # Occupy the holder: long generations whose conversation it also holds.
-    busy = [threading.Thread(target=_chat, args=(url, config, messages[:2], 1200)) for _ in range(3)]
+    busy = [
+        threading.Thread(target=_chat, args=(url, config, messages[:2], 1200)) for _ in range(3)
+    ]
     for thread in busy:
         thread.start()
     time.sleep(1.0)  # routing stats (every 0.5 s) now show the holder's load
@@ -97,7 +115,9 @@ def test_a_saturated_holder_ships_its_state_to_the_other_replica(app, tiny_model
     assert shipped.headers["x-baton-replica"] != holder
     usage = shipped.json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0  # pulled, not recomputed
-    with Engine(str(tiny_model("qwen35")), ENGINE.model_copy(update={"prefix_cache": False}), hmac_key=b"k") as cold:
+    with Engine(
+        str(tiny_model("qwen35")), ENGINE.model_copy(update={"prefix_cache": False}), hmac_key=b"k"
+    ) as cold:
         reference = cold.generate(cold.chat_prompt(messages), SamplingParams(max_tokens=8))
     assert shipped.json()["choices"][0]["message"]["content"] == reference.text
     assert usage["prompt_tokens"] == reference.usage.prompt_tokens
@@ -120,13 +140,17 @@ def test_openai_client_against_the_served_app(app) -> None:
         )
     )
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
-    completion = client.completions.create(model=config.served_model_name, prompt=[1, 2, 3, 4], max_tokens=3)
+    completion = client.completions.create(
+        model=config.served_model_name, prompt=[1, 2, 3, 4], max_tokens=3
+    )
     assert completion.usage.prompt_tokens == 4
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(
-            model=config.served_model_name, messages=[{"role": "user", "content": "x"}], max_tokens=-1
+            model=config.served_model_name,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=-1,
         )
 
 
@@ -135,12 +159,22 @@ def test_bad_inputs_get_4xx_and_the_app_stays_healthy(app) -> None:
     cases = [
         (b"{not json", 400),
         (b'{"model": 5, "messages": "no"}', 400),
-        (b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "n": 3}' % config.served_model_name.encode(), 400),
-        (b'{"model": "%s", "prompt": "%s"}' % (config.served_model_name.encode(), b"word " * 5000), 400),
+        (
+            b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "n": 3}'
+            % config.served_model_name.encode(),
+            400,
+        ),
+        (
+            b'{"model": "%s", "prompt": "%s"}'
+            % (config.served_model_name.encode(), b"word " * 5000),
+            400,
+        ),
     ]
     for body, status in cases:
         response = httpx.post(
-            f"{url}/v1/chat/completions" if b"messages" in body or b"not json" in body else f"{url}/v1/completions",
+            f"{url}/v1/chat/completions"
+            if b"messages" in body or b"not json" in body
+            else f"{url}/v1/completions",
             content=body,
             headers={"Content-Type": "application/json"},
             timeout=60,
@@ -151,7 +185,9 @@ def test_bad_inputs_get_4xx_and_the_app_stays_healthy(app) -> None:
     assert _chat(url, config, [{"role": "user", "content": "still here?"}]).status_code == 200
 
 
-def test_the_checked_in_serve_config_builds_through_serves_own_loader(serve_port, tiny_model) -> None:
+def test_the_checked_in_serve_config_builds_through_serves_own_loader(
+    serve_port, tiny_model
+) -> None:
     """What `serve run deploy/serve_config.yaml` does: validate the file with Serve's
     schema, import the builder, call it with the file's args (here overridden to a tiny
     model on one replica), run the application."""

@@ -38,11 +38,15 @@ def _long_prompt(seed: int) -> tuple[int, ...]:
     return tuple(int(t) for t in rng.integers(1000, 40000, size=700))
 
 
-def _request(tokens: tuple[int, ...], sampling: SamplingParams = FOUR, logits: bool = False) -> GenerationRequest:
+def _request(
+    tokens: tuple[int, ...], sampling: SamplingParams = FOUR, logits: bool = False
+) -> GenerationRequest:
     return GenerationRequest(prompt=Prompt(tokens=tokens), sampling=sampling, return_logits=logits)
 
 
-async def _wait_for_entries(spec: str, fingerprint: bytes, chain: list[bytes], replica: str, timeout: float = 10.0) -> None:
+async def _wait_for_entries(
+    spec: str, fingerprint: bytes, chain: list[bytes], replica: str, timeout: float = 10.0
+) -> None:
     index = await connect_index(spec, fingerprint)
     try:
         deadline = time.monotonic() + timeout
@@ -68,9 +72,15 @@ def index_spec(request, ray_cluster) -> str:
 def test_pull_through_index_and_object_store_is_exact(index_spec, tiny_model) -> None:
     path = str(tiny_model("qwen35"))
     suffix = f"-{index_spec[:5]}"
-    holder = spawn_replica("a" + suffix, path, CONFIG, hmac_key=KEY, index=index_spec, policy=EAGER, heartbeat_s=0.2)
-    puller = spawn_replica("b" + suffix, path, CONFIG, hmac_key=KEY, index=index_spec, policy=EAGER, heartbeat_s=0.2)
-    cold = spawn_replica("c" + suffix, path, CONFIG.model_copy(update={"prefix_cache": False}), hmac_key=KEY)
+    holder = spawn_replica(
+        "a" + suffix, path, CONFIG, hmac_key=KEY, index=index_spec, policy=EAGER, heartbeat_s=0.2
+    )
+    puller = spawn_replica(
+        "b" + suffix, path, CONFIG, hmac_key=KEY, index=index_spec, policy=EAGER, heartbeat_s=0.2
+    )
+    cold = spawn_replica(
+        "c" + suffix, path, CONFIG.model_copy(update={"prefix_cache": False}), hmac_key=KEY
+    )
     try:
         ray.get([holder.start.remote(), puller.start.remote(), cold.start.remote()])
         prefix = _long_prompt(seed=1)
@@ -100,8 +110,12 @@ def test_pull_through_index_and_object_store_is_exact(index_spec, tiny_model) ->
 
 def test_dead_peer_costs_a_recompute_not_a_failure(redis_server, ray_cluster, tiny_model) -> None:
     path = str(tiny_model("qwen35"))
-    holder = spawn_replica("dead-a", path, CONFIG, hmac_key=KEY, index=redis_server.url, policy=EAGER, heartbeat_s=0.2)
-    puller = spawn_replica("dead-b", path, CONFIG, hmac_key=KEY, index=redis_server.url, policy=EAGER, heartbeat_s=0.2)
+    holder = spawn_replica(
+        "dead-a", path, CONFIG, hmac_key=KEY, index=redis_server.url, policy=EAGER, heartbeat_s=0.2
+    )
+    puller = spawn_replica(
+        "dead-b", path, CONFIG, hmac_key=KEY, index=redis_server.url, policy=EAGER, heartbeat_s=0.2
+    )
     try:
         ray.get([holder.start.remote(), puller.start.remote()])
         prefix = _long_prompt(seed=2)
@@ -146,13 +160,22 @@ def test_bad_transfer_is_rejected_and_recomputed(fault, expected, redis_server, 
     path = str(tiny_model("qwen35"))
 
     async def scenario() -> None:
-        policy = ShipPolicy(min_gain_tokens=16, prefill_tokens_per_s=50.0, safety=1.0, deadline_s=0.3)
-        with Engine(path, CONFIG, hmac_key=KEY) as a_engine, Engine(path, CONFIG, hmac_key=KEY) as b_engine:
+        policy = ShipPolicy(
+            min_gain_tokens=16, prefill_tokens_per_s=50.0, safety=1.0, deadline_s=0.3
+        )
+        with (
+            Engine(path, CONFIG, hmac_key=KEY) as a_engine,
+            Engine(path, CONFIG, hmac_key=KEY) as b_engine,
+        ):
             a_index = await connect_index(redis_server.url, a_engine.fingerprint)
             b_index = await connect_index(redis_server.url, b_engine.fingerprint)
             holder = Replica("tamper-a-" + expected, a_engine, index=a_index, heartbeat_s=0.1)
             puller = Replica(
-                "tamper-b-" + expected, b_engine, index=b_index, peers=_TamperingPeers(holder, **fault), policy=policy
+                "tamper-b-" + expected,
+                b_engine,
+                index=b_index,
+                peers=_TamperingPeers(holder, **fault),
+                policy=policy,
             )
             await holder.start()
             await puller.start()
@@ -160,7 +183,12 @@ def test_bad_transfer_is_rejected_and_recomputed(fault, expected, redis_server, 
             first = await holder.generate(ReplicaRequest(generation=_request(prefix)))
             await asyncio.to_thread(a_engine.wait_idle, 10)
             history = prefix + tuple(first.tokens)
-            await _wait_for_entries(redis_server.url, a_engine.fingerprint, a_engine.hasher.chain(history), holder.replica_id)
+            await _wait_for_entries(
+                redis_server.url,
+                a_engine.fingerprint,
+                a_engine.hasher.chain(history),
+                holder.replica_id,
+            )
             started = time.perf_counter()
             done = await puller.generate(ReplicaRequest(generation=_request(history + (9, 10, 11))))
             elapsed = time.perf_counter() - started
@@ -175,7 +203,9 @@ def test_bad_transfer_is_rejected_and_recomputed(fault, expected, redis_server, 
     asyncio.run(scenario())
 
 
-def test_redis_outage_never_fails_a_request_and_the_index_repopulates(private_redis_server, tiny_model) -> None:
+def test_redis_outage_never_fails_a_request_and_the_index_repopulates(
+    private_redis_server, tiny_model
+) -> None:
     path = str(tiny_model("qwen35"))
     server = private_redis_server
 
@@ -193,7 +223,9 @@ def test_redis_outage_never_fails_a_request_and_the_index_repopulates(private_re
 
             server.stop()
             for i in range(3):  # requests keep succeeding, reusing the local store
-                done = await replica.generate(ReplicaRequest(generation=_request(history + (100 + i, 7, 8))))
+                done = await replica.generate(
+                    ReplicaRequest(generation=_request(history + (100 + i, 7, 8)))
+                )
                 assert len(done.tokens) == 4 and done.usage.cached_tokens == len(history)
             assert replica.stats.index_errors > 0
 

@@ -215,7 +215,7 @@ def test_random_streams_match_reference() -> None:
     for _ in range(400):
         pieces = [word(rng, 0, 3) for _ in range(8)]
         stops = [word(rng, 1, 4) for _ in range(rng.randint(1, 3))]
-        stream = TextStream(lambda t: pieces[t].encode(), stops)
+        stream = TextStream(lambda t, pieces=pieces: pieces[t].encode(), stops)
         decoded = emitted = ""
         for _ in range(12):
             token = rng.randrange(len(pieces))
