@@ -59,7 +59,9 @@ def _add_arguments(parser) -> None:
     group.add_argument("--model", default="", help="model name (default: the first of /v1/models)")
     group.add_argument("--max-tokens", type=int, default=32, help="max_tokens of every request")
     group.add_argument(
-        "--system-tokens", type=int, default=2000,
+        "--system-tokens",
+        type=int,
+        default=2000,
         help="size of the shared system prompt / agent header, in words (≈ tokens)",
     )
     group.add_argument("--seed", type=int, default=0, help="seed of prompts and agent choices")
@@ -185,7 +187,14 @@ def _print_tokens(environment, **_kwargs) -> None:
     if prefix:
         with open(f"{prefix}_tokens.csv", "w", newline="") as f:
             writer = csv.DictWriter(
-                f, fieldnames=["user_class", "requests", "prompt_tokens", "cached_tokens", "cached_ratio"]
+                f,
+                fieldnames=[
+                    "user_class",
+                    "requests",
+                    "prompt_tokens",
+                    "cached_tokens",
+                    "cached_ratio",
+                ],
             )
             writer.writeheader()
             writer.writerows(rows)
@@ -238,8 +247,13 @@ class BatonUser(HttpUser):
         }
         start = time.perf_counter()
         with self.client.post(
-            CHAT_PATH, json=body, headers=self.headers, name=f"chat {name}",
-            stream=True, catch_response=True, timeout=300,
+            CHAT_PATH,
+            json=body,
+            headers=self.headers,
+            name=f"chat {name}",
+            stream=True,
+            catch_response=True,
+            timeout=300,
         ) as response:
             if response.status_code != 200:
                 response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
@@ -259,12 +273,24 @@ class BatonUser(HttpUser):
         _record_usage(name, result.usage)
         fire = self.environment.events.request.fire
         if result.ttft_s is not None:
-            fire(request_type="TTFT", name=name, response_time=result.ttft_s * 1000,
-                 response_length=int(usage.get("prompt_tokens") or 0), exception=None, context={})
+            fire(
+                request_type="TTFT",
+                name=name,
+                response_time=result.ttft_s * 1000,
+                response_length=int(usage.get("prompt_tokens") or 0),
+                exception=None,
+                context={},
+            )
         if result.gaps_s:
             itl_ms = 1000 * sum(result.gaps_s) / len(result.gaps_s)
-            fire(request_type="ITL", name=name, response_time=itl_ms,
-                 response_length=len(result.gaps_s) + 1, exception=None, context={})
+            fire(
+                request_type="ITL",
+                name=name,
+                response_time=itl_ms,
+                response_length=len(result.gaps_s) + 1,
+                exception=None,
+                context={},
+            )
         return result.text
 
 
@@ -275,7 +301,9 @@ class MultiTurnChatUser(BatonUser):
 
     def on_start(self) -> None:
         super().on_start()
-        self.system = filler_text(self.system_words, _words, seed=self.seed, topic="You are Baton's assistant.")
+        self.system = filler_text(
+            self.system_words, _words, seed=self.seed, topic="You are Baton's assistant."
+        )
         self._new_session()
 
     def _new_session(self) -> None:
@@ -287,7 +315,9 @@ class MultiTurnChatUser(BatonUser):
         if self.turn >= self.max_turns:
             self._new_session()
         question = filler_text(
-            self.rng.randint(10, 30), _words, seed=self.rng.randrange(1 << 30),
+            self.rng.randint(10, 30),
+            _words,
+            seed=self.rng.randrange(1 << 30),
             topic=f"User {self.user_id}, turn {self.turn}:",
         )
         self.messages.append({"role": "user", "content": question})
@@ -314,7 +344,9 @@ class AgentLoopUser(BatonUser):
             for i, tool in enumerate(self.tools)
         )
         instructions = filler_text(
-            max(self.system_words - _words(specs), 50), _words, seed=self.seed + 7,
+            max(self.system_words - _words(specs), 50),
+            _words,
+            seed=self.seed + 7,
             topic="You are an agent. Think, then call exactly one tool per turn.",
         )
         self.header = f"# Tools\n{specs}\n\n# Instructions\n{instructions}"
@@ -323,7 +355,10 @@ class AgentLoopUser(BatonUser):
     def _new_session(self) -> None:
         self.messages = [
             {"role": "system", "content": self.header},
-            {"role": "user", "content": f"Task {self.user_id}-{self.rng.randrange(1 << 20)}: fix the failing build."},
+            {
+                "role": "user",
+                "content": f"Task {self.user_id}-{self.rng.randrange(1 << 20)}: fix the failing build.",
+            },
         ]
         self.turn = 0
 
@@ -336,16 +371,21 @@ class AgentLoopUser(BatonUser):
             self._new_session()
             return
         tool = self.rng.choice(self.tools)
-        action = f"Action: {tool}({{\"step\": {self.turn}}})"
+        action = f'Action: {tool}({{"step": {self.turn}}})'
         if self.turn and self.rng.random() < self.drop_reasoning_p:
             # Strip the previous turn's reasoning, as many agent clients do: the prompt's tail
             # changes from that message on.
             previous = self.messages[-2]
             if previous["role"] == "assistant" and "\n" in previous["content"]:
                 previous["content"] = previous["content"].split("\n", 1)[1]
-        self.messages.append({"role": "assistant", "content": f"Thought: {reply.strip()}\n{action}"})
+        self.messages.append(
+            {"role": "assistant", "content": f"Thought: {reply.strip()}\n{action}"}
+        )
         observation = filler_text(
-            self.rng.randint(5, 15), _words, seed=self.rng.randrange(1 << 30), topic=f"Result of {tool}:"
+            self.rng.randint(5, 15),
+            _words,
+            seed=self.rng.randrange(1 << 30),
+            topic=f"Result of {tool}:",
         )
         self.messages.append({"role": "user", "content": observation})
         self.turn += 1

@@ -60,7 +60,12 @@ print("parser ok")
 def test_sse_parser_accepts_openai_streams_and_rejects_broken_ones() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-c", PARSER_CHECK], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", PARSER_CHECK],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0 and "parser ok" in done.stdout, done.stdout + done.stderr
 
@@ -108,12 +113,38 @@ def _read_csv(path: Path) -> list[dict[str, str]]:
 
 def test_headless_run_of_all_user_classes(baton_url: str, tmp_path: Path) -> None:
     command = [
-        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
-        "-u", "3", "-r", "3", "--run-time", "20s", "--stop-timeout", "10",
-        "--host", baton_url, "--csv", str(tmp_path / "run"), "--html", str(tmp_path / "report.html"),
-        "--system-tokens", "300", "--max-tokens", "8", "--seed", "1",
-        "--only-summary", "--exit-code-on-error", "1",
-        "MultiTurnChatUser", "AgentLoopUser", "NoSharingUser",
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--headless",
+        "-u",
+        "3",
+        "-r",
+        "3",
+        "--run-time",
+        "20s",
+        "--stop-timeout",
+        "10",
+        "--host",
+        baton_url,
+        "--csv",
+        str(tmp_path / "run"),
+        "--html",
+        str(tmp_path / "report.html"),
+        "--system-tokens",
+        "300",
+        "--max-tokens",
+        "8",
+        "--seed",
+        "1",
+        "--only-summary",
+        "--exit-code-on-error",
+        "1",
+        "MultiTurnChatUser",
+        "AgentLoopUser",
+        "NoSharingUser",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
