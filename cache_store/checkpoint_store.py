@@ -133,6 +133,33 @@ class CheckpointStore:
                     return checkpoint
         return None
 
+    def longest_shared_prefix(
+        self, tokens: Sequence[int] | np.ndarray, max_tokens: int, *, touch: bool = True
+    ) -> tuple[Checkpoint | None, int]:
+        """The checkpoint sharing the longest common prefix with `tokens` (at most
+        `max_tokens` of it), and that length; marks it used unless `touch=False`.
+
+        For states that can be cut back to any prefix (attention KV): a conversation's
+        saved state also serves another that shares only its beginning.
+        """
+        arr = token_array(tokens)
+        limit = min(max_tokens, len(arr))
+        best: Checkpoint | None = None
+        best_n = 0
+        for checkpoint in self.checkpoints():
+            n = min(limit, checkpoint.n_tokens)
+            if n <= best_n:
+                continue
+            mismatch = np.flatnonzero(checkpoint.tokens[:n] != arr[:n])
+            shared = int(mismatch[0]) if mismatch.size else n
+            if shared > best_n:
+                best, best_n = checkpoint, shared
+        if best is not None and touch:
+            with self._lock:
+                if best.prefix_hash in self._entries:
+                    self._entries.move_to_end(best.prefix_hash)
+        return best, best_n
+
     def checkpoints(self) -> list[Checkpoint]:
         """Return a snapshot of the stored checkpoints, most recently used last."""
         with self._lock:

@@ -253,12 +253,12 @@ class Engine:
         whether pulling a longer prefix from a peer is worth it.
         """
         limit = max(0, len(tokens) - MIN_PIECE)
-        best = self.store.longest_match(self.hasher, tokens, limit, touch=False)
+        _, stored = self._stored_prefix(tokens, limit, touch=False)
         live = max(
             (self._live_reuse(s, tokens, limit) for s in self._slots if s.running is None),
             default=0,
         )
-        return max(live, best.n_tokens if best else 0)
+        return max(live, stored)
 
     def _measure_state_size(self) -> tuple[int, int] | None:
         """The exact size of a state, so a signed but malformed blob never reaches llama.cpp.
@@ -416,15 +416,18 @@ class Engine:
         live_slot, live = max(
             ((s, self._live_reuse(s, prompt, limit)) for s in free), key=lambda p: p[1]
         )
-        checkpoint = self.store.longest_match(self.hasher, prompt, limit)
-        if checkpoint is not None and checkpoint.n_tokens > live:
+        checkpoint, stored = self._stored_prefix(prompt, limit)
+        if checkpoint is not None and stored > live:
             slot = self._victim(free)
             self._evict(slot)
             if self._restore(slot, checkpoint):
                 self.stats.checkpoints_restored += 1
                 if self.listener is not None:
                     self.listener.checkpoint_used(checkpoint)
-                return slot, checkpoint.n_tokens
+                if stored < len(slot.tokens):  # attention KV: keep only the shared prefix
+                    self._context.truncate(slot.seq_id, stored)
+                    del slot.tokens[stored:]
+                return slot, stored
             return slot, 0
         if live:
             if len(live_slot.tokens) > live:
@@ -434,6 +437,19 @@ class Engine:
         slot = self._victim(free)
         self._evict(slot)
         return slot, 0
+
+    def _stored_prefix(
+        self, prompt: tuple[int, ...], limit: int, *, touch: bool = True
+    ) -> tuple[Checkpoint | None, int]:
+        """The stored checkpoint to restore for `prompt`, and how many tokens it gives.
+
+        Hybrid and recurrent states only serve prompts they prefix exactly; an attention
+        state also serves any prompt sharing its beginning (its KV is cut back after).
+        """
+        if self.kind.needs_checkpoints:
+            checkpoint = self.store.longest_match(self.hasher, prompt, limit, touch=touch)
+            return checkpoint, checkpoint.n_tokens if checkpoint is not None else 0
+        return self.store.longest_shared_prefix(prompt, limit, touch=touch)
 
     def _live_reuse(self, slot: Slot, prompt: tuple[int, ...], limit: int) -> int:
         """Tokens of `prompt` this idle slot already holds and can keep."""

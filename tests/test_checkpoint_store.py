@@ -183,3 +183,18 @@ def test_thread_safety_smoke() -> None:
     stored = store.checkpoints()
     assert store.used_bytes == sum(cp.nbytes for cp in stored) <= budget
     assert len({cp.prefix_hash for cp in stored}) == len(stored)
+
+
+def test_longest_shared_prefix_finds_partial_overlaps() -> None:
+    store = CheckpointStore(10_000)
+    a = Checkpoint(
+        prefix_hash=b"a" * 16, tokens=np.array([1, 2, 3, 4, 5], dtype=np.int32), state=b"x"
+    )
+    b = Checkpoint(prefix_hash=b"b" * 16, tokens=np.array([1, 2, 9], dtype=np.int32), state=b"y")
+    store.put(a)
+    store.put(b)
+    assert store.longest_shared_prefix([1, 2, 3, 7, 7, 7], 10) == (a, 3)
+    assert store.longest_shared_prefix([1, 2, 3, 4, 5, 6], 4) == (a, 4)  # capped
+    assert store.longest_shared_prefix([9, 9], 10) == (None, 0)
+    store.longest_shared_prefix([1, 2, 9, 9], 10, touch=False)
+    assert store.checkpoints()[-1] is a  # looking without touching keeps the LRU order

@@ -89,3 +89,24 @@ def test_checkpoint_exported_to_a_second_engine_is_bit_exact(arch, tiny_model, m
     assert on_second.usage.computed_tokens == len(follow_up) - best.n_tokens
     assert on_second.tokens == from_scratch.tokens
     assert float(np.abs(on_second.logits - from_scratch.logits).max()) == 0.0
+
+
+def test_attention_state_serves_prompts_sharing_only_its_beginning(tiny_model, make_engine) -> None:
+    """An evicted conversation's KV serves another conversation with the same header (an
+    agent's tool list): restored, cut back to the shared prefix, bit-exact."""
+    path = tiny_model("llama")
+    engine = make_engine(path, n_slots=1)
+    scratch = make_engine(path, prefix_cache=False)
+    header = [{"role": "system", "content": "Tools: search, fetch, summarise. " * 20}]
+    engine.generate(engine.chat_prompt(header + [{"role": "user", "content": "Task one."}]), GREEDY)
+    engine.generate(engine.text_prompt("Something unrelated evicts the only slot."), GREEDY)
+
+    other = engine.chat_prompt(header + [{"role": "user", "content": "A different task."}])
+    shared_header = other.message_starts[1]
+    resumed = engine.generate(other, GREEDY, return_logits=True)
+    fresh = scratch.generate(other, GREEDY, return_logits=True)
+
+    assert resumed.usage.cached_tokens >= shared_header
+    assert engine.stats.checkpoints_restored == 1
+    assert resumed.tokens == fresh.tokens
+    assert float(np.abs(resumed.logits - fresh.logits).max()) == 0.0
