@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cache_store.prefix_hash import PrefixHasher, token_array
+from cache_store.prefix_hash import PrefixHasher, common_prefix_length, token_array
 
 
 @dataclass(eq=False)
@@ -147,11 +147,9 @@ class CheckpointStore:
         best: Checkpoint | None = None
         best_n = 0
         for checkpoint in self.checkpoints():
-            n = min(limit, checkpoint.n_tokens)
-            if n <= best_n:
+            if min(limit, checkpoint.n_tokens) <= best_n:
                 continue
-            mismatch = np.flatnonzero(checkpoint.tokens[:n] != arr[:n])
-            shared = int(mismatch[0]) if mismatch.size else n
+            shared = common_prefix_length(checkpoint.tokens, arr, limit)
             if shared > best_n:
                 best, best_n = checkpoint, shared
         if best is not None and touch:

@@ -104,3 +104,14 @@ class PrefixHasher:
         if not 0 <= index <= n_tokens:
             raise ValueError(f"position {index} is out of range for {n_tokens} tokens")
         return index
+
+
+def common_prefix_length(
+    a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray, limit: int | None = None
+) -> int:
+    """How many leading tokens `a` and `b` share (at most `limit`)."""
+    n = min(len(a), len(b), len(a) if limit is None else limit)
+    if n <= 0:
+        return 0
+    mismatch = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(mismatch[0]) if mismatch.size else n

@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from cache_store.prefix_hash import common_prefix_length
 from loadtests.synthetic_text import filler_text
 from replicas.engine import Engine
 from replicas.engine_config import EngineConfig
@@ -31,15 +32,6 @@ class TurnRow:
     ttft_s: float
     computed_tokens_no_cache: int
     ttft_s_no_cache: float
-
-
-def _common_prefix(a: list[int], b: tuple[int, ...]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def run_chat(
@@ -68,7 +60,7 @@ def run_chat(
                 TurnRow(
                     turn=turn,
                     prompt_tokens=len(prompt),
-                    new_tokens=len(prompt) - _common_prefix(history, prompt.tokens),
+                    new_tokens=len(prompt) - common_prefix_length(history, prompt.tokens),
                     cached_tokens=on.usage.cached_tokens,
                     computed_tokens=on.usage.computed_tokens,
                     ttft_s=on.ttft_s or 0.0,

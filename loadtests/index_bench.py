@@ -70,19 +70,22 @@ class Workload:
             chains.append([_hash(doc if d < shared else new_doc, d) for d in range(chain)])
         return cls(entries, chains)
 
+    async def publish(self, index: CheckpointIndex) -> float:
+        """Publish every entry (in batches) and heartbeat every replica; seconds taken."""
+        started = time.perf_counter()
+        for replica, entries in self.entries.items():
+            for i in range(0, len(entries), BATCH):
+                await index.publish(replica, entries[i : i + BATCH])
+            await index.heartbeat(replica)
+        return time.perf_counter() - started
+
 
 async def _run_backend(spec: str, workload: Workload) -> dict:
     index: CheckpointIndex = await connect_index(
         spec, os.urandom(32), timeout_s=1.0, write_timeout_s=30.0, liveness_ttl_s=600.0
     )
     try:
-        start = time.perf_counter()
-        for replica, entries in workload.entries.items():
-            for i in range(0, len(entries), BATCH):
-                await index.publish(replica, entries[i : i + BATCH])
-        publish_s = time.perf_counter() - start
-        for replica in workload.entries:
-            await index.heartbeat(replica)
+        publish_s = await workload.publish(index)
         for chain in workload.chains[:WARMUP_LOOKUPS]:
             await index.lookup(chain)
         latencies, hits = [], 0
@@ -95,24 +98,30 @@ async def _run_backend(spec: str, workload: Workload) -> dict:
             await index.forget(replica)
     finally:
         await index.close()
-    ms = np.array(latencies) * 1000
     published = sum(len(e) for e in workload.entries.values())
     return {
         "publish_s": publish_s,
         "publish_entries_per_s": published / publish_s,
-        "lookup_ms": {
-            "p50": float(np.percentile(ms, 50)),
-            "p99": float(np.percentile(ms, 99)),
-            "mean": float(ms.mean()),
-            "max": float(ms.max()),
-        },
-        "lookups_over_timeout": int((ms > DEFAULT_TIMEOUT_S * 1000).sum()),
+        "lookup_ms": latency_ms(latencies),
+        "lookups_over_timeout": sum(s > DEFAULT_TIMEOUT_S for s in latencies),
         "hit_rate": hits / len(workload.chains),
     }
 
 
+def latency_ms(seconds: list[float]) -> dict[str, float]:
+    """p50, p99, mean and max of latencies given in seconds, in milliseconds."""
+    ms = np.array(seconds) * 1000
+    return {
+        "p50": float(np.percentile(ms, 50)),
+        "p99": float(np.percentile(ms, 99)),
+        "mean": float(ms.mean()),
+        "max": float(ms.max()),
+    }
+
+
 @contextlib.contextmanager
-def _redis_url(redis_url: str | None) -> Iterator[str]:
+def redis_url_or_private_server(redis_url: str | None) -> Iterator[str]:
+    """`redis_url` itself, or the URL of a private redis-server for the block."""
     if redis_url is not None:
         yield redis_url
         return
@@ -132,7 +141,7 @@ def index_benchmark(
     (in the running Ray cluster, or a local one started here)."""
     workload = Workload.make(checkpoints, replicas, lookups, chain)
     backends = {}
-    with _redis_url(redis_url) as url:
+    with redis_url_or_private_server(redis_url) as url:
         backends["redis"] = asyncio.run(_run_backend(url, workload))
     with local_ray(num_cpus=2):
         backends["embedded"] = asyncio.run(_run_backend("embedded", workload))

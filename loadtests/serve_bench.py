@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import numpy as np
 from ray import serve
 from ray.serve._private.common import (
     DeploymentHandleSource,
@@ -37,11 +36,11 @@ from ray.serve._private.common import (
 )
 from ray.serve.request_router import PendingRequest
 
-from cache_store.index import CheckpointIndex, connect_index
+from cache_store.index import connect_index
 from deploy.app import REPLICA_DEPLOYMENT, build_app
 from deploy.config import BatonConfig
 from deploy.local_ray import local_ray
-from loadtests.index_bench import BATCH, BLOCK_TOKENS, Workload, _redis_url
+from loadtests.index_bench import BLOCK_TOKENS, Workload, latency_ms, redis_url_or_private_server
 from loadtests.redis_server import free_port
 from replicas.engine import Engine
 from replicas.engine_config import EngineConfig
@@ -112,15 +111,6 @@ def _pending(request: ReplicaRequest, i: int) -> PendingRequest:
     return PendingRequest(args=[request], kwargs={}, metadata=metadata)
 
 
-async def _publish(index: CheckpointIndex, workload: Workload) -> float:
-    started = time.perf_counter()
-    for replica, entries in workload.entries.items():
-        for i in range(0, len(entries), BATCH):
-            await index.publish(replica, entries[i : i + BATCH])
-        await index.heartbeat(replica)
-    return time.perf_counter() - started
-
-
 async def _route_backend(spec: str, workload: Workload, seed: int) -> dict:
     fingerprint = os.urandom(32)  # a fresh model namespace; the router is bound to it too
     publisher = await connect_index(
@@ -151,7 +141,7 @@ async def _route_backend(spec: str, workload: Workload, seed: int) -> dict:
         for i, chain in enumerate(workload.chains)
     ]
     try:
-        publish_s = await _publish(publisher, workload)
+        publish_s = await workload.publish(publisher)
         for i in range(WARMUP_DECISIONS):
             warm = _pending(pendings[i % len(pendings)].args[0], -1 - i)
             await router.choose_replicas(candidate_sets[i % LOAD_PATTERNS], warm)
@@ -172,15 +162,9 @@ async def _route_backend(spec: str, workload: Workload, seed: int) -> dict:
         if router._index is not None:
             await router._index.close()
         await publisher.close()
-    ms = np.array(latencies) * 1000
     return {
         "publish_s": publish_s,
-        "decision_ms": {
-            "p50": float(np.percentile(ms, 50)),
-            "p99": float(np.percentile(ms, 99)),
-            "mean": float(ms.mean()),
-            "max": float(ms.max()),
-        },
+        "decision_ms": latency_ms(latencies),
         "prefix_hit_share": reasons.get("prefix_hit", 0) / len(pendings),
         "decisions_by_reason": reasons,
     }
@@ -197,7 +181,7 @@ def routing_overhead(
     or a private redis-server) and on the embedded index (Ray started here if needed)."""
     workload = Workload.make(checkpoints, replicas, decisions, CHAIN_BLOCKS)
     backends = {}
-    with _redis_url(redis_url) as url:
+    with redis_url_or_private_server(redis_url) as url:
         backends["redis"] = asyncio.run(_route_backend(url, workload, seed=1))
     with local_ray(num_cpus=2):
         backends["embedded"] = asyncio.run(_route_backend("embedded", workload, seed=1))

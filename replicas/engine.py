@@ -30,7 +30,7 @@ from typing import Protocol
 import numpy as np
 
 from cache_store.checkpoint_store import Checkpoint, CheckpointStore
-from cache_store.prefix_hash import PrefixHasher
+from cache_store.prefix_hash import PrefixHasher, common_prefix_length
 from cache_store.state_blob import BlobError, decode_blob, encode_blob
 from replicas.checkpoint_policy import MIN_PIECE, prefill_checkpoints, prefill_pieces
 from replicas.engine_config import EngineConfig
@@ -375,7 +375,7 @@ class Engine:
         limit = len(prompt) - MIN_PIECE
         for run in self._running():
             if run.phase is Phase.REPLAY:
-                common = _common_prefix(list(run.feed), prompt, limit)
+                common = common_prefix_length(run.feed, prompt, limit)
                 if common > 0 and common >= min(limit, len(run.prompt) - MIN_PIECE):
                     return True
         return False
@@ -453,7 +453,7 @@ class Engine:
 
     def _live_reuse(self, slot: Slot, prompt: tuple[int, ...], limit: int) -> int:
         """Tokens of `prompt` this idle slot already holds and can keep."""
-        common = _common_prefix(slot.tokens, prompt, limit)
+        common = common_prefix_length(slot.tokens, prompt, limit)
         if self.kind.needs_checkpoints and common < len(slot.tokens):
             return 0  # a recurrent state cannot be cut back
         return common
@@ -666,15 +666,6 @@ class Engine:
     def _fail_all(self, error: EngineError) -> None:
         for run in self._running():
             self._fail(run, error)
-
-
-def _common_prefix(a: list[int], b: tuple[int, ...], limit: int) -> int:
-    """Length of the common prefix of `a` and `b`, at most `limit`."""
-    n = min(len(a), len(b), limit)
-    if n == 0:
-        return 0
-    mismatch = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(mismatch[0]) if mismatch.size else n
 
 
 def _empty_completion(handle: RequestHandle, reason: str) -> Completion:

@@ -23,6 +23,7 @@ import numpy as np
 from cache_store.checkpoint_store import Checkpoint
 from cache_store.index import CheckpointIndex, IndexEntry, IndexUnavailable
 from cache_store.state_blob import BlobError
+from replicas.checkpoint_policy import MIN_PIECE
 from replicas.engine import Engine
 from replicas.protocol import Completion, EngineError, ReplicaRequest, TokenEvent
 from replicas.shipping import PeerDirectory, ShipPolicy
@@ -129,7 +130,7 @@ class Replica:
         estimated faster than computing it. Never raises; never waits past a deadline."""
         if self.index is None or self.peers is None:
             return
-        usable = len(tokens) - 2  # the engine always computes the last piece itself
+        usable = len(tokens) - MIN_PIECE  # the engine always computes the last piece itself
         local = self.engine.reusable_tokens(tokens)
         chain = self.engine.hasher.chain(tokens[:usable])
         if not chain:

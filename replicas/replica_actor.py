@@ -54,36 +54,33 @@ class ReplicaHost:
         policy: ShipPolicy | None = None,
         heartbeat_s: float = 5.0,
     ) -> None:
-        self._args = (
-            replica_id,
-            model_path,
-            config,
-            hmac_key,
-            index,
-            index_settings or {},
-            policy,
-            heartbeat_s,
-        )
+        self.replica_id = replica_id
+        self._engine_args = (model_path, config, hmac_key)
+        self._index_spec = index
+        self._index_settings = index_settings or {}
+        self._policy = policy
+        self._heartbeat_s = heartbeat_s
         self.replica: Replica | None = None
 
     async def start(self) -> str:
-        replica_id, model_path, config, hmac_key, index_spec, settings, policy, heartbeat_s = (
-            self._args
-        )
+        """Load the model and join the index (slow, so not in the constructor)."""
+        model_path, config, hmac_key = self._engine_args
         engine = Engine(model_path, config, hmac_key=hmac_key)
-        index = (
-            await connect_index(index_spec, engine.fingerprint, **settings) if index_spec else None
-        )
+        index = None
+        if self._index_spec:
+            index = await connect_index(
+                self._index_spec, engine.fingerprint, **self._index_settings
+            )
         self.replica = Replica(
-            replica_id,
+            self.replica_id,
             engine,
             index=index,
             peers=ActorPeers(),
-            policy=policy,
-            heartbeat_s=heartbeat_s,
+            policy=self._policy,
+            heartbeat_s=self._heartbeat_s,
         )
         await self.replica.start()
-        return replica_id
+        return self.replica_id
 
     async def generate(self, request: GenerationRequest) -> Completion:
         return await self._replica.generate(ReplicaRequest(generation=request))

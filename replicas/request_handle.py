@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from replicas.protocol import Completion, GenerationRequest, TokenEvent
 
@@ -20,13 +20,12 @@ class RequestHandle:
 
     def __init__(self, request: GenerationRequest) -> None:
         self.request = request
-        self._events: queue.Queue[object] = queue.Queue()
         self._done = threading.Event()
         self._completion: Completion | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-        self._history: list[object] = []  # replayed to asyncio subscribers that join late
-        self._subscribers: list = []
+        self._history: list[object] = []  # replayed to readers that join late
+        self._readers: list[Callable[[object], None]] = []
         self.cancelled = False
 
     @property
@@ -47,7 +46,9 @@ class RequestHandle:
         return self._completion
 
     def __iter__(self) -> Iterator[TokenEvent]:
-        while (item := self._events.get()) is not _DONE:
+        events: queue.Queue[object] = queue.Queue()
+        self._add_reader(events.put)
+        while (item := events.get()) is not _DONE:
             yield item  # type: ignore[misc]
         if self._error is not None:
             raise self._error
@@ -59,13 +60,7 @@ class RequestHandle:
         """
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[object] = asyncio.Queue()
-        with self._lock:
-            backlog = list(self._history)
-            self._subscribers.append(
-                lambda item: loop.call_soon_threadsafe(events.put_nowait, item)
-            )
-        for item in backlog:
-            events.put_nowait(item)
+        self._add_reader(lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
         while (item := await events.get()) is not _DONE:
             yield item  # type: ignore[misc]
         if self._error is not None:
@@ -87,10 +82,16 @@ class RequestHandle:
         self._done.set()
         self._publish(_DONE)
 
+    def _add_reader(self, deliver: Callable[[object], None]) -> None:
+        """Deliver everything emitted so far, then each new item, to `deliver`."""
+        with self._lock:  # under the lock: no new item can overtake the backlog
+            for item in self._history:
+                deliver(item)
+            self._readers.append(deliver)
+
     def _publish(self, item: object) -> None:
         with self._lock:
             self._history.append(item)
-            subscribers = list(self._subscribers)
-        self._events.put(item)
-        for deliver in subscribers:
+            readers = list(self._readers)
+        for deliver in readers:
             deliver(item)

@@ -3,15 +3,12 @@
 `BatonRouter` sends a request to the replica holding the longest cached prefix of its
 prompt (asked of the checkpoint index in one round trip), weighed against load, with a
 bounded-load rule so one hot prefix — a shared system prompt — cannot pile every request
-onto one replica. It also honours `target_replica=` on a call (`TARGET_REPLICA_KWARG`), which is how a replica
-reaches a specific peer to pull its state.
+onto one replica. It also honours `target_replica=` on a call (`TARGET_REPLICA_KWARG`),
+which is how a replica reaches a specific peer to pull its state.
 
-It runs in the caller's process, on the router's event loop, and guards against what
-measured Ray 2.60 routers get wrong: it never blocks the loop (the lookup is awaited with
-a short timeout), never lets an exception escape (that would hang the request: it falls
-back to load-only ranks), always asks for backoff (else a full cluster is polled without
-pause), and matches each pending request by its own metadata object (sibling calls from
-one parent request share an internal request id).
+Routers run in the caller's process, on the router's event loop: the lookup is awaited
+with a short timeout, never blocking it. `SafeRequestRouter` holds the guards against
+what measured Ray 2.60 routers get wrong.
 """
 
 from __future__ import annotations
@@ -30,9 +27,14 @@ from router.routing_metrics import record_decision
 logger = logging.getLogger("baton.router")
 
 
-class SiblingSafeMixin:
-    """Fulfil the pending request a routing task owns, not the first one that shares its
-    internal request id (Ray 2.60 leaves the second of two sibling calls unrouted)."""
+class SafeRequestRouter(RequestRouter):
+    """A RequestRouter hardened against Ray 2.60's pitfalls; subclasses implement `rank`.
+
+    - It fulfils the pending request a routing task owns, not the first one sharing its
+      internal request id (Ray leaves the second of two sibling calls unrouted).
+    - It always asks for backoff, so a full deployment is not polled without pause.
+    - An exception in `rank` falls back to load-only ranks (escaping, it hangs the request).
+    """
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
@@ -55,6 +57,26 @@ class SiblingSafeMixin:
         pending.future.set_result(replica)
         self._remove_pending_request_from_indices(pending)
 
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        try:
+            return await self.rank(candidate_replicas, pending_request)
+        except Exception:
+            logger.exception("routing failed; falling back to load-only ranks")
+            record_decision("error_fallback")
+            return _by_load(candidate_replicas)
+
+    async def rank(
+        self, candidates: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
+        """Replicas in ranks, best first."""
+        raise NotImplementedError
+
 
 def _load(replica: RunningReplica) -> int:
     """Requests waiting or running on a replica, from its routing stats (slightly stale)."""
@@ -68,7 +90,7 @@ def _target_of(pending_request: PendingRequest | None) -> str | None:
     return pending_request.kwargs.get(TARGET_REPLICA_KWARG)
 
 
-class BatonRouter(SiblingSafeMixin, RequestRouter):
+class BatonRouter(SafeRequestRouter):
     """Prefix- and state-aware routing with bounded load."""
 
     def initialize_state(
@@ -88,21 +110,7 @@ class BatonRouter(SiblingSafeMixin, RequestRouter):
         self._index: CheckpointIndex | None = None
         self._connecting: asyncio.Lock | None = None
 
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
-    ) -> list[list[RunningReplica]]:
-        if pending_request is not None:
-            pending_request.routing_context.should_backoff = True
-        try:
-            return await self._rank(candidate_replicas, pending_request)
-        except Exception:  # an escaping exception would hang the request
-            logger.exception("routing failed; falling back to load-only ranks")
-            record_decision("error_fallback")
-            return _by_load(candidate_replicas)
-
-    async def _rank(
+    async def rank(
         self, candidates: list[RunningReplica], pending_request: PendingRequest | None
     ) -> list[list[RunningReplica]]:
         target = _target_of(pending_request)
@@ -160,22 +168,18 @@ class BatonRouter(SiblingSafeMixin, RequestRouter):
         return self._index
 
 
-class RoundRobinRouter(SiblingSafeMixin, RequestRouter):
+class RoundRobinRouter(SafeRequestRouter):
     """Each request to the next replica in turn (a baseline for the routing benchmark)."""
 
     def initialize_state(self, **_: object) -> None:
         self._turn = itertools.count()
 
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
+    async def rank(
+        self, candidates: list[RunningReplica], pending_request: PendingRequest | None
     ) -> list[list[RunningReplica]]:
-        if pending_request is not None:
-            pending_request.routing_context.should_backoff = True
-        if not candidate_replicas:
+        if not candidates:
             return []
-        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        ordered = sorted(candidates, key=lambda r: r.replica_id.unique_id)
         start = next(self._turn) % len(ordered)
         return [[r] for r in ordered[start:] + ordered[:start]]
 

@@ -7,12 +7,11 @@ import os
 import secrets
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
+from fixtures_ray import wait_healthy
 
 from deploy.app import build_app
 from deploy.config import BatonConfig
@@ -88,22 +87,10 @@ def baton_url(serve_port, tiny_model) -> Iterator[str]:
     serve.run(build_app(config), name=name, route_prefix=f"/{name}")
     url = f"http://127.0.0.1:{serve_port}/{name}"
     try:
-        _wait_healthy(url)
+        wait_healthy(url)
         yield url
     finally:
         serve.delete(name)
-
-
-def _wait_healthy(url: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("the app never became healthy")
 
 
 def _read_csv(path: Path) -> list[dict[str, str]]:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from fixtures_ray import wait_healthy
 from ray import serve
 
 from deploy.app import APP_NAME, build_app
@@ -39,21 +40,9 @@ def app(request, serve_port, tiny_model) -> Iterator[tuple[str, BatonConfig]]:
     )
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     url = f"http://127.0.0.1:{serve_port}"
-    _wait_healthy(url)
+    wait_healthy(url)
     yield url, config
     serve.delete(APP_NAME)
-
-
-def _wait_healthy(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("the app never became healthy")
 
 
 def _chat(
