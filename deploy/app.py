@@ -14,7 +14,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
 from cache_store.fingerprint import file_fingerprint
-from deploy.config import BatonConfig, RouterPolicy, config_from_serve_args
+from deploy.config import BatonConfig, RouterPolicy, load_config
 from replicas.model_source import resolve_model
 from replicas.serve_deployment import ReplicaDeployment, ReplicaSettings
 from router.gateway import GatewaySettings
@@ -25,6 +25,7 @@ REPLICA_DEPLOYMENT = "Replica"
 GATEWAY_DEPLOYMENT = "Gateway"
 ROUTING_STATS_PERIOD_S = 0.5
 GATEWAY_CPUS = 0.1
+RETRY_AFTER_S = 1
 
 _ROUTERS = {
     RouterPolicy.BATON: "router.request_router:BatonRouter",
@@ -69,6 +70,9 @@ def build_app(config: BatonConfig) -> Application:
         num_replicas=config.replicas,
         # The router decides by load; this only bounds what one replica accepts at once.
         max_ongoing_requests=4 * config.engine.n_slots + 4,
+        # Beyond that, each gateway holds this many; the next get 503 with Retry-After.
+        max_queued_requests=config.max_queued_requests,
+        backpressure_config={"status_code": 503, "retry_after_s": RETRY_AFTER_S},
         ray_actor_options={
             "num_cpus": config.num_cpus_per_replica,
             "num_gpus": config.num_gpus_per_replica,
@@ -104,5 +108,9 @@ def build_app(config: BatonConfig) -> Application:
 
 
 def app_builder(args: dict) -> Application:
-    """Entry point for a Serve config's `import_path` (`deploy.app:app_builder`)."""
-    return build_app(config_from_serve_args(args))
+    """Entry point for a Serve config's `import_path` (`deploy.app:app_builder`).
+
+    `args` override the `BATON_*` environment variables of the process that builds the app
+    (the Helm chart passes API keys, the HMAC key and the Redis URL that way, from Secrets).
+    """
+    return build_app(load_config(overrides=args))

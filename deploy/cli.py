@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from deploy.config import RouterPolicy, load_config
+from replicas.logs import FORMATS, configure_logging
 from replicas.model_source import resolve_model
 
 
@@ -57,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
+    serve.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics on this port (/metrics)"
+    )
+    serve.add_argument(
+        "--log-format", choices=FORMATS, help="log lines as text or JSON (BATON_LOG_FORMAT)"
+    )
     serve.add_argument("--address", help="join this Ray cluster instead of starting one")
     serve.set_defaults(run=_serve)
 
@@ -109,7 +117,56 @@ def _parser() -> argparse.ArgumentParser:
     served.add_argument("--redis", help="redis:// URL (default: a private redis-server)")
     served.add_argument("--json", action="store_true", help="print one JSON object")
     served.set_defaults(run=_bench_serve)
+
+    routing = benches.add_parser(
+        "routing", help="one seeded multi-turn workload against each routing policy"
+    )
+    routing.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
+    routing.add_argument("--replicas", type=int, default=2)
+    routing.add_argument(
+        "--policies",
+        nargs="+",
+        type=RouterPolicy,
+        choices=list(RouterPolicy),
+        metavar="POLICY",
+        help="routers to compare (default: all: baton pow2 prefix-affinity round-robin)",
+    )
+    routing.add_argument("--index", default="embedded", help='"embedded" or a redis:// URL')
+    routing.add_argument(
+        "--think-s", type=float, help="mean pause before each later turn (default 2.0)"
+    )
+    for name, what in _ROUTING_WORKLOAD_FLAGS.items():
+        routing.add_argument(f"--{name}", type=int, help=what)
+    routing.add_argument("--out", default="bench-out/routing", help="CSV, JSON and PNG go here")
+    routing.add_argument("--json", action="store_true", help="print one JSON object")
+    routing.set_defaults(run=_bench_routing)
+
+    soak = benches.add_parser(
+        "soak", help="a mixed locust workload for N minutes: failures, TTFT and RSS over time"
+    )
+    soak.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
+    soak.add_argument("--minutes", type=float, default=10.0)
+    soak.add_argument("--users", type=int, default=6, help="locust users, spread over 3 classes")
+    soak.add_argument("--replicas", type=int, default=2)
+    soak.add_argument("--system-tokens", type=int, default=500)
+    soak.add_argument("--max-tokens", type=int, default=32)
+    soak.add_argument("--out", default="bench-out/soak", help="locust's CSV and HTML go here")
+    soak.add_argument("--json", action="store_true", help="print one JSON object")
+    soak.set_defaults(run=_bench_soak)
     return parser
+
+
+_ROUTING_WORKLOAD_FLAGS = {  # flag → what it sets (defaults: `RoutingWorkload`)
+    "sessions": "conversations in the chat scenario (default 8)",
+    "turns": "turns per conversation (default 5)",
+    "concurrency": "conversations at a time (default 4)",
+    "system-tokens": "shared system prompt (default 1000)",
+    "document-tokens": "each conversation's own document in its first message (default 800)",
+    "turn-tokens": "each later user message (default 60)",
+    "reply-tokens": "each reply (default 24)",
+    "moved-sessions": "conversations in the moved scenario (default 2)",
+    "seed": "seed of every text (default 0)",
+}
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -128,10 +185,14 @@ def _serve(args: argparse.Namespace) -> int:
             "api_keys",
             "host",
             "port",
+            "metrics_port",
         )
     }
     overrides["engine"] = {"n_ctx": args.n_ctx, "n_slots": args.slots}
     config = load_config(args.config, overrides=overrides)
+    if args.log_format:  # the Ray workers started from here inherit the environment
+        os.environ["BATON_LOG_FORMAT"] = args.log_format
+    configure_logging()
     serve_until_interrupted(config, address=args.address)
     return 0
 
@@ -203,6 +264,51 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from loadtests.serve_bench import format_report, serve_benchmark
 
     result = serve_benchmark(resolve_model(args.model), args.redis)
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    return 0
+
+
+def _bench_routing(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from loadtests.routing_bench import (
+        POLICIES,
+        RoutingWorkload,
+        format_report,
+        routing_benchmark,
+        write_outputs,
+    )
+
+    fields = [name.replace("-", "_") for name in _ROUTING_WORKLOAD_FLAGS] + ["think_s"]
+    given = {field: getattr(args, field) for field in fields if getattr(args, field) is not None}
+    result, records = routing_benchmark(
+        resolve_model(args.model),
+        workload=RoutingWorkload(**given),
+        policies=args.policies or POLICIES,
+        replicas=args.replicas,
+        index=args.index,
+    )
+    written = write_outputs(result, records, Path(args.out))
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    if not args.json:
+        print("wrote " + ", ".join(str(path) for path in written))
+    return 0
+
+
+def _bench_soak(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from loadtests.soak_bench import format_report, soak_benchmark
+
+    result = soak_benchmark(
+        resolve_model(args.model),
+        minutes=args.minutes,
+        out_dir=Path(args.out),
+        users=args.users,
+        replicas=args.replicas,
+        system_tokens=args.system_tokens,
+        max_tokens=args.max_tokens,
+    )
     print(json.dumps(result, indent=2) if args.json else format_report(result))
     return 0
 

@@ -72,7 +72,18 @@ class BatonConfig(BaseModel):
     )
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=8000, ge=1, le=65535)
+    metrics_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="Prometheus /metrics port of the local Ray cluster (None: Ray picks one)",
+    )
     max_body_bytes: int = Field(default=4 << 20, ge=1, description="largest request body accepted")
+    max_queued_requests: int = Field(
+        default=64,
+        ge=1,
+        description="requests a gateway holds while every replica is full; more get 503",
+    )
     heartbeat_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
 
     @field_validator("model")

@@ -22,9 +22,12 @@ NAMESPACE = "baton"
 
 
 @contextlib.contextmanager
-def local_ray(num_cpus: int | None = None, *, address: str | None = None) -> Iterator[None]:
-    """Ray for the block: a new single-machine runtime (no dashboard), or the cluster at
-    `address`. One already initialised in this process is used and left running."""
+def local_ray(
+    num_cpus: int | None = None, *, address: str | None = None, metrics_port: int | None = None
+) -> Iterator[None]:
+    """Ray for the block: a new single-machine runtime (no dashboard) whose Prometheus
+    metrics are served on `metrics_port` (None: a free port), or the cluster at `address`.
+    One already initialised in this process is used and left running."""
     if ray.is_initialized():
         yield
         return
@@ -32,9 +35,19 @@ def local_ray(num_cpus: int | None = None, *, address: str | None = None) -> Ite
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     else:
         ray.init(
-            num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            namespace=NAMESPACE,
+            _metrics_export_port=metrics_port,
         )
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def metrics_export_port() -> int:
+    """The port on which this node's Ray serves Prometheus metrics (`/metrics`)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    return next(node["MetricsExportPort"] for node in ray.nodes() if node["NodeID"] == node_id)

@@ -11,16 +11,21 @@ from ray import serve
 
 from deploy.app import APP_NAME, build_app, logical_cpus
 from deploy.config import BatonConfig
-from deploy.local_ray import local_ray
+from deploy.local_ray import local_ray, metrics_export_port
 
 
 def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) -> None:
     """Run the app until Ctrl-C or SIGTERM, then shut it down cleanly."""
+    if address and config.metrics_port:
+        raise ValueError(
+            "metrics_port sets the metrics port of the cluster baton serve starts; a joined "
+            "cluster serves metrics where `ray start --metrics-export-port` put them"
+        )
     config = config.with_hmac_key()
     # Ray's CPUs are logical: a local cluster must declare at least what the app asks for,
     # or Serve waits forever to place the last replica.
     num_cpus = None if address else max(os.cpu_count() or 1, math.ceil(logical_cpus(config)))
-    with local_ray(num_cpus, address=address):
+    with local_ray(num_cpus, address=address, metrics_port=config.metrics_port):
         # After ray.init, which installs handlers of its own: both signals mean "stop".
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, _raise_interrupt)
@@ -31,7 +36,7 @@ def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) 
                 flush=True,
             )
             serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
-            print(_banner(config), flush=True)
+            print(_banner(config, None if address else metrics_export_port()), flush=True)
             threading.Event().wait()
         except KeyboardInterrupt:
             print("shutting down ...", flush=True)
@@ -45,14 +50,16 @@ def _raise_interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def _banner(config: BatonConfig) -> str:
+def _banner(config: BatonConfig, metrics_port: int | None) -> str:
     url = f"http://{config.host}:{config.port}"
     auth = ' -H "Authorization: Bearer $BATON_API_KEY"' if config.api_keys else ""
+    metrics = f"Metrics (Prometheus) at http://127.0.0.1:{metrics_port}/metrics\n"
     return (
         f"Baton is serving {config.served_model_name} at {url}/v1 "
         f"({config.router.value} router, {config.index.split('@')[-1]} index)\n"
         f"  curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\\n"
         f'    -d \'{{"model": "{config.served_model_name}", '
         f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\'\n'
+        f"{metrics if metrics_port else ''}"
         "Press Ctrl-C to stop."
     )

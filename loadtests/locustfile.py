@@ -21,6 +21,9 @@ between content chunks of that request) under the user class's name. `prompt_tok
 with `--csv PREFIX`, written to `PREFIX_tokens.csv`. A non-200 status, a malformed event, an
 error event or a stream without `data: [DONE]` is a failure.
 
+A local run with `--csv PREFIX` also writes every sample, timestamped, to `PREFIX_samples.csv`
+(`baton bench soak` reads it for figures over time).
+
 Sizes are in words, a client-side stand-in for tokens (no tokenizer needed here).
 """
 
@@ -198,6 +201,30 @@ def _print_tokens(environment, **_kwargs) -> None:
             )
             writer.writeheader()
             writer.writerows(rows)
+
+
+# ---- per-request samples (local runs) ----------------------------------------------------------
+
+_SAMPLES: list[tuple[float, str, str, float, bool]] = []
+SAMPLE_FIELDS = ("time_s", "type", "name", "response_time_ms", "ok")
+
+
+@events.request.add_listener
+def _keep_sample(request_type, name, response_time, exception=None, **_kwargs) -> None:
+    _SAMPLES.append((time.time(), request_type, name, response_time, exception is None))
+
+
+@events.quitting.add_listener
+def _write_samples(environment, **_kwargs) -> None:
+    """With `--csv PREFIX`, every request, TTFT and ITL sample of a local (not distributed)
+    run, timestamped, in `PREFIX_samples.csv`: figures over time for long runs."""
+    prefix = getattr(environment.parsed_options, "csv_prefix", None)
+    if not prefix or isinstance(environment.runner, (MasterRunner, WorkerRunner)):
+        return
+    with open(f"{prefix}_samples.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(SAMPLE_FIELDS)
+        writer.writerows(_SAMPLES)
 
 
 # ---- the users --------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ Two figures:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -22,7 +21,6 @@ import secrets
 import statistics
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,11 +35,11 @@ from ray.serve._private.common import (
 from ray.serve.request_router import PendingRequest
 
 from cache_store.index import connect_index
-from deploy.app import REPLICA_DEPLOYMENT, build_app
+from deploy.app import REPLICA_DEPLOYMENT
 from deploy.config import BatonConfig
 from deploy.local_ray import local_ray
 from loadtests.index_bench import BLOCK_TOKENS, Workload, latency_ms, redis_url_or_private_server
-from loadtests.redis_server import free_port
+from loadtests.serve_app import serve_app
 from replicas.engine import Engine
 from replicas.engine_config import EngineConfig
 from replicas.prompt import Prompt
@@ -204,7 +202,6 @@ PROMPT = (
     "Write the next entries of that logbook, one ship at a time, in plain sentences."
 )
 HTTP_TIMEOUT_S = 300.0
-READY_TIMEOUT_S = 120.0
 IDLE_TIMEOUT_S = 60.0
 
 
@@ -275,16 +272,6 @@ def _stream_completion(client: httpx.Client, url: str, body: dict) -> tuple[dict
     return row, usage.get("prompt_tokens", 0)
 
 
-def _wait_healthy(client: httpx.Client, url: str) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if client.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"the Serve app at {url} never became healthy")
-
-
 def _wait_replica_idle(app_name: str) -> None:
     """Until the replica has nothing queued or running (its reply replay included)."""
     handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name)
@@ -295,24 +282,6 @@ def _wait_replica_idle(app_name: str) -> None:
             return
         time.sleep(0.05)
     raise TimeoutError("the replica did not go idle")
-
-
-@contextlib.contextmanager
-def _serve_app(config: BatonConfig, http_port: int | None) -> Iterator[str]:
-    """The Baton app under `BENCH_APP` on Serve's HTTP proxy; yields its base URL. Starts
-    Serve on a free port (and shuts it down after) unless `http_port` says it is running."""
-    port = http_port or free_port()
-    if http_port is None:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        serve.run(build_app(config), name=BENCH_APP, route_prefix=f"/{BENCH_APP}")
-        try:
-            yield f"http://127.0.0.1:{port}/{BENCH_APP}"
-        finally:
-            serve.delete(BENCH_APP)
-    finally:
-        if http_port is None:
-            serve.shutdown()
 
 
 def _http_runs(
@@ -336,10 +305,9 @@ def _http_runs(
     }
     with (
         local_ray(num_cpus=2),
-        _serve_app(config, http_port) as url,
+        serve_app(config, BENCH_APP, http_port) as url,
         httpx.Client(timeout=HTTP_TIMEOUT_S) as client,
     ):
-        _wait_healthy(client, url)
         _stream_completion(client, url, {**body, "max_tokens": 4})  # warm-up
         _wait_replica_idle(BENCH_APP)
         rows, prompt_tokens = [], 0

@@ -32,6 +32,7 @@ import numpy as np
 from cache_store.checkpoint_store import Checkpoint, CheckpointStore
 from cache_store.prefix_hash import PrefixHasher, common_prefix_length
 from cache_store.state_blob import BlobError, decode_blob, encode_blob
+from replicas import metrics
 from replicas.checkpoint_policy import MIN_PIECE, prefill_checkpoints, prefill_pieces
 from replicas.engine_config import EngineConfig
 from replicas.llama_context import (
@@ -42,6 +43,7 @@ from replicas.llama_context import (
     StateRestoreError,
 )
 from replicas.llama_model import LlamaModel
+from replicas.logs import request_fields
 from replicas.prompt import (
     ChatMessage,
     Prompt,
@@ -56,6 +58,7 @@ from replicas.protocol import (
     EngineError,
     GenerationRequest,
     PromptTooLong,
+    Timings,
     TokenEvent,
     Usage,
 )
@@ -214,6 +217,22 @@ class Engine:
         Raises `BlobError` for anything that is not an authentic, intact blob of this
         model: llama.cpp only ever sees a blob that passed every check.
         """
+        try:
+            checkpoint = self._checked_checkpoint(blob)
+        except BlobError as exc:
+            metrics.BLOBS_REJECTED.inc(reason=exc.reason)
+            raise
+        if not self.store.put(checkpoint):
+            metrics.BLOBS_REJECTED.inc(reason="over_budget")
+            raise EngineError(
+                f"a {checkpoint.nbytes}-byte checkpoint exceeds the store budget "
+                f"({self.store.budget_bytes} bytes)"
+            )
+        self.stats.checkpoints_imported += 1
+        self._added(checkpoint)
+        return checkpoint
+
+    def _checked_checkpoint(self, blob: bytes | memoryview | np.ndarray) -> Checkpoint:
         state = decode_blob(
             blob, key=self._hmac_key, fingerprint=self.fingerprint, hasher=self.hasher
         )
@@ -226,17 +245,9 @@ class Engine:
                     f"a {state.n_tokens}-token state of this model is {expected} bytes, "
                     f"the blob carries {len(state.state)}",
                 )
-        checkpoint = Checkpoint(
+        return Checkpoint(
             prefix_hash=state.prefix_hash, tokens=state.tokens, state=bytes(state.state)
         )
-        if not self.store.put(checkpoint):
-            raise EngineError(
-                f"a {checkpoint.nbytes}-byte checkpoint exceeds the store budget "
-                f"({self.store.budget_bytes} bytes)"
-            )
-        self.stats.checkpoints_imported += 1
-        self._added(checkpoint)
-        return checkpoint
 
     def export_best(self, tokens: tuple[int, ...] | list[int], min_tokens: int = 0) -> bytes | None:
         """A signed blob of the longest stored checkpoint that prefixes `tokens`, if it is
@@ -382,6 +393,7 @@ class Engine:
 
     def _start(self, handle: RequestHandle, free: list[Slot]) -> None:
         prompt = handle.request.prompt
+        admitted_at = time.perf_counter()
         slot, cached = self._place(prompt.tokens, free)
         cuts = []
         if self.config.prefix_cache and self.kind.needs_checkpoints:
@@ -403,6 +415,7 @@ class Engine:
             sampler=TokenSampler(params),
             text=TextStream(self.model.token_bytes, params.stop),
             submitted_at=time.perf_counter(),
+            admitted_at=admitted_at,
         )
         slot.last_used = time.monotonic()
 
@@ -422,6 +435,7 @@ class Engine:
             self._evict(slot)
             if self._restore(slot, checkpoint):
                 self.stats.checkpoints_restored += 1
+                metrics.CHECKPOINTS_RESTORED.inc()
                 if self.listener is not None:
                     self.listener.checkpoint_used(checkpoint)
                 if stored < len(slot.tokens):  # attention KV: keep only the shared prefix
@@ -488,6 +502,7 @@ class Engine:
         checkpoint = Checkpoint(prefix_hash=prefix_hash, tokens=slot.tokens, state=state)
         if self.store.put(checkpoint):
             self.stats.checkpoints_saved += 1
+            metrics.CHECKPOINTS_TAKEN.inc()
             self._added(checkpoint)
 
     def _added(self, checkpoint: Checkpoint) -> None:
@@ -495,6 +510,7 @@ class Engine:
             self.listener.checkpoint_added(checkpoint)
 
     def _evicted(self, checkpoint: Checkpoint) -> None:
+        metrics.CHECKPOINTS_EVICTED.inc()
         if self.listener is not None:
             self.listener.checkpoint_removed(checkpoint)
 
@@ -560,7 +576,8 @@ class Engine:
         try:
             return self._decode_split(entries, 0)
         except DecodeError as exc:
-            logger.error("%s; failing %d request(s)", exc, len(runs))
+            ids = ",".join(run.handle.request.request_id for run in runs)
+            logger.error("%s; failing %d request(s)", exc, len(runs), extra=request_fields(ids))
             for run in runs:
                 self._fail(run, EngineError(str(exc)))
             return None
@@ -581,8 +598,12 @@ class Engine:
     def _sampled(self, run: Running, logits: np.ndarray) -> None:
         """Pick the next token from `logits`; stream it; finish when a stop rule fires."""
         params = run.params
+        now = time.perf_counter()
+        if run.last_token_at is not None:
+            metrics.INTER_TOKEN.observe(now - run.last_token_at)
+        run.last_token_at = now
         if run.first_token_at is None:
-            run.first_token_at = time.perf_counter()
+            run.first_token_at = now
             run.phase = Phase.DECODE
             if params.max_tokens == 0:
                 self._finish(run, "length")
@@ -630,6 +651,8 @@ class Engine:
 
     def _complete(self, run: Running, reason: str) -> None:
         n_prompt = len(run.prompt)
+        now = time.perf_counter()
+        first = run.first_token_at
         self.stats.requests += 1
         run.handle.finish(
             Completion(
@@ -643,10 +666,14 @@ class Engine:
                     computed_tokens=n_prompt - run.cached,
                     completion_tokens=len(run.generated),
                 ),
-                ttft_s=None
-                if run.first_token_at is None
-                else run.first_token_at - run.submitted_at,
-                total_s=time.perf_counter() - run.submitted_at,
+                ttft_s=None if first is None else first - run.submitted_at,
+                total_s=now - run.submitted_at,
+                timings=Timings(
+                    queued_s=run.admitted_at - run.handle.submitted_at,
+                    restore_s=run.submitted_at - run.admitted_at,
+                    prefill_s=(now if first is None else first) - run.submitted_at,
+                    decode_s=0.0 if first is None else now - first,
+                ),
                 logits=run.last_logits,
             )
         )
@@ -678,4 +705,5 @@ def _empty_completion(handle: RequestHandle, reason: str) -> Completion:
         usage=Usage(prompt_tokens=n, cached_tokens=0, computed_tokens=0, completion_tokens=0),
         ttft_s=None,
         total_s=0.0,
+        timings=Timings(queued_s=time.perf_counter() - handle.submitted_at),
     )

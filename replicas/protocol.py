@@ -31,6 +31,17 @@ class Usage(BaseModel):
     completion_tokens: int
 
 
+class Timings(BaseModel):
+    """Where a request's time went on the engine, in seconds, one phase after the other."""
+
+    model_config = ConfigDict(frozen=True)
+
+    queued_s: float = 0.0  # submitted, waiting for a slot
+    restore_s: float = 0.0  # the slot readied: a reused prefix restored or cut back
+    prefill_s: float = 0.0  # the rest of the prompt computed, to the first token
+    decode_s: float = 0.0  # the rest of the reply generated
+
+
 class Completion(BaseModel):
     """The outcome of a finished request."""
 
@@ -43,6 +54,7 @@ class Completion(BaseModel):
     usage: Usage
     ttft_s: float | None
     total_s: float
+    timings: Timings = Timings()
     logits: np.ndarray | None = None  # logits of the last sampling step, when asked for
     replica_id: str | None = None  # the replica that served it (set by `Replica`)
 
@@ -81,7 +93,9 @@ class ReplicaRequest(BaseModel):
 
     `prefix_hashes` is the prompt's block hash chain (Baton's router looks it up in the
     index); `prompt` / `messages` are the text forms that Ray Serve LLM's
-    `PrefixCacheAffinityRouter` reads from the first argument of a call.
+    `PrefixCacheAffinityRouter` reads from the first argument of a call. `trace_context`
+    carries the gateway's trace to the router and the replica (W3C `traceparent`, empty
+    when tracing is off).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -90,6 +104,7 @@ class ReplicaRequest(BaseModel):
     prefix_hashes: tuple[bytes, ...] = ()
     prompt: str = ""
     chat_messages: list[dict[str, str]] | None = None
+    trace_context: dict[str, str] = Field(default_factory=dict)
 
     @property
     def messages(self) -> list[dict[str, str]] | str:

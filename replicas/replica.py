@@ -19,16 +19,22 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import numpy as np
+from opentelemetry.trace import Span
 
 from cache_store.checkpoint_store import Checkpoint
 from cache_store.index import CheckpointIndex, IndexEntry, IndexUnavailable
 from cache_store.state_blob import BlobError
+from replicas import metrics, tracing
 from replicas.checkpoint_policy import MIN_PIECE
 from replicas.engine import Engine
+from replicas.logs import request_fields
 from replicas.protocol import Completion, EngineError, ReplicaRequest, TokenEvent
+from replicas.request_telemetry import RequestTelemetry
 from replicas.shipping import PeerDirectory, ShipPolicy
 
 logger = logging.getLogger("baton.replica")
+
+GAUGE_PERIOD_S = 1.0  # how often the queue, slot and store gauges are sampled
 
 
 @dataclass
@@ -81,10 +87,12 @@ class Replica:
         for checkpoint in self.engine.store.checkpoints():
             self.checkpoint_added(checkpoint)
         if self.index is not None:
-            self._tasks = [
+            self._tasks += [
                 asyncio.create_task(self._heartbeat_loop()),
                 asyncio.create_task(self._publish_loop()),
             ]
+        if metrics.enabled():
+            self._tasks.append(asyncio.create_task(self._gauge_loop()))
 
     async def close(self) -> None:
         """Stop, and remove this replica's entries from the index (best effort)."""
@@ -101,13 +109,16 @@ class Replica:
 
     async def generate(self, request: ReplicaRequest) -> Completion:
         """Run one request to completion (after pulling a peer's prefix if worth it)."""
-        await self.prepare(request.generation.prompt.tokens)
-        handle = self.engine.submit(request.generation)
-        try:
-            done = await handle.aresult()
-        finally:
-            if not handle.done:  # the caller went away: free the slot
-                handle.cancel()
+        with RequestTelemetry(request, self.replica_id) as telemetry:
+            await self.prepare(request.generation.prompt.tokens, telemetry)
+            telemetry.submitting()
+            handle = self.engine.submit(request.generation)
+            try:
+                done = await handle.aresult()
+            finally:
+                if not handle.done:  # the caller went away: free the slot
+                    handle.cancel()
+            telemetry.finished(done)
         return done.model_copy(update={"replica_id": self.replica_id})
 
     async def stream(
@@ -115,17 +126,21 @@ class Replica:
     ) -> AsyncGenerator[TokenEvent | Completion, None]:
         """Stream the tokens of one request, then its `Completion`. Closing the stream
         early (a client that went away) cancels the generation and frees its slot."""
-        await self.prepare(request.generation.prompt.tokens)
-        handle = self.engine.submit(request.generation)
-        try:
-            async for event in handle.aiter():
-                yield event
-            yield handle.result().model_copy(update={"replica_id": self.replica_id})
-        finally:
-            if not handle.done:
-                handle.cancel()
+        with RequestTelemetry(request, self.replica_id) as telemetry:
+            await self.prepare(request.generation.prompt.tokens, telemetry)
+            telemetry.submitting()
+            handle = self.engine.submit(request.generation)
+            try:
+                async for event in handle.aiter():
+                    yield event
+                done = handle.result()
+                telemetry.finished(done)
+                yield done.model_copy(update={"replica_id": self.replica_id})
+            finally:
+                if not handle.done:
+                    handle.cancel()
 
-    async def prepare(self, tokens: tuple[int, ...]) -> None:
+    async def prepare(self, tokens: tuple[int, ...], telemetry: RequestTelemetry) -> None:
         """Pull a longer prefix from a peer when the index says one has it and that is
         estimated faster than computing it. Never raises; never waits past a deadline."""
         if self.index is None or self.peers is None:
@@ -135,11 +150,15 @@ class Replica:
         chain = self.engine.hasher.chain(tokens[:usable])
         if not chain:
             return
+        started = time.perf_counter()
         try:
-            matches = await self.index.lookup(chain)
+            with tracing.span("index.lookup", parent=telemetry.context):
+                matches = await self.index.lookup(chain)
         except IndexUnavailable:
-            self.stats.index_errors += 1
+            self._index_error()
             return
+        finally:
+            metrics.INDEX_LOOKUP.observe(time.perf_counter() - started, caller="replica")
         peers = [m for rid, m in matches.items() if rid != self.replica_id]
         if not peers:
             return
@@ -147,31 +166,68 @@ class Replica:
         gain = min(best.n_tokens, usable) - local
         prefill_speed = self.engine.stats.prefill_tokens_per_s
         if not self.policy.should_pull(gain, best.nbytes, prefill_speed):
-            self.stats.pulls_skipped += gain > 0
+            if gain > 0:
+                self.stats.pulls_skipped += 1
+                metrics.PULLS.inc(outcome="skipped")
             return
-        await self._pull(best.replica_id, tokens, local, self.policy.deadline(gain, prefill_speed))
+        deadline = self.policy.deadline(gain, prefill_speed)
+        attributes = {"baton.peer": best.replica_id, "baton.pull.gain_tokens": gain}
+        with tracing.span("pull", parent=telemetry.context, attributes=attributes) as span:
+            outcome = await self._pull(
+                best.replica_id, tokens, local, deadline, span, telemetry.request_id
+            )
+            span.set_attribute("baton.pull.outcome", outcome)
+        metrics.PULLS.inc(outcome=outcome)
 
-    async def _pull(self, peer: str, tokens: tuple[int, ...], local: int, deadline: float) -> None:
+    async def _pull(
+        self,
+        peer: str,
+        tokens: tuple[int, ...],
+        local: int,
+        deadline: float,
+        span: Span,
+        request_id: str,
+    ) -> str:
+        """Fetch, check and store the peer's state; the outcome: pulled, miss, failed or
+        rejected."""
         assert self.peers is not None
         started = time.perf_counter()
         try:
             blob = await asyncio.wait_for(self.peers.fetch(peer, tokens, local), deadline)
         except Exception as exc:  # a dead, slow or unreachable peer only costs a recompute
             self.stats.pull_failures += 1
-            logger.info("pull from %s failed (%s); computing instead", peer, type(exc).__name__)
-            return
+            logger.info(
+                "pull from %s failed (%s); computing instead",
+                peer,
+                type(exc).__name__,
+                extra=request_fields(request_id),
+            )
+            return "failed"
         if blob is None:
             self.stats.pull_misses += 1
-            return
-        self.policy.record_pull(blob.nbytes, time.perf_counter() - started)
+            return "miss"
+        fetched_s = time.perf_counter() - started
+        self.policy.record_pull(blob.nbytes, fetched_s)
+        span.set_attributes(
+            {"baton.pull.bytes": blob.nbytes, "baton.pull.fetch_ms": 1e3 * fetched_s}
+        )
         try:
             await asyncio.to_thread(self.engine.import_checkpoint, blob)
         except (BlobError, EngineError) as exc:
             self.stats.pulls_rejected += 1
-            logger.warning("rejected a state blob from %s: %s", peer, exc)
-            return
+            reason = exc.reason if isinstance(exc, BlobError) else "over_budget"
+            span.set_attribute("baton.pull.reject_reason", reason)
+            logger.warning(
+                "rejected a state blob from %s: %s",
+                peer,
+                exc,
+                extra=request_fields(request_id),
+            )
+            return "rejected"
         self.stats.pulls += 1
         self.stats.pulled_bytes += blob.nbytes
+        metrics.PULLED_BYTES.inc(blob.nbytes)
+        return "pulled"
 
     def export_best(self, tokens: tuple[int, ...], min_tokens: int) -> np.ndarray | None:
         """For a peer: our longest checkpoint prefixing `tokens`, as a uint8 array (the
@@ -181,6 +237,8 @@ class Replica:
             return None
         self.stats.exports += 1
         self.stats.exported_bytes += len(blob)
+        metrics.CHECKPOINTS_SHIPPED.inc()
+        metrics.SHIPPED_BYTES.inc(len(blob))
         return np.frombuffer(blob, dtype=np.uint8)
 
     # ---- index bookkeeping (CheckpointListener; called on the engine thread) -------------
@@ -238,7 +296,7 @@ class Replica:
                 if gone:
                     await self.index.forget(self.replica_id, gone)
             except IndexUnavailable:
-                self.stats.index_errors += 1
+                self._index_error()
                 with self._lock:
                     self._dirty |= dirty  # retried after the index answers a heartbeat again
 
@@ -248,7 +306,7 @@ class Replica:
             try:
                 known = await self.index.heartbeat(self.replica_id)
             except IndexUnavailable:
-                self.stats.index_errors += 1
+                self._index_error()
             else:
                 with self._lock:
                     if not known:  # first beat, or the index lost its data: publish it all
@@ -257,3 +315,15 @@ class Replica:
                 if pending:
                     self._wake.set()
             await asyncio.sleep(self.heartbeat_s)
+
+    async def _gauge_loop(self) -> None:
+        while True:
+            load = self.engine.load()
+            metrics.QUEUE_LENGTH.set(load.queued)
+            metrics.SLOTS_IN_USE.set(load.running)
+            metrics.STORE_BYTES.set(self.engine.store.used_bytes)
+            await asyncio.sleep(GAUGE_PERIOD_S)
+
+    def _index_error(self) -> None:
+        self.stats.index_errors += 1
+        metrics.INDEX_ERRORS.inc(caller="replica")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from replicas.protocol import Completion, GenerationRequest, TokenEvent
@@ -20,6 +21,7 @@ class RequestHandle:
 
     def __init__(self, request: GenerationRequest) -> None:
         self.request = request
+        self.submitted_at = time.perf_counter()
         self._done = threading.Event()
         self._completion: Completion | None = None
         self._error: BaseException | None = None

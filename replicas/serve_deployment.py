@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import AsyncGenerator
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -20,6 +20,7 @@ from replicas.engine import Engine
 from replicas.engine_config import EngineConfig
 from replicas.protocol import TARGET_REPLICA_KWARG, Completion, ReplicaRequest, TokenEvent
 from replicas.replica import Replica
+from replicas.telemetry import configure_process
 
 
 class ReplicaSettings(BaseModel):
@@ -29,7 +30,7 @@ class ReplicaSettings(BaseModel):
 
     model_path: str
     engine: EngineConfig = EngineConfig()
-    hmac_key_hex: str
+    hmac_key_hex: str = Field(repr=False)
     index: str | None = "embedded"
     ship: bool = True  # pull from peers (needs Baton's router to reach a given replica)
     heartbeat_s: float = 5.0
@@ -51,6 +52,7 @@ class ReplicaDeployment:
     """Serves generation requests from one engine; publishes its checkpoints to the index."""
 
     async def __init__(self, settings: ReplicaSettings) -> None:
+        configure_process("replica")
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         engine = await asyncio.to_thread(
@@ -94,6 +96,8 @@ class ReplicaDeployment:
             "running": load.running,
             "free_slots": load.free_slots,
             "cache_bytes": self.replica.engine.store.used_bytes,
+            "pulls": self.replica.stats.pulls,
+            "pulled_bytes": self.replica.stats.pulled_bytes,
         }
 
     def ready(self) -> bool:

@@ -40,11 +40,13 @@ class Running:
     checkpoints: set[int]  # positions after which the state is saved
     sampler: TokenSampler
     text: TextStream
-    submitted_at: float
+    submitted_at: float  # when the slot was ready (after `admitted_at` and any restore)
+    admitted_at: float  # when it left the queue for this slot
     phase: Phase = Phase.PREFILL
     generated: list[int] = field(default_factory=list)
     pending_token: int | None = None  # sampled, not yet decoded
     first_token_at: float | None = None
+    last_token_at: float | None = None
     last_logits: np.ndarray | None = None
 
     @property

@@ -7,11 +7,13 @@ whose detail goes only to the log.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException
 
 from replicas.prompt import PromptError
@@ -21,6 +23,7 @@ logger = logging.getLogger("baton.gateway")
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
+RATE_LIMIT = "rate_limit_error"
 
 
 class APIError(Exception):
@@ -103,6 +106,26 @@ def no_capacity(
     return APIError(503, message, SERVER_ERROR, code="no_capacity", headers=headers)
 
 
+def replica_lost() -> APIError:
+    """503: the replica serving the request stopped (and retrying found none to take it)."""
+    return no_capacity("The replica serving the request stopped; retry shortly.")
+
+
+def too_busy(exc: BackPressureError) -> APIError:
+    """Every replica and the gateway's queue are full (Ray Serve's `max_queued_requests`)."""
+    retry_after_s = max(1, math.ceil(exc.retry_after_s or 1))
+    message = "Every replica is busy and the queue is full; retry shortly."
+    if exc.status_code == 429:
+        return APIError(
+            429,
+            message,
+            RATE_LIMIT,
+            code="too_many_requests",
+            headers={"Retry-After": str(retry_after_s)},
+        )
+    return no_capacity(message, retry_after_s=retry_after_s)
+
+
 def from_exception(exc: Exception) -> APIError:
     """The API error for an exception raised while serving; unexpected ones are logged."""
     if isinstance(exc, APIError):
@@ -113,6 +136,8 @@ def from_exception(exc: Exception) -> APIError:
         return invalid_request(str(exc))
     if isinstance(exc, EngineClosed):
         return no_capacity("The replica is shutting down; retry shortly.")
+    if isinstance(exc, BackPressureError):
+        return too_busy(exc)
     logger.error("request failed", exc_info=exc)
     return APIError(500, "The server failed to handle the request; see its log.", SERVER_ERROR)
 

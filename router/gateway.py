@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 from fastapi import FastAPI
@@ -25,6 +25,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from replicas import tracing
+from replicas.logs import bound_request
 from replicas.prompt import ChatMessage, Prompt
 from replicas.protocol import Completion, GenerationRequest, ReplicaRequest, TokenEvent
 from replicas.sampling import SamplingParams
@@ -37,6 +39,7 @@ from router.errors import (
     invalid_request,
     model_not_found,
 )
+from router.http_telemetry import HTTPTelemetry
 from router.prompt_builder import PromptBuilder
 
 REPLICA_HEADER = "X-Baton-Replica"  # on non-streamed replies: the replica(s) that served them
@@ -61,7 +64,7 @@ class GatewaySettings:
     model_path: str
     n_ctx: int
     block_tokens: int = 64
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     max_body_bytes: int = 4 << 20
     max_tokens_cap: int | None = None
 
@@ -98,6 +101,7 @@ def create_app(
     app.add_middleware(_BodySizeLimit, max_bytes=settings.max_body_bytes)
     if settings.api_keys:
         app.add_middleware(_APIKeyAuth, keys=settings.api_keys, prefix="/v1/")
+    app.add_middleware(HTTPTelemetry)  # the outermost: its span covers all the others
     return app
 
 
@@ -120,8 +124,10 @@ class _Gateway:
     async def chat(self, body: api.ChatCompletionRequest) -> Response:
         self._check_model(body.model)
         messages = [ChatMessage(role=m.role, content=m.content) for m in body.messages]
-        prompt = await run_in_threadpool(self._builder.from_messages, messages)
-        request_id = uuid.uuid4().hex
+        with tracing.span("tokenise") as span:
+            prompt = await run_in_threadpool(self._builder.from_messages, messages)
+            span.set_attribute("baton.prompt_tokens", len(prompt))
+        request_id = bound_request() or uuid.uuid4().hex
         call = self._replica_request(
             prompt, body, request_id, messages=[m.model_dump() for m in messages]
         )
@@ -140,12 +146,16 @@ class _Gateway:
         self._check_model(body.model)
         if body.stream and len(body.prompt) > 1:
             raise invalid_request("Streaming takes a single prompt.", param="prompt")
-        prompts = await run_in_threadpool(self._completion_prompts, body.prompt)
-        request_id = uuid.uuid4().hex
+        with tracing.span("tokenise") as span:
+            prompts = await run_in_threadpool(self._completion_prompts, body.prompt)
+            span.set_attribute("baton.prompt_tokens", sum(len(p) for p in prompts))
+        request_id = bound_request() or uuid.uuid4().hex
         calls = []
         for i, (prompt, given) in enumerate(zip(prompts, body.prompt, strict=True)):
             text = given if isinstance(given, str) else ""
-            calls.append(self._replica_request(prompt, body, f"{request_id}-{i}", text=text))
+            # One prompt keeps the request's id (so its replica's log lines name it).
+            call_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            calls.append(self._replica_request(prompt, body, call_id, text=text))
         reply = _Reply(f"cmpl-{request_id}", int(time.time()), self._settings.model_name)
         if body.stream:
             chunks = _TextChunks(reply)
@@ -196,11 +206,15 @@ class _Gateway:
             stop=tuple(body.stop),
             ignore_eos=body.ignore_eos,
         )
+        with tracing.span("hash") as span:
+            hashes = self._builder.hashes(prompt)
+            span.set_attribute("baton.blocks", len(hashes))
         return ReplicaRequest(
             generation=GenerationRequest(prompt=prompt, sampling=sampling, request_id=request_id),
-            prefix_hashes=self._builder.hashes(prompt),
+            prefix_hashes=hashes,
             prompt=text,
             chat_messages=messages,
+            trace_context=tracing.inject(),
         )
 
     def _max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
@@ -369,13 +383,13 @@ class _APIKeyAuth:
         self._prefix = prefix
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] == "http"
-            and scope["path"].startswith(self._prefix)
-            and not self._authorized(Headers(scope=scope))
-        ):
-            await invalid_api_key().response()(scope, receive, send)
-            return
+        if scope["type"] == "http" and scope["path"].startswith(self._prefix):
+            with tracing.span("auth") as span:
+                authorized = self._authorized(Headers(scope=scope))
+                span.set_attribute("baton.authorized", authorized)
+            if not authorized:
+                await invalid_api_key().response()(scope, receive, send)
+                return
         await self._app(scope, receive, send)
 
     def _authorized(self, headers: Headers) -> bool:

@@ -17,12 +17,16 @@ import asyncio
 import itertools
 import logging
 import math
+import time
 
+from opentelemetry.context import Context
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from cache_store.index import CheckpointIndex, IndexUnavailable, connect_cluster_index
+from replicas import tracing
+from replicas.logs import request_fields
 from replicas.protocol import TARGET_REPLICA_KWARG, ReplicaRequest
-from router.routing_metrics import record_decision
+from router.routing_metrics import record_decision, record_lookup
 
 logger = logging.getLogger("baton.router")
 
@@ -67,7 +71,9 @@ class SafeRequestRouter(RequestRouter):
         try:
             return await self.rank(candidate_replicas, pending_request)
         except Exception:
-            logger.exception("routing failed; falling back to load-only ranks")
+            request = _replica_request(pending_request)
+            extra = request_fields(request.generation.request_id) if request else None
+            logger.exception("routing failed; falling back to load-only ranks", extra=extra)
             record_decision("error_fallback")
             return _by_load(candidate_replicas)
 
@@ -88,6 +94,12 @@ def _target_of(pending_request: PendingRequest | None) -> str | None:
     if pending_request is None:
         return None
     return pending_request.kwargs.get(TARGET_REPLICA_KWARG)
+
+
+def _replica_request(pending_request: PendingRequest | None) -> ReplicaRequest | None:
+    """The gateway's request a call carries (None for other calls, e.g. a peer's export)."""
+    request = pending_request.args[0] if pending_request and pending_request.args else None
+    return request if isinstance(request, ReplicaRequest) else None
 
 
 class BatonRouter(SafeRequestRouter):
@@ -117,19 +129,44 @@ class BatonRouter(SafeRequestRouter):
         if target is not None:
             record_decision("targeted")
             return [[r for r in candidates if r.replica_id.unique_id == target]]
-        request = pending_request.args[0] if pending_request and pending_request.args else None
-        if not isinstance(request, ReplicaRequest) or not request.prefix_hashes:
+        request = _replica_request(pending_request)
+        if request is None:
             record_decision("no_prefix")
             return _by_load(candidates)
-        cached = await self._cached_tokens(request)
+        attributes = {
+            "baton.request_id": request.generation.request_id,
+            "baton.route.candidates": len(candidates),
+        }
+        parent = tracing.extract(request.trace_context)
+        with tracing.span("route", parent=parent, attributes=attributes) as span:
+            ranks, reason, cached = await self._decide(
+                candidates, request, tracing.context_of(span)
+            )
+            record_decision(reason)
+            if span.is_recording():
+                first = ranks[0][0].replica_id.unique_id if ranks and ranks[0] else ""
+                span.set_attributes(
+                    {
+                        "baton.route.reason": reason,
+                        "baton.route.replica": first,
+                        "baton.route.cached_tokens": cached.get(first, 0),
+                    }
+                )
+            return ranks
+
+    async def _decide(
+        self, candidates: list[RunningReplica], request: ReplicaRequest, trace: Context | None
+    ) -> tuple[list[list[RunningReplica]], str, dict[str, int]]:
+        """Ranks, the reason for them, and each replica's cached prefix length (if known)."""
+        if not request.prefix_hashes:
+            return _by_load(candidates), "no_prefix", {}
+        cached = await self._cached_tokens(request, trace)
         if cached is None:
-            record_decision("index_timeout")
-            return _by_load(candidates)
+            return _by_load(candidates), "index_timeout", {}
         if not any(cached.get(r.replica_id.unique_id, 0) for r in candidates):
-            record_decision("load_fallback")
-            return _by_load(candidates)
-        record_decision("prefix_hit")
-        return self._by_prefix(candidates, cached, len(request.generation.prompt))
+            return _by_load(candidates), "load_fallback", cached
+        n_prompt = len(request.generation.prompt)
+        return self._by_prefix(candidates, cached, n_prompt), "prefix_hit", cached
 
     def _by_prefix(
         self, candidates: list[RunningReplica], cached: dict[str, int], n_prompt: int
@@ -146,15 +183,21 @@ class BatonRouter(SafeRequestRouter):
         beyond = sorted((r for r in candidates if loads[r.replica_id.unique_id] >= bound), key=work)
         return [[r] for r in within + beyond]
 
-    async def _cached_tokens(self, request: ReplicaRequest) -> dict[str, int] | None:
+    async def _cached_tokens(
+        self, request: ReplicaRequest, trace: Context | None
+    ) -> dict[str, int] | None:
         """Replica id → cached prefix length, from one index lookup; None if it timed out."""
+        started = time.perf_counter()
         try:
-            index = await self._connected_index()
-            matches = await asyncio.wait_for(
-                index.lookup(list(request.prefix_hashes)), self._lookup_timeout_s
-            )
+            with tracing.span("index.lookup", parent=trace):
+                index = await self._connected_index()
+                matches = await asyncio.wait_for(
+                    index.lookup(list(request.prefix_hashes)), self._lookup_timeout_s
+                )
         except (IndexUnavailable, asyncio.TimeoutError):
+            record_lookup(time.perf_counter() - started, ok=False)
             return None
+        record_lookup(time.perf_counter() - started, ok=True)
         return {rid: m.n_tokens for rid, m in matches.items()}
 
     async def _connected_index(self) -> CheckpointIndex:

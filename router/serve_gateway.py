@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import AsyncGenerator
 
 from ray import serve
-from ray.exceptions import RayTaskError
-from ray.serve.handle import DeploymentHandle
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from replicas.protocol import Completion, ReplicaRequest, TokenEvent
+from replicas.telemetry import configure_process
+from router.errors import replica_lost, too_busy
 from router.gateway import GatewaySettings, create_app
 
 READY_TIMEOUT_S = 2.0
+ATTEMPTS = 3  # a replica that dies before answering: the request goes to another one
+
+logger = logging.getLogger("baton.gateway")
 
 
 class HandleReplicas:
@@ -22,22 +30,41 @@ class HandleReplicas:
         self._handle = handle
 
     async def generate(self, request: ReplicaRequest) -> Completion:
-        try:
-            return await self._handle.generate.remote(request)
-        except RayTaskError as exc:
-            raise exc.cause from None  # the replica's own error (e.g. a bad prompt → 400)
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                return await self._handle.generate.remote(request)
+            except RayTaskError as exc:
+                raise exc.cause from None  # the replica's own error (e.g. a bad prompt → 400)
+            except BackPressureError as exc:
+                raise too_busy(exc) from None  # as an OpenAI error (Serve's own is plain text)
+            except RayActorError:
+                _log_replica_lost(request, attempt)
+        raise replica_lost()
 
     async def stream(
         self, request: ReplicaRequest
     ) -> AsyncGenerator[TokenEvent | Completion, None]:
-        response = self._handle.options(stream=True).stream.remote(request)
-        try:
-            async for item in response:
-                yield item
-        except RayTaskError as exc:
-            raise exc.cause from None
-        finally:
-            response.cancel()  # a client that went away stops its generation
+        for attempt in range(1, ATTEMPTS + 1):
+            response = None
+            started = False
+            try:
+                response = self._handle.options(stream=True).stream.remote(request)
+                async for item in response:
+                    started = True
+                    yield item
+                return
+            except RayTaskError as exc:
+                raise exc.cause from None
+            except BackPressureError as exc:
+                raise too_busy(exc) from None
+            except RayActorError:
+                if started:  # the client has part of a reply: it cannot be sent again
+                    raise replica_lost() from None
+                _log_replica_lost(request, attempt)
+            finally:
+                if response is not None:
+                    _cancel(response)
+        raise replica_lost()
 
     async def ready(self) -> bool:
         try:
@@ -46,11 +73,29 @@ class HandleReplicas:
             return False
 
 
+def _cancel(response: DeploymentResponseGenerator) -> None:
+    """Stop the call (a client that went away stops its generation). Ray's `cancel` first
+    fetches the call's assignment and re-raises its failure (backpressure, a dead replica):
+    already handled here, it must not replace the error being answered."""
+    with contextlib.suppress(Exception):
+        response.cancel()
+
+
+def _log_replica_lost(request: ReplicaRequest, attempt: int) -> None:
+    logger.warning(
+        "replica lost before answering request %s (attempt %d of %d)",
+        request.generation.request_id,
+        attempt,
+        ATTEMPTS,
+    )
+
+
 @serve.ingress()
 class GatewayDeployment:
     """OpenAI-compatible HTTP API (CPU only); the ASGI app is built per gateway replica."""
 
     def __init__(self, settings: GatewaySettings, replicas: DeploymentHandle) -> None:
+        configure_process("gateway")
         self._settings = settings
         self._replicas = HandleReplicas(replicas)
 

@@ -289,3 +289,35 @@ def test_serve_config_matches_ray_schema(tmp_path: Path) -> None:
     write_serve_config(config, path)
     assert yaml.safe_load(path.read_text()) == serve_config(config)
     assert os.stat(path).st_mode & 0o777 == 0o600
+
+
+def test_app_builder_reads_baton_variables_under_the_args(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Serve import path (`serve run`, the Helm chart) merges the builder's `BATON_*`
+    environment under its args: the chart passes secrets that way, from Kubernetes Secrets."""
+    import deploy.app
+
+    built: list[BatonConfig] = []
+    monkeypatch.setattr(deploy.app, "build_app", built.append)
+    for name in [n for n in os.environ if n.startswith("BATON_")]:
+        monkeypatch.delenv(name)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    config = load_config(env={}, overrides={"model": str(model), "replicas": 3})
+    deploy.app.app_builder(to_serve_args(config))  # no BATON_* variables: the args alone
+
+    index = f"redis://:{REDIS_PASSWORD}@baton-redis:6379/0"
+    monkeypatch.setenv("BATON_API_KEYS", f"{API_KEY},second-key")
+    monkeypatch.setenv("BATON_HMAC_KEY", HMAC_KEY)
+    monkeypatch.setenv("BATON_INDEX", index)
+    monkeypatch.setenv("BATON_REPLICAS", "7")
+    deploy.app.app_builder({**to_serve_args(config), "engine": {"n_ctx": 2048}})
+
+    plain, merged = built
+    assert plain == config
+    assert [key.get_secret_value() for key in merged.api_keys] == [API_KEY, "second-key"]
+    assert merged.hmac_key is not None and merged.hmac_key.get_secret_value() == HMAC_KEY
+    assert merged.index == index
+    assert merged.replicas == 3  # args win over the environment
+    assert (merged.model, merged.engine.n_ctx) == (str(model), 2048)

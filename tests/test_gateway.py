@@ -19,6 +19,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from openai.types.chat import ChatCompletionMessageParam
+from ray.serve.exceptions import BackPressureError
 
 from replicas.engine import Engine
 from replicas.engine_config import EngineConfig
@@ -506,8 +507,10 @@ def _post_in_process(app: FastAPI, body: dict[str, object]) -> httpx.Response:
         (RuntimeError("secret detail"), 500, None),
         (EngineClosed("engine shut down"), 503, "no_capacity"),
         (PromptTooLong(2000, 1024), 400, "context_length_exceeded"),
+        (BackPressureError(8, 8, status_code=503, retry_after_s=1), 503, "no_capacity"),
+        (BackPressureError(8, 8, status_code=429, retry_after_s=0.2), 429, "too_many_requests"),
     ],
-    ids=["unexpected", "closed", "too long"],
+    ids=["unexpected", "closed", "too long", "queue full", "queue full (429)"],
 )
 def test_replica_failures_map_to_statuses(
     tiny_model: Callable[[str], Path], error: Exception, status: int, code: str | None, stream: bool
@@ -518,7 +521,7 @@ def test_replica_failures_map_to_statuses(
     assert response.status_code == status
     assert response.json()["error"]["code"] == code
     assert "secret" not in response.text
-    if status == 503:
+    if status in (429, 503):
         assert response.headers["retry-after"] == "1"
 
 

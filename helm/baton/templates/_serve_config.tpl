@@ -1,0 +1,42 @@
+{{/*
+The RayService's serveConfigV2: files/serve_config.yaml, which deploy/serve_config.py writes
+(the same Serve config `serve run` deploys), with the application's `args` and the HTTP port
+set from the values, and Ray Serve autoscaling on the Replica deployment (the file's one
+`deployments` entry). Secrets never appear here: API keys, the HMAC key and a Redis URL with
+a password reach the app builder as BATON_* environment variables (see baton.rayEnv).
+*/}}
+{{- define "baton.serveConfig" -}}
+{{- $config := .Files.Get "files/serve_config.yaml" | fromYaml }}
+{{- $_ := set $config.http_options "port" (int .Values.serve.port) }}
+{{- $app := first $config.applications }}
+{{- $args := dict
+  "port" (int .Values.serve.port)
+  "router" .Values.router
+  "replicas" (int .Values.replicas.count)
+  "num_gpus_per_replica" .Values.replicas.gpus
+  "num_cpus_per_replica" .Values.replicas.cpus
+  "gateway_replicas" (int .Values.gateway.replicas)
+  "engine" .Values.engine
+}}
+{{- with .Values.serve.maxBodyBytes }}
+{{- $_ := set $args "max_body_bytes" (int64 .) }}
+{{- end }}
+{{- with include "baton.modelPath" . }}
+{{- $_ := set $args "model" . }}
+{{- end }}
+{{- with .Values.model.name }}
+{{- $_ := set $args "model_name" . }}
+{{- end }}
+{{- if eq .Values.redis.mode "none" }}
+{{- $_ := set $args "index" "embedded" }}
+{{- else if and (eq .Values.redis.mode "external") (not .Values.redis.external.existingSecret) }}
+{{- $_ := set $args "index" .Values.redis.external.url }}
+{{- end }}
+{{- $_ := set $app "args" (mergeOverwrite (omit $app.args "api_keys" "hmac_key" "index") $args) }}
+{{- $replica := first $app.deployments }}
+{{- if .Values.replicas.autoscaling.enabled }}
+{{- $_ := set $replica "num_replicas" "auto" }}
+{{- $_ := set $replica "autoscaling_config" .Values.replicas.autoscaling.config }}
+{{- end }}
+{{- toYaml $config }}
+{{- end }}

@@ -1,0 +1,73 @@
+"""A Baton application deployed for a benchmark or a test, and its replicas reached as actors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+
+import httpx
+import ray
+from ray import serve
+from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX
+from ray.serve._private.constants import SERVE_NAMESPACE
+
+from deploy.app import REPLICA_DEPLOYMENT, build_app
+from deploy.config import BatonConfig
+from loadtests.redis_server import free_port
+
+READY_TIMEOUT_S = 120.0
+
+
+@contextlib.contextmanager
+def serve_app(config: BatonConfig, name: str, http_port: int | None) -> Iterator[str]:
+    """The app for `config` under `name` at route `/name`; yields its base URL once healthy.
+
+    Starts Serve on a free port (and shuts it down after) unless `http_port` names the port
+    of a Serve instance already running; then only this app is added and deleted.
+    """
+    port = http_port or free_port()
+    if http_port is None:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+        try:
+            url = f"http://127.0.0.1:{port}/{name}"
+            wait_healthy(url)
+            yield url
+        finally:
+            serve.delete(name)
+    finally:
+        if http_port is None:
+            serve.shutdown()
+
+
+def wait_healthy(url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Until `GET url/health` answers 200."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client() as client:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(f"{url}/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.2)
+    raise TimeoutError(f"the Serve app at {url} never became healthy")
+
+
+def replica_actors(app: str) -> dict[str, ray.actor.ActorHandle]:
+    """The app's replica actors by replica id. Serve names them
+    `SERVE_REPLICA::app#deployment#id`; reaching each directly is how a benchmark or test
+    reads every replica's counters, whatever the request router would choose."""
+    prefix = f"{REPLICA_ID_FULL_ID_STR_PREFIX}{app}#{REPLICA_DEPLOYMENT}#"
+    return {
+        actor["name"][len(prefix) :]: ray.get_actor(actor["name"], namespace=SERVE_NAMESPACE)
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["namespace"] == SERVE_NAMESPACE and actor["name"].startswith(prefix)
+    }
+
+
+async def replica_stats(app: str) -> list[dict]:
+    """Each replica's `record_routing_stats()` (load, cache bytes, pull counters)."""
+    actors = replica_actors(app).values()
+    return list(await asyncio.gather(*(actor.record_routing_stats.remote() for actor in actors)))

@@ -1,0 +1,245 @@
+"""`baton bench soak`: a mixed locust workload against a local cluster for N minutes.
+
+Locust runs the three user classes of `loadtests/locustfile.py` (multi-turn chat, agent loop,
+no sharing) headless against a fresh Baton app. Printed: requests and failures, TTFT p50/p99
+minute by minute (from the locustfile's per-request samples), and each replica process's
+resident memory (RSS, read from /proc) at the end of warm-up and at the end of the run: past
+warm-up it must grow by less than 10%.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from deploy.app import GATEWAY_CPUS
+from deploy.config import BatonConfig
+from deploy.local_ray import local_ray
+from loadtests.serve_app import serve_app
+from replicas.engine_config import EngineConfig
+
+APP = "soak"
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+USER_CLASSES = ("MultiTurnChatUser", "AgentLoopUser", "NoSharingUser")
+RSS_PERIOD_S = 5.0
+MAX_WARMUP_S = 60.0
+RSS_GROWTH_TARGET = 0.10
+WINDOW_S = 60.0
+
+
+class RssSampler:
+    """Samples the RSS of the app's replica processes every `RSS_PERIOD_S`, in a thread.
+
+    Ray titles a replica's process `ray::ServeReplica:<app>:<deployment>...`; a replica that
+    is replaced shows up as a new process id."""
+
+    def __init__(self, app: str, deployment: str = "Replica") -> None:
+        self._title = f"ray::ServeReplica:{app}:{deployment}".encode()
+        self.samples: list[tuple[float, int, int]] = []  # (time, pid, rss bytes)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0 if not self.samples else RSS_PERIOD_S):
+            self._sample()
+
+    def _sample(self) -> None:
+        now = time.time()
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                if not (proc / "cmdline").read_bytes().startswith(self._title):
+                    continue
+                rss = _rss_bytes((proc / "status").read_text())
+            except OSError:  # the process ended meanwhile
+                continue
+            self.samples.append((now, int(proc.name), rss))
+
+
+def _rss_bytes(status: str) -> int:
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _locust(url: str, seconds: int, users: int, system_tokens: int, max_tokens: int, prefix: Path):
+    command = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--host",
+        url,
+        "--headless",
+        "--users",
+        str(users),
+        "--spawn-rate",
+        str(max(1, users // 5)),
+        "--run-time",
+        f"{seconds}s",
+        "--stop-timeout",
+        "60",
+        "--csv",
+        str(prefix),
+        "--html",
+        f"{prefix}.html",
+        "--only-summary",
+        "--system-tokens",
+        str(system_tokens),
+        "--max-tokens",
+        str(max_tokens),
+        *USER_CLASSES,
+    ]
+    root = LOCUSTFILE.parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(
+        command, cwd=root, env=env, capture_output=True, text=True, timeout=seconds + 300
+    )
+    if not (prefix.parent / f"{prefix.name}_samples.csv").exists():
+        raise RuntimeError(f"locust failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+
+
+def _read_samples(path: Path) -> list[tuple[float, str, float, bool]]:
+    """(time, type, seconds, ok) of every sample the locustfile wrote."""
+    with path.open(newline="") as f:
+        return [
+            (float(r["time_s"]), r["type"], float(r["response_time_ms"]) / 1000, r["ok"] == "True")
+            for r in csv.DictReader(f)
+        ]
+
+
+def _figures(samples: list[tuple[float, str, float, bool]]) -> dict:
+    """Requests (locust's "POST" rows), failures, and TTFT percentiles of `samples`."""
+    requests = [ok for _, kind, _, ok in samples if kind == "POST"]
+    ttfts = [seconds for _, kind, seconds, _ in samples if kind == "TTFT"]
+    return {
+        "requests": len(requests),
+        "failures": requests.count(False),
+        "ttft_p50_s": float(np.percentile(ttfts, 50)) if ttfts else None,
+        "ttft_p99_s": float(np.percentile(ttfts, 99)) if ttfts else None,
+    }
+
+
+def _windows(samples: list[tuple[float, str, float, bool]], started: float) -> list[dict]:
+    """`_figures` per `WINDOW_S` since `started`."""
+    by_window: dict[int, list] = defaultdict(list)
+    for sample in samples:
+        by_window[int((sample[0] - started) // WINDOW_S)].append(sample)
+    return [{"minute": w + 1, **_figures(by_window[w])} for w in sorted(by_window)]
+
+
+def _memory(samples: list[tuple[float, int, int]], started: float, warmup_s: float) -> dict:
+    """Per replica process: RSS at the end of warm-up and at the end; the largest growth."""
+    by_pid: dict[int, list[tuple[float, int]]] = defaultdict(list)
+    for at, pid, rss in samples:
+        by_pid[pid].append((at - started, rss))
+    replicas = {}
+    for pid, series in by_pid.items():
+        after = [(t, rss) for t, rss in series if t >= warmup_s]
+        if len(after) < 2:
+            continue  # a process that did not live through the run
+        start, end = after[0][1], after[-1][1]
+        replicas[str(pid)] = {"rss_start_mb": start / 2**20, "rss_end_mb": end / 2**20}
+        replicas[str(pid)]["growth"] = end / start - 1
+    growth = max((r["growth"] for r in replicas.values()), default=None)
+    return {"replicas": replicas, "max_growth": growth}
+
+
+def soak_benchmark(
+    model_path: Path,
+    *,
+    minutes: float,
+    out_dir: Path,
+    users: int = 6,
+    replicas: int = 2,
+    system_tokens: int = 500,
+    max_tokens: int = 32,
+    cpus_per_replica: float = 1.0,
+    http_port: int | None = None,
+) -> dict:
+    """Run the mixed workload for `minutes` against `replicas` replicas of `model_path`;
+    locust's CSV/HTML reports and samples go to `out_dir`."""
+    seconds = max(10, round(minutes * 60))
+    warmup_s = min(MAX_WARMUP_S, 0.25 * seconds)
+    threads = max(1, (os.cpu_count() or 1) // replicas)
+    config = BatonConfig(
+        model=str(model_path),
+        replicas=replicas,
+        num_cpus_per_replica=cpus_per_replica,
+        engine=EngineConfig(n_ctx=8192, n_slots=4, n_threads=threads),
+        hmac_key=secrets.token_hex(16),
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prefix = out_dir / "soak"
+    num_cpus = max(os.cpu_count() or 1, math.ceil(replicas * cpus_per_replica + GATEWAY_CPUS))
+    with local_ray(num_cpus), serve_app(config, APP, http_port) as url, RssSampler(APP) as rss:
+        started = time.time()
+        _locust(url, seconds, users, system_tokens, max_tokens, prefix)
+    samples = _read_samples(out_dir / "soak_samples.csv")
+    return {
+        "model": str(model_path),
+        "minutes": seconds / 60,
+        "users": users,
+        "user_classes": list(USER_CLASSES),
+        "replicas": replicas,
+        "warmup_s": warmup_s,
+        **_figures(samples),
+        "windows": _windows(samples, started),
+        "memory": _memory(rss.samples, started, warmup_s),
+        "rss_growth_target": RSS_GROWTH_TARGET,
+        "reports": [str(p) for p in sorted(out_dir.glob("soak*"))],
+    }
+
+
+def format_report(result: dict) -> str:
+    lines = [
+        f"soak: {result['model']}, {result['replicas']} replicas, {result['users']} locust users"
+        f" ({', '.join(result['user_classes'])}), {result['minutes']:.1f} min",
+        f"requests {result['requests']}, failures {result['failures']};"
+        f" TTFT p50 {_s(result['ttft_p50_s'])}, p99 {_s(result['ttft_p99_s'])}",
+        f"{'minute':>6} {'requests':>9} {'failures':>9} {'TTFT p50':>9} {'TTFT p99':>9}",
+    ]
+    for w in result["windows"]:
+        lines.append(
+            f"{w['minute']:>6} {w['requests']:>9} {w['failures']:>9} {_s(w['ttft_p50_s']):>9}"
+            f" {_s(w['ttft_p99_s']):>9}"
+        )
+    memory = result["memory"]
+    lines.append(f"replica RSS after {result['warmup_s']:.0f} s of warm-up and at the end:")
+    for pid, r in memory["replicas"].items():
+        lines.append(
+            f"  pid {pid}: {r['rss_start_mb']:.0f} MB -> {r['rss_end_mb']:.0f} MB ({r['growth']:+.1%})"
+        )
+    if memory["max_growth"] is not None:
+        met = memory["max_growth"] < result["rss_growth_target"]
+        lines.append(
+            f"largest growth {memory['max_growth']:+.1%} (target < {result['rss_growth_target']:.0%}):"
+            f" {'met' if met else 'NOT met'}"
+        )
+    return "\n".join(lines)
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3f}s"

@@ -1,0 +1,15 @@
+"""One call sets up the logs, traces and metrics of a Serve deployment's process."""
+
+from __future__ import annotations
+
+from replicas import metrics
+from replicas.logs import configure_logging
+from replicas.tracing import configure_tracing
+
+
+def configure_process(component: str) -> None:
+    """Logs as $BATON_LOG_FORMAT says, traces as the OTEL_* variables say, and metrics on;
+    `component` (gateway, replica) names this process in its spans."""
+    configure_logging()
+    configure_tracing(component)
+    metrics.enable()

