@@ -131,7 +131,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="POLICY",
         help="routers to compare (default: all: baton pow2 prefix-affinity round-robin)",
     )
-    routing.add_argument("--index", default="embedded", help='"embedded" or a redis:// URL')
+    routing.add_argument(
+        "--index", help='a redis:// URL or "embedded" (default: a private redis-server)'
+    )
     routing.add_argument(
         "--think-s", type=float, help="mean pause before each later turn (default 2.0)"
     )

@@ -40,6 +40,8 @@ from cache_store.prefix_hash import common_prefix_length
 from deploy.app import GATEWAY_CPUS
 from deploy.config import BatonConfig, RouterPolicy
 from deploy.local_ray import local_ray
+from loadtests.index_bench import redis_url_or_private_server
+from loadtests.ray_metrics import settled_counters
 from loadtests.serve_app import replica_stats, serve_app
 from loadtests.synthetic_text import filler_text
 from replicas.engine_config import EngineConfig
@@ -291,8 +293,11 @@ async def _moved_session(run: _Run, system: str, conversation: Conversation) -> 
         await asyncio.gather(*blockers, return_exceptions=True)
 
 
-async def _scenarios(run: _Run, script: Script, workload: RoutingWorkload, app: str) -> dict:
-    """Both scenarios on one deployed app: the wall time and the replicas' pulls of each."""
+async def _scenarios(
+    run: _Run, script: Script, workload: RoutingWorkload, app: str, warmups: int
+) -> dict:
+    """Both scenarios on one deployed app: for each, its wall time, the replicas' pulls, and
+    the routing decisions and pull outcomes the app's metrics counted."""
     figures = {}
     slots = asyncio.Semaphore(workload.concurrency)
 
@@ -302,20 +307,52 @@ async def _scenarios(run: _Run, script: Script, workload: RoutingWorkload, app: 
 
     chats = [c for c in script.conversations if c.scenario == CHAT]
     before = await _pull_counters(app)
+    metrics_before = await _app_metrics(app, warmups)
     started = time.perf_counter()
     await asyncio.gather(*(limited(c) for c in chats))
     figures[CHAT] = {"total_s": time.perf_counter() - started}
     await _wait_idle(app)
     after = await _pull_counters(app)
-    figures[CHAT] |= _difference(after, before)
+    metrics_after = await _app_metrics(app, warmups + len(run.records))
+    figures[CHAT] |= _difference(after, before) | _metric_difference(metrics_after, metrics_before)
 
     started = time.perf_counter()
-    for conversation in (c for c in script.conversations if c.scenario == MOVED):
+    moved = [c for c in script.conversations if c.scenario == MOVED]
+    for conversation in moved:
         await _moved_session(run, script.system, conversation)
         await _wait_idle(app)
     figures[MOVED] = {"total_s": time.perf_counter() - started}
-    figures[MOVED] |= _difference(await _pull_counters(app), after)
+    sent = warmups + len(run.records) + BLOCKERS * len(moved)
+    figures[MOVED] |= _difference(await _pull_counters(app), after) | _metric_difference(
+        await _app_metrics(app, sent), metrics_after
+    )
     return figures
+
+
+async def _app_metrics(app: str, requests: int) -> dict[str, float]:
+    """The app's Baton counters once its metrics have caught up; empty if unreachable."""
+    try:
+        return await asyncio.to_thread(settled_counters, app, requests)
+    except (httpx.HTTPError, StopIteration):
+        return {}
+
+
+def _metric_difference(after: dict[str, float], before: dict[str, float]) -> dict[str, dict]:
+    """Routing decisions by reason and state pulls by outcome, counted between two scrapes."""
+
+    def by(name: str, label: str) -> dict[str, int]:
+        prefix = f"{name}{{{label}="
+        counts = {
+            key[len(prefix) : -1]: round(value - before.get(key, 0.0))
+            for key, value in after.items()
+            if key.startswith(prefix)
+        }
+        return {k: v for k, v in sorted(counts.items()) if v}
+
+    return {
+        "routing_decisions": by("ray_baton_routing_decisions_total", "reason"),
+        "pull_outcomes": by("ray_baton_state_pulls_total", "outcome"),
+    }
 
 
 def _difference(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
@@ -355,12 +392,15 @@ def _count_new_tokens(records: list[RequestRecord]) -> None:
         record.new_tokens = len(record.prompt) - shared
 
 
-async def _warm_up(client: _Client, replicas: int) -> None:
-    """Short unrelated requests, so no policy pays llama.cpp's first-call costs in its TTFT."""
-    for i in range(WARMUP_REQUESTS_PER_REPLICA * replicas):
+async def _warm_up(client: _Client, replicas: int) -> int:
+    """Short unrelated requests, so no policy pays llama.cpp's first-call costs in its TTFT;
+    returns how many were sent."""
+    count = WARMUP_REQUESTS_PER_REPLICA * replicas
+    for i in range(count):
         reply = await client.chat([{"role": "user", "content": f"Warm-up {i}: say hi."}], 4)
         if reply.error:
             raise RuntimeError(f"warm-up request failed: {reply.error}")
+    return count
 
 
 async def _policy_run(
@@ -374,10 +414,10 @@ async def _policy_run(
 ) -> tuple[list[RequestRecord], dict]:
     async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http:
         client = _Client(http, url, config.served_model_name)
-        await _warm_up(client, config.replicas)
+        warmups = await _warm_up(client, config.replicas)
         await _wait_idle(app)
         run = _Run(policy.value, client, model, workload)
-        figures = await _scenarios(run, script, workload, app)
+        figures = await _scenarios(run, script, workload, app, warmups)
     _count_new_tokens(run.records)
     return run.records, figures
 
@@ -447,33 +487,37 @@ def routing_benchmark(
     workload: RoutingWorkload = RoutingWorkload(),
     policies: Sequence[RouterPolicy] = POLICIES,
     replicas: int = 2,
-    index: str = "embedded",
+    index: str | None = None,
     cpus_per_replica: float = 1.0,
     http_port: int | None = None,
 ) -> tuple[dict, list[RequestRecord]]:
     """Run `workload` against each of `policies` on `replicas` replicas of `model_path`.
 
-    Ray is started here unless running (with enough logical CPUs); Serve is started on a free
-    port unless `http_port` names a running one. Returns the summary and every request.
+    `index` is "embedded", a redis:// URL, or None for a private redis-server. Ray is started
+    here unless running (with enough logical CPUs); Serve is started on a free port unless
+    `http_port` names a running one. Returns the summary and every request.
     """
+    # A Ray started here flushes metrics every second (not 10), so each scenario's routing
+    # decisions can be read soon after it ends.
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
     threads = max(1, (os.cpu_count() or 1) // replicas)
     engine = EngineConfig(n_ctx=workload.n_ctx(), n_slots=4, n_threads=threads)
-    base = BatonConfig(
-        model=str(model_path),
-        replicas=replicas,
-        num_cpus_per_replica=cpus_per_replica,
-        engine=engine,
-        index=index,
-        heartbeat_s=HEARTBEAT_S,
-        hmac_key=secrets.token_hex(16),
-    )
     num_cpus = max(os.cpu_count() or 1, math.ceil(replicas * cpus_per_replica + GATEWAY_CPUS))
     model = LlamaModel(model_path, vocab_only=True)
     try:
         script = Script.make(workload, model)
         records: list[RequestRecord] = []
         summaries = {}
-        with local_ray(num_cpus):
+        with redis_url_or_private_server(index) as index_spec, local_ray(num_cpus):
+            base = BatonConfig(
+                model=str(model_path),
+                replicas=replicas,
+                num_cpus_per_replica=cpus_per_replica,
+                engine=engine,
+                index=index_spec,
+                heartbeat_s=HEARTBEAT_S,
+                hmac_key=secrets.token_hex(16),
+            )
             for policy in policies:
                 config = base.model_copy(update={"router": policy})
                 app = f"routing-{policy.value}"
@@ -489,7 +533,7 @@ def routing_benchmark(
         "model": str(model_path),
         "replicas": replicas,
         "threads_per_replica": threads,
-        "index": index.split("@")[-1],
+        "index": "redis" if index_spec.startswith("redis") else index_spec,
         "workload": asdict(workload),
         "policies": summaries,
         "targets": _targets(summaries),
@@ -529,6 +573,23 @@ def _table(policies: dict[str, dict]) -> list[str]:
     return lines
 
 
+def _decisions(policies: dict[str, dict]) -> list[str]:
+    """Per policy, Baton's routing decisions by reason and its replicas' pull outcomes."""
+    lines = []
+    for name, figures in policies.items():
+        parts = [
+            f"{title} " + ", ".join(f"{k} {v}" for k, v in counts.items())
+            for title, counts in (
+                ("decisions:", figures.get("routing_decisions")),
+                ("pulls:", figures.get("pull_outcomes")),
+            )
+            if counts
+        ]
+        if parts:
+            lines.append(f"  {name}: " + "; ".join(parts))
+    return lines
+
+
 def format_report(result: dict) -> str:
     w = result["workload"]
     policies = result["policies"]
@@ -540,10 +601,12 @@ def format_report(result: dict) -> str:
         f" {w['turn_tokens']}-token questions and {w['reply_tokens']}-token replies,"
         f" {w['think_s']:g} s mean pause between turns; seed {w['seed']}",
         *_table(policies),
+        *_decisions(policies),
         "",
         f"moved: {w['moved_sessions']} sessions whose replica is kept busy by {BLOCKERS} long"
         " requests before their second turn",
-        *_table({name: figures[MOVED] for name, figures in policies.items()}),
+        *_table(moved := {name: figures[MOVED] for name, figures in policies.items()}),
+        *_decisions(moved),
     ]
     if result["targets"]:
         lines.append("")

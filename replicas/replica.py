@@ -147,6 +147,8 @@ class Replica:
             return
         usable = len(tokens) - MIN_PIECE  # the engine always computes the last piece itself
         local = self.engine.reusable_tokens(tokens)
+        if usable - local < self.policy.min_gain_tokens:
+            return  # no peer can hold enough more to be worth a pull: skip the lookup
         chain = self.engine.hasher.chain(tokens[:usable])
         if not chain:
             return

@@ -31,6 +31,7 @@ from replicas.prompt import ChatMessage, Prompt
 from replicas.protocol import Completion, GenerationRequest, ReplicaRequest, TokenEvent
 from replicas.sampling import SamplingParams
 from router import openai_types as api
+from router.asgi_path import app_path
 from router.errors import (
     body_too_large,
     from_exception,
@@ -383,7 +384,7 @@ class _APIKeyAuth:
         self._prefix = prefix
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self._prefix):
+        if scope["type"] == "http" and app_path(scope).startswith(self._prefix):
             with tracing.span("auth") as span:
                 authorized = self._authorized(Headers(scope=scope))
                 span.set_attribute("baton.authorized", authorized)

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from replicas import metrics, tracing
 from replicas.logs import bind_request
+from router.asgi_path import app_path
 
 logger = logging.getLogger("baton.gateway")
 
@@ -38,14 +39,14 @@ class HTTPTelemetry:
         self._app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(OBSERVED_PREFIX):
+        if scope["type"] != "http" or not app_path(scope).startswith(OBSERVED_PREFIX):
             await self._app(scope, receive, send)
             return
         # Bound for the rest of this request's task: Starlette's handler of unexpected
         # errors logs outside this middleware, and that line must name the request too.
         request_id = uuid.uuid4().hex
         bind_request(request_id)
-        method, path = scope["method"], scope["path"]
+        method, path = scope["method"], app_path(scope)
         endpoint = path if path in ENDPOINTS else "other"
         span = tracing.start_span(
             f"{method} {endpoint}",

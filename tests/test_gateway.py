@@ -537,3 +537,20 @@ def test_failure_mid_stream_is_an_error_event(tiny_model: Callable[[str], Path])
     assert [json.loads(d)["choices"][0]["text"] for d in data[:2]] == ["x", "x"]
     assert json.loads(data[-2])["error"]["type"] == "server_error"
     assert "secret" not in response.text
+
+
+def test_api_key_is_required_under_a_route_prefix(tiny_model: Callable[[str], Path]) -> None:
+    """Mounted at a prefix (a Serve `route_prefix`), Starlette's `path` includes the prefix:
+    the key check must still apply to `/prefix/v1/...`."""
+    settings = GatewaySettings(
+        model_name=MODEL, model_path=str(tiny_model("qwen35")), n_ctx=1024, api_keys=(KEY,)
+    )
+    app = create_app(settings, FailingReplica(RuntimeError("unused")))
+
+    async def get(headers: dict[str, str]) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, root_path="/baton")
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            return await client.get("/baton/v1/models", headers=headers)
+
+    assert asyncio.run(get({})).status_code == 401
+    assert asyncio.run(get({"authorization": f"Bearer {KEY}"})).status_code == 200

@@ -21,7 +21,7 @@ WORKLOAD = RoutingWorkload(
     turns=3,
     concurrency=2,
     system_tokens=300,
-    document_tokens=400,
+    document_tokens=1200,  # a pull must beat recomputing this on a fast tiny model
     turn_tokens=30,
     reply_tokens=8,
     think_s=0.2,
@@ -45,12 +45,13 @@ REQUIRED = {
 
 
 def test_routing_benchmark_compares_policies_on_one_workload(
-    tiny_model, serve_port, tmp_path
+    tiny_model, serve_port, redis_server, tmp_path
 ) -> None:
     result, records = routing_benchmark(
         tiny_model("qwen35"),
         workload=WORKLOAD,
         policies=POLICIES,
+        index=redis_server.url,
         cpus_per_replica=0.5,
         http_port=serve_port,
     )
@@ -73,6 +74,9 @@ def test_routing_benchmark_compares_policies_on_one_workload(
     baton, round_robin = policies["baton"], policies["round-robin"]
     assert baton["computed_prompt_tokens"] < round_robin["computed_prompt_tokens"]
     assert baton[MOVED]["checkpoints_shipped"] >= 1 and baton[MOVED]["bytes_shipped"] > 0
+    # The app's own metrics agree: Baton's router found prefixes, its replicas pulled.
+    assert baton["routing_decisions"].get("prefix_hit", 0) > 0
+    assert baton[MOVED]["pull_outcomes"].get("pulled", 0) == baton[MOVED]["checkpoints_shipped"]
     assert round_robin["checkpoints_shipped"] == round_robin[MOVED]["checkpoints_shipped"] == 0
     assert set(result["targets"]) == {"computed_over_new"}  # pow2 and the anchor were not run
 

@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from cache_store.index import connect_index
+from cache_store.state_blob import encode_blob
 from replicas.engine import Engine
 from replicas.engine_config import EngineConfig
 from replicas.prompt import Prompt
@@ -136,25 +137,57 @@ def test_dead_peer_costs_a_recompute_not_a_failure(redis_server, ray_cluster, ti
 
 
 class _TamperingPeers:
-    """Fault injection for what cannot be caused otherwise: a blob damaged in transit, or
-    a peer that answers late. It wraps a real peer's real export."""
+    """Fault injection for what cannot be caused otherwise: a blob damaged in transit, cut
+    short, signed by someone without the cluster's key, or a peer that answers late. It wraps
+    a real peer's real export."""
 
-    def __init__(self, peer: Replica, *, flip_bit: int | None = None, delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        peer: Replica,
+        *,
+        flip_bit: int | None = None,
+        truncate: bool = False,
+        forge: bool = False,
+        delay_s: float = 0.0,
+    ) -> None:
         self.peer, self.flip_bit, self.delay_s = peer, flip_bit, delay_s
+        self.truncate, self.forge = truncate, forge
 
     async def fetch(self, replica_id, tokens, min_tokens):
         await asyncio.sleep(self.delay_s)
         blob = self.peer.export_best(tokens, min_tokens)
-        if blob is not None and self.flip_bit is not None:
+        if blob is None:
+            return None
+        if self.flip_bit is not None:
             blob = blob.copy()
             blob[self.flip_bit // 8 % blob.size] ^= 1 << (self.flip_bit % 8)
+        if self.truncate:  # llama.cpp crashes on a short state: it must never see this one
+            blob = blob[: blob.size // 2]
+        if self.forge:  # intact contents, signed with a key that is not the cluster's
+            engine = self.peer.engine
+            checkpoint = engine.store.longest_match(engine.hasher, tokens, len(tokens))
+            blob = np.frombuffer(
+                encode_blob(
+                    fingerprint=engine.fingerprint,
+                    prefix_hash=checkpoint.prefix_hash,
+                    tokens=checkpoint.tokens,
+                    state=checkpoint.state,
+                    key=b"not-the-cluster-key",
+                ),
+                dtype=np.uint8,
+            )
         return blob
 
 
 @pytest.mark.parametrize(
     "fault,expected",
-    [({"flip_bit": 8 * 4000 + 3}, "pulls_rejected"), ({"delay_s": 5.0}, "pull_failures")],
-    ids=["corrupted-in-transit", "slower-than-the-deadline"],
+    [
+        ({"flip_bit": 8 * 4000 + 3}, "pulls_rejected"),
+        ({"truncate": True}, "pulls_rejected"),
+        ({"forge": True}, "pulls_rejected"),
+        ({"delay_s": 5.0}, "pull_failures"),
+    ],
+    ids=["corrupted-in-transit", "truncated", "forged-hmac", "slower-than-the-deadline"],
 )
 def test_bad_transfer_is_rejected_and_recomputed(fault, expected, redis_server, tiny_model) -> None:
     path = str(tiny_model("qwen35"))
@@ -169,9 +202,11 @@ def test_bad_transfer_is_rejected_and_recomputed(fault, expected, redis_server, 
         ):
             a_index = await connect_index(redis_server.url, a_engine.fingerprint)
             b_index = await connect_index(redis_server.url, b_engine.fingerprint)
-            holder = Replica("tamper-a-" + expected, a_engine, index=a_index, heartbeat_s=0.1)
+            holder = Replica(
+                f"tamper-a-{secrets.token_hex(3)}", a_engine, index=a_index, heartbeat_s=0.1
+            )
             puller = Replica(
-                "tamper-b-" + expected,
+                f"tamper-b-{secrets.token_hex(3)}",
                 b_engine,
                 index=b_index,
                 peers=_TamperingPeers(holder, **fault),
@@ -227,7 +262,10 @@ def test_redis_outage_never_fails_a_request_and_the_index_repopulates(
                     ReplicaRequest(generation=_request(history + (100 + i, 7, 8)))
                 )
                 assert len(done.tokens) == 4 and done.usage.cached_tokens == len(history)
-            assert replica.stats.index_errors > 0
+            deadline = time.monotonic() + 5
+            while replica.stats.index_errors == 0:  # the heartbeat notices the outage
+                assert time.monotonic() < deadline, "no index error while Redis was down"
+                await asyncio.sleep(0.05)
 
             server.start()  # empty: Redis lost everything
             await _wait_for_entries(server.url, engine.fingerprint, chain, "outage")
