@@ -43,6 +43,11 @@ bench: install redis-server
 	$(BIN)/baton bench index
 	$(BIN)/baton bench ship
 	$(BIN)/baton bench serve
+	mkdir -p bench-out
+	$(BIN)/baton make-model --arch qwen35 --layers 12 --embd 512 --out bench-out/qwen35-12x512.gguf
+	$(BIN)/baton bench routing --model bench-out/qwen35-12x512.gguf --out bench-out/routing-qwen35
+	$(BIN)/baton bench routing --out bench-out/routing-smollm2
+	$(BIN)/baton bench soak --minutes 8
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

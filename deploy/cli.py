@@ -18,6 +18,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # Whatever level the root logger ends up at (Ray may reconfigure it), the benchmarks'
+    # HTTP client must not log each of their requests.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as exc:
@@ -69,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=_serve)
 
     yaml_config = commands.add_parser(
-        "serve-config", help="write the Ray Serve config YAML (serve run / serve deploy / Helm)"
+        "serve-config", help="write the Ray Serve config YAML (serve run / serve deploy)"
     )
     yaml_config.add_argument("--config", help="YAML file of Baton settings")
     yaml_config.add_argument("--out", default="-", help="output file (default: stdout)")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import itertools
 import json
 import math
 import os
@@ -675,10 +676,11 @@ def _plots(records: list[RequestRecord], out_dir: Path) -> list[Path]:
 
     turns_path = out_dir / "computed_per_turn.png"
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    for policy, rows in by_policy.items():
+    for (policy, rows), marker in zip(by_policy.items(), itertools.cycle("osD^v")):
         turns = sorted({r.turn for r in rows})
         mean = [np.mean([r.computed_tokens for r in rows if r.turn == t]) for t in turns]
-        axes.plot(turns, mean, marker="o", label=policy)
+        # Distinct markers, open: policies that compute the same show on top of each other.
+        axes.plot(turns, mean, marker=marker, fillstyle="none", markersize=8, label=policy)
     turns = sorted({r.turn for r in chat})
     new = [np.mean([r.new_tokens for r in chat if r.turn == t]) for t in turns]
     axes.plot(turns, new, linestyle="--", color="black", label="new tokens (ideal)")

@@ -4,11 +4,13 @@ Locust runs the three user classes of `loadtests/locustfile.py` (multi-turn chat
 no sharing) headless against a fresh Baton app. Printed: requests and failures, TTFT p50/p99
 minute by minute (from the locustfile's per-request samples), and each replica process's
 resident memory (RSS, read from /proc) at the end of warm-up and at the end of the run: past
-warm-up it must grow by less than 10%.
+warm-up it must grow by less than 10%. The replicas' checkpoint stores get a small budget
+(256 MiB) so that this cache is full by then: its growth to the budget is by design.
 """
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import math
 import os
@@ -21,11 +23,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+import ray
 
-from deploy.app import GATEWAY_CPUS
+from deploy.app import GATEWAY_CPUS, REPLICA_DEPLOYMENT
 from deploy.config import BatonConfig
 from deploy.local_ray import local_ray
-from loadtests.serve_app import serve_app
+from loadtests.serve_app import replica_actors, replica_stats, serve_app
 from replicas.engine_config import EngineConfig
 
 APP = "soak"
@@ -34,35 +37,42 @@ USER_CLASSES = ("MultiTurnChatUser", "AgentLoopUser", "NoSharingUser")
 RSS_PERIOD_S = 5.0
 MAX_WARMUP_S = 60.0
 RSS_GROWTH_TARGET = 0.10
+# The checkpoint store is a cache that grows to its budget: a small one fills during warm-up,
+# so growth after it is what leaks would show.
+STORE_BUDGET_BYTES = 256 << 20
 WINDOW_S = 60.0
 
 
-class RssSampler:
-    """Samples the RSS of the app's replica processes every `RSS_PERIOD_S`, in a thread.
+class MemorySampler:
+    """Every `RSS_PERIOD_S`, in a thread: the RSS of the app's replica processes, and how
+    full their checkpoint stores are (the fullest-first replica's share of the budget).
 
     Ray titles a replica's process `ray::ServeReplica:<app>:<deployment>...`; a replica that
     is replaced shows up as a new process id."""
 
-    def __init__(self, app: str, deployment: str = "Replica") -> None:
-        self._title = f"ray::ServeReplica:{app}:{deployment}".encode()
-        self.samples: list[tuple[float, int, int]] = []  # (time, pid, rss bytes)
+    def __init__(self, app: str, store_budget_bytes: int) -> None:
+        self._app = app
+        self._title = f"ray::ServeReplica:{app}:{REPLICA_DEPLOYMENT}".encode()
+        self._budget = store_budget_bytes
+        self.rss: list[tuple[float, int, int]] = []  # (time, pid, rss bytes)
+        self.store_fill: list[tuple[float, float]] = []  # (time, least-full store / budget)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> RssSampler:
+    def __enter__(self) -> MemorySampler:
         self._thread.start()
         return self
 
     def __exit__(self, *_: object) -> None:
         self._stop.set()
         self._thread.join()
-        self._sample()
 
     def _run(self) -> None:
-        while not self._stop.wait(0 if not self.samples else RSS_PERIOD_S):
-            self._sample()
+        while not self._stop.wait(0 if not self.rss else RSS_PERIOD_S):
+            self._sample_rss()
+            self._sample_stores()
 
-    def _sample(self) -> None:
+    def _sample_rss(self) -> None:
         now = time.time()
         for proc in Path("/proc").iterdir():
             if not proc.name.isdigit():
@@ -73,7 +83,17 @@ class RssSampler:
                 rss = _rss_bytes((proc / "status").read_text())
             except OSError:  # the process ended meanwhile
                 continue
-            self.samples.append((now, int(proc.name), rss))
+            self.rss.append((now, int(proc.name), rss))
+
+    def _sample_stores(self) -> None:
+        refs = [a.record_routing_stats.remote() for a in replica_actors(self._app).values()]
+        try:
+            stats = ray.get(refs, timeout=5)
+        except ray.exceptions.RayError:
+            return
+        if stats:
+            least = min(int(s["cache_bytes"]) for s in stats)
+            self.store_fill.append((time.time(), least / self._budget))
 
 
 def _rss_bytes(status: str) -> int:
@@ -150,6 +170,14 @@ def _windows(samples: list[tuple[float, str, float, bool]], started: float) -> l
     return [{"minute": w + 1, **_figures(by_window[w])} for w in sorted(by_window)]
 
 
+def _warmup_s(sampler: MemorySampler, started: float, seconds: int) -> float:
+    """Warm-up lasts `MAX_WARMUP_S` (a quarter of a short run), and longer while a replica's
+    checkpoint store is under 90% full: until it is, at most three quarters into the run."""
+    base = min(MAX_WARMUP_S, 0.25 * seconds)
+    full = next((at - started for at, fill in sampler.store_fill if fill >= 0.9), None)
+    return base if full is None else min(max(base, full), 0.75 * seconds)
+
+
 def _memory(samples: list[tuple[float, int, int]], started: float, warmup_s: float) -> dict:
     """Per replica process: RSS at the end of warm-up and at the end; the largest growth."""
     by_pid: dict[int, list[tuple[float, int]]] = defaultdict(list)
@@ -167,6 +195,15 @@ def _memory(samples: list[tuple[float, int, int]], started: float, warmup_s: flo
     return {"replicas": replicas, "max_growth": growth}
 
 
+def _rss_by_window(samples: list[tuple[float, int, int]], started: float) -> dict[int, float]:
+    """The largest replica RSS (MB) seen in each `WINDOW_S`."""
+    largest: dict[int, float] = {}
+    for at, _, rss in samples:
+        window = int((at - started) // WINDOW_S)
+        largest[window] = max(largest.get(window, 0.0), rss / 2**20)
+    return largest
+
+
 def soak_benchmark(
     model_path: Path,
     *,
@@ -177,27 +214,39 @@ def soak_benchmark(
     system_tokens: int = 500,
     max_tokens: int = 32,
     cpus_per_replica: float = 1.0,
+    store_budget_bytes: int = STORE_BUDGET_BYTES,
     http_port: int | None = None,
 ) -> dict:
     """Run the mixed workload for `minutes` against `replicas` replicas of `model_path`;
     locust's CSV/HTML reports and samples go to `out_dir`."""
     seconds = max(10, round(minutes * 60))
-    warmup_s = min(MAX_WARMUP_S, 0.25 * seconds)
     threads = max(1, (os.cpu_count() or 1) // replicas)
     config = BatonConfig(
         model=str(model_path),
         replicas=replicas,
         num_cpus_per_replica=cpus_per_replica,
-        engine=EngineConfig(n_ctx=8192, n_slots=4, n_threads=threads),
+        engine=EngineConfig(
+            n_ctx=8192, n_slots=4, n_threads=threads, store_budget_bytes=store_budget_bytes
+        ),
         hmac_key=secrets.token_hex(16),
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     prefix = out_dir / "soak"
     num_cpus = max(os.cpu_count() or 1, math.ceil(replicas * cpus_per_replica + GATEWAY_CPUS))
-    with local_ray(num_cpus), serve_app(config, APP, http_port) as url, RssSampler(APP) as rss:
+    with (
+        local_ray(num_cpus),
+        serve_app(config, APP, http_port) as url,
+        MemorySampler(APP, store_budget_bytes) as memory,
+    ):
         started = time.time()
         _locust(url, seconds, users, system_tokens, max_tokens, prefix)
+        stores = [s["cache_bytes"] for s in asyncio.run(replica_stats(APP))]
     samples = _read_samples(out_dir / "soak_samples.csv")
+    warmup_s = _warmup_s(memory, started, seconds)
+    windows = _windows(samples, started)
+    rss_by_window = _rss_by_window(memory.rss, started)
+    for window in windows:
+        window["rss_max_mb"] = rss_by_window.get(window["minute"] - 1)
     return {
         "model": str(model_path),
         "minutes": seconds / 60,
@@ -206,8 +255,10 @@ def soak_benchmark(
         "replicas": replicas,
         "warmup_s": warmup_s,
         **_figures(samples),
-        "windows": _windows(samples, started),
-        "memory": _memory(rss.samples, started, warmup_s),
+        "windows": windows,
+        "memory": _memory(memory.rss, started, warmup_s),
+        "store_budget_mb": store_budget_bytes / 2**20,
+        "store_end_mb": [b / 2**20 for b in stores],
         "rss_growth_target": RSS_GROWTH_TARGET,
         "reports": [str(p) for p in sorted(out_dir.glob("soak*"))],
     }
@@ -219,14 +270,19 @@ def format_report(result: dict) -> str:
         f" ({', '.join(result['user_classes'])}), {result['minutes']:.1f} min",
         f"requests {result['requests']}, failures {result['failures']};"
         f" TTFT p50 {_s(result['ttft_p50_s'])}, p99 {_s(result['ttft_p99_s'])}",
-        f"{'minute':>6} {'requests':>9} {'failures':>9} {'TTFT p50':>9} {'TTFT p99':>9}",
+        f"{'minute':>6} {'requests':>9} {'failures':>9} {'TTFT p50':>9} {'TTFT p99':>9}"
+        f" {'max RSS':>9}",
     ]
     for w in result["windows"]:
         lines.append(
             f"{w['minute']:>6} {w['requests']:>9} {w['failures']:>9} {_s(w['ttft_p50_s']):>9}"
-            f" {_s(w['ttft_p99_s']):>9}"
+            f" {_s(w['ttft_p99_s']):>9} {_mb(w['rss_max_mb']):>9}"
         )
     memory = result["memory"]
+    stores = ", ".join(f"{mb:.0f}" for mb in result["store_end_mb"])
+    lines.append(
+        f"checkpoint stores at the end: {stores} MB (budget {result['store_budget_mb']:.0f} MB each)"
+    )
     lines.append(f"replica RSS after {result['warmup_s']:.0f} s of warm-up and at the end:")
     for pid, r in memory["replicas"].items():
         lines.append(
@@ -239,6 +295,10 @@ def format_report(result: dict) -> str:
             f" {'met' if met else 'NOT met'}"
         )
     return "\n".join(lines)
+
+
+def _mb(mb: float | None) -> str:
+    return "-" if mb is None else f"{mb:.0f} MB"
 
 
 def _s(seconds: float | None) -> str:

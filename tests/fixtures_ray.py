@@ -7,12 +7,12 @@ imported anywhere.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from deploy.local_ray import local_ray
+from loadtests.serve_app import wait_healthy  # noqa: F401  (the tests' import point)
 
 
 @pytest.fixture(scope="session")
@@ -35,18 +35,3 @@ def serve_port(ray_cluster: None) -> Iterator[int]:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield port
     serve.shutdown()
-
-
-def wait_healthy(url: str, timeout: float = 90.0) -> None:
-    """Wait until a Baton app's `/health` answers 200."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("the app never became healthy")
