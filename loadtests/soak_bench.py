@@ -103,7 +103,12 @@ def _rss_bytes(status: str) -> int:
     return 0
 
 
-def _locust(url: str, seconds: int, users: int, system_tokens: int, max_tokens: int, prefix: Path):
+def _locust(
+    url: str, seconds: int, users: int, system_tokens: int, max_tokens: int, prefix: Path
+) -> None:
+    """Run the locustfile headless; its reports and samples are written at `prefix`."""
+    samples = prefix.parent / f"{prefix.name}_samples.csv"
+    samples.unlink(missing_ok=True)  # an earlier run's must not pass for this one's
     command = [
         sys.executable,
         "-m",
@@ -137,7 +142,7 @@ def _locust(url: str, seconds: int, users: int, system_tokens: int, max_tokens: 
     done = subprocess.run(
         command, cwd=root, env=env, capture_output=True, text=True, timeout=seconds + 300
     )
-    if not (prefix.parent / f"{prefix.name}_samples.csv").exists():
+    if not samples.exists():
         raise RuntimeError(f"locust failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
 
 
