@@ -15,10 +15,10 @@ SETTLE_TIMEOUT_S = 30.0
 logger = logging.getLogger("baton.bench")
 
 
-def app_counters(app: str, url: str | None = None) -> dict[str, float]:
-    """Every `ray_baton_*` sample of `app`, summed over its replicas, keyed by name and by
-    `name{label=value}` for each label Baton sets (e.g. `…_routing_decisions_total{reason=prefix_hit}`)."""
-    url = url or f"http://127.0.0.1:{metrics_export_port()}/metrics"
+def app_counters(app: str, url: str) -> dict[str, float]:
+    """Every `ray_baton_*` sample of `app` served at `url`, summed over its replicas, keyed
+    by name and by `name{label=value}` for each label Baton sets (e.g.
+    `ray_baton_routing_decisions_total{reason=prefix_hit}`)."""
     sums: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
         for sample in family.samples:
@@ -37,10 +37,11 @@ def app_counters(app: str, url: str | None = None) -> dict[str, float]:
 def settled_counters(app: str, requests: int) -> dict[str, float]:
     """`app_counters` once the agent has seen at least `requests` API requests of `app` and
     two scrapes a second apart agree (Ray flushes metrics every few seconds)."""
+    url = f"http://127.0.0.1:{metrics_export_port()}/metrics"
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     last: dict[str, float] | None = None
     while True:
-        counters = app_counters(app)
+        counters = app_counters(app, url)
         seen = counters.get("ray_baton_requests_total", 0)
         if seen >= requests and counters == last:
             return counters

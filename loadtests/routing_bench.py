@@ -43,7 +43,7 @@ from deploy.config import BatonConfig, RouterPolicy
 from deploy.local_ray import local_ray
 from loadtests.index_bench import redis_url_or_private_server
 from loadtests.ray_metrics import settled_counters
-from loadtests.serve_app import replica_stats, serve_app
+from loadtests.serve_app import replica_stats, serve_app, wait_idle
 from loadtests.synthetic_text import filler_text
 from replicas.engine_config import EngineConfig
 from replicas.llama_model import LlamaModel
@@ -56,7 +56,6 @@ TTFT_RATIO_TARGET = 0.3  # Baton's TTFT p50 over power-of-two's
 COMPUTED_OVER_NEW_TARGET = 1.2
 
 HTTP_TIMEOUT_S = 600.0
-IDLE_TIMEOUT_S = 120.0
 PUBLISH_WAIT_S = 1.0  # a finished turn's checkpoint reaches the index (heartbeat below)
 STATS_WAIT_S = 1.0  # routing stats (every 0.5 s) show the busy replica's load
 BLOCKERS = 2  # long requests that make a moved session's replica busy
@@ -312,7 +311,7 @@ async def _scenarios(
     started = time.perf_counter()
     await asyncio.gather(*(limited(c) for c in chats))
     figures[CHAT] = {"total_s": time.perf_counter() - started}
-    await _wait_idle(app)
+    await wait_idle(app)
     after = await _pull_counters(app)
     metrics_after = await _app_metrics(app, warmups + len(run.records))
     figures[CHAT] |= _difference(after, before) | _metric_difference(metrics_after, metrics_before)
@@ -321,7 +320,7 @@ async def _scenarios(
     moved = [c for c in script.conversations if c.scenario == MOVED]
     for conversation in moved:
         await _moved_session(run, script.system, conversation)
-        await _wait_idle(app)
+        await wait_idle(app)
     figures[MOVED] = {"total_s": time.perf_counter() - started}
     sent = warmups + len(run.records) + BLOCKERS * len(moved)
     figures[MOVED] |= _difference(await _pull_counters(app), after) | _metric_difference(
@@ -371,16 +370,6 @@ async def _pull_counters(app: str) -> dict[str, int]:
     return {key: sum(int(s[key]) for s in stats) for key in ("pulls", "pulled_bytes")}
 
 
-async def _wait_idle(app: str) -> None:
-    """Until no replica has anything queued or running (reply replays included)."""
-    deadline = time.monotonic() + IDLE_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if all(s["queued"] == 0 and s["running"] == 0 for s in await replica_stats(app)):
-            return
-        await asyncio.sleep(0.1)
-    raise TimeoutError("the replicas did not go idle")
-
-
 # ---- one policy -----------------------------------------------------------------------------
 
 
@@ -416,7 +405,7 @@ async def _policy_run(
     async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http:
         client = _Client(http, url, config.served_model_name)
         warmups = await _warm_up(client, config.replicas)
-        await _wait_idle(app)
+        await wait_idle(app)
         run = _Run(policy.value, client, model, workload)
         figures = await _scenarios(run, script, workload, app, warmups)
     _count_new_tokens(run.records)

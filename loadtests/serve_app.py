@@ -18,6 +18,7 @@ from deploy.config import BatonConfig
 from loadtests.redis_server import free_port
 
 READY_TIMEOUT_S = 120.0
+IDLE_TIMEOUT_S = 120.0
 
 
 @contextlib.contextmanager
@@ -71,3 +72,13 @@ async def replica_stats(app: str) -> list[dict]:
     """Each replica's `record_routing_stats()` (load, cache bytes, pull counters)."""
     actors = replica_actors(app).values()
     return list(await asyncio.gather(*(actor.record_routing_stats.remote() for actor in actors)))
+
+
+async def wait_idle(app: str, timeout_s: float = IDLE_TIMEOUT_S) -> None:
+    """Until no replica of `app` has anything queued or running (reply replays included)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(s["queued"] == 0 and s["running"] == 0 for s in await replica_stats(app)):
+            return
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"the replicas of {app} did not go idle")

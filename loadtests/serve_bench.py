@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from ray import serve
 from ray.serve._private.common import (
     DeploymentHandleSource,
     DeploymentID,
@@ -39,7 +38,7 @@ from deploy.app import REPLICA_DEPLOYMENT
 from deploy.config import BatonConfig
 from deploy.local_ray import local_ray
 from loadtests.index_bench import BLOCK_TOKENS, Workload, latency_ms, redis_url_or_private_server
-from loadtests.serve_app import serve_app
+from loadtests.serve_app import serve_app, wait_idle
 from replicas.engine import Engine
 from replicas.engine_config import EngineConfig
 from replicas.prompt import Prompt
@@ -272,18 +271,6 @@ def _stream_completion(client: httpx.Client, url: str, body: dict) -> tuple[dict
     return row, usage.get("prompt_tokens", 0)
 
 
-def _wait_replica_idle(app_name: str) -> None:
-    """Until the replica has nothing queued or running (its reply replay included)."""
-    handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name)
-    deadline = time.monotonic() + IDLE_TIMEOUT_S
-    while time.monotonic() < deadline:
-        stats = handle.record_routing_stats.remote().result(timeout_s=10)
-        if stats["queued"] == 0 and stats["running"] == 0:
-            return
-        time.sleep(0.05)
-    raise TimeoutError("the replica did not go idle")
-
-
 def _http_runs(
     model: Path, engine: EngineConfig, hmac_key: str, tokens: int, runs: int, http_port: int | None
 ) -> tuple[list[dict], int]:
@@ -309,12 +296,12 @@ def _http_runs(
         httpx.Client(timeout=HTTP_TIMEOUT_S) as client,
     ):
         _stream_completion(client, url, {**body, "max_tokens": 4})  # warm-up
-        _wait_replica_idle(BENCH_APP)
+        asyncio.run(wait_idle(BENCH_APP))
         rows, prompt_tokens = [], 0
         for _ in range(runs):
             row, prompt_tokens = _stream_completion(client, url, body)
             rows.append(row)
-            _wait_replica_idle(BENCH_APP)
+            asyncio.run(wait_idle(BENCH_APP))
     return rows, prompt_tokens
 
 
