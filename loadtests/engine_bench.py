@@ -8,14 +8,17 @@ tokens that are new in each turn; with it off, the whole prompt every turn.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cache_store.prefix_hash import common_prefix_length
 from loadtests.synthetic_text import filler_text
+from replicas import ggml_backends
 from replicas.engine import Engine
 from replicas.engine_config import EngineConfig
+from replicas.prompt import Prompt
 from replicas.protocol import Completion, GenerationRequest
 from replicas.sampling import SamplingParams
 
@@ -34,11 +37,47 @@ class TurnRow:
     ttft_s_no_cache: float
 
 
+SPEED_PROMPT_TOKENS = 1024
+SPEED_DECODE_TOKENS = 64
+SPEED_RUNS = 5
+
+
+def raw_speed(model: Path, *, cpu_repack: bool | None) -> dict:
+    """Prefill and single-stream decode tokens/s with the cache off, over `SPEED_RUNS` runs."""
+    config = EngineConfig(n_ctx=2048, n_slots=1, prefix_cache=False, cpu_repack=cpu_repack)
+    with Engine(str(model), config, hmac_key=BENCH_HMAC_KEY) as engine:
+        n_vocab = engine.model.n_vocab
+        prompt = Prompt(
+            tokens=tuple((i * 7919) % (n_vocab - 3) + 3 for i in range(SPEED_PROMPT_TOKENS))
+        )
+        sampling = SamplingParams(max_tokens=SPEED_DECODE_TOKENS, ignore_eos=True)
+        engine.generate(Prompt(tokens=prompt.tokens[:64]), SamplingParams(max_tokens=4))
+        prefill, decode = [], []
+        for _ in range(SPEED_RUNS):
+            done = engine.generate(prompt, sampling)
+            prefill.append(len(prompt) / done.timings.prefill_s)
+            decode.append((done.usage.completion_tokens - 1) / done.timings.decode_s)
+        return {
+            "cpu_repack": engine.model.cpu_repack,
+            "prefill_tokens_per_s": statistics.median(prefill),
+            "prefill_tokens_per_s_range": [min(prefill), max(prefill)],
+            "decode_tokens_per_s": statistics.median(decode),
+            "decode_tokens_per_s_range": [min(decode), max(decode)],
+        }
+
+
 def run_chat(
-    model: Path, *, turns: int, system_tokens: int, turn_tokens: int, reply_tokens: int, n_ctx: int
+    model: Path,
+    *,
+    turns: int,
+    system_tokens: int,
+    turn_tokens: int,
+    reply_tokens: int,
+    n_ctx: int,
+    cpu_repack: bool | None = None,
 ) -> list[TurnRow]:
     """The same conversation on two engines (cache on / off); one row per turn."""
-    config = EngineConfig(n_ctx=n_ctx, n_slots=2)
+    config = EngineConfig(n_ctx=n_ctx, n_slots=2, cpu_repack=cpu_repack)
     with (
         Engine(str(model), config, hmac_key=BENCH_HMAC_KEY) as cached,
         Engine(
@@ -99,8 +138,11 @@ def engine_benchmark(
     turn_tokens: int = 100,
     reply_tokens: int = 32,
     concurrency: int = 0,
+    cpu_repack: bool | None = None,
 ) -> dict:
     n_ctx = system_tokens + turns * (turn_tokens + reply_tokens + 32) + 256
+    backend = ggml_backends.ensure_loaded()
+    speed = raw_speed(model, cpu_repack=cpu_repack)
     rows = run_chat(
         model,
         turns=turns,
@@ -108,11 +150,15 @@ def engine_benchmark(
         turn_tokens=turn_tokens,
         reply_tokens=reply_tokens,
         n_ctx=n_ctx,
+        cpu_repack=cpu_repack,
     )
     new = sum(r.new_tokens for r in rows)
     result: dict = {
         "model": str(model),
         "threads": os.cpu_count(),
+        "cpu_backend": backend.name,
+        "system_info": ggml_backends.system_info(),
+        "speed": speed,
         "turns": [asdict(r) for r in rows],
         "new_tokens": new,
         "computed_tokens": sum(r.computed_tokens for r in rows),
@@ -129,9 +175,21 @@ def engine_benchmark(
     return result
 
 
+def _rate(speed: dict, key: str) -> str:
+    low, high = speed[f"{key}_range"]
+    return f"{speed[key]:.1f} [{low:.1f}-{high:.1f}]"
+
+
 def format_report(result: dict) -> str:
+    speed = result["speed"]
     lines = [
         f"model: {result['model']}",
+        f"llama.cpp CPU backend: {result['cpu_backend']}, weight repacking "
+        f"{'on' if speed['cpu_repack'] else 'off'}",
+        f"  {result['system_info']}",
+        f"speed (cache off, median [min-max] of {SPEED_RUNS}): prefill "
+        f"{_rate(speed, 'prefill_tokens_per_s')} tok/s ({SPEED_PROMPT_TOKENS}-token prompt), "
+        f"decode {_rate(speed, 'decode_tokens_per_s')} tok/s (1 stream)",
         f"{'turn':>4} {'prompt':>7} {'new':>6} {'cached':>7} {'computed':>9} {'ttft_s':>8}"
         f" | {'computed (no cache)':>19} {'ttft_s (no cache)':>18}",
     ]

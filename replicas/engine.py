@@ -34,7 +34,7 @@ from cache_store.prefix_hash import PrefixHasher, common_prefix_length
 from cache_store.state_blob import BlobError, decode_blob, encode_blob
 from replicas import metrics
 from replicas.checkpoint_policy import MIN_PIECE, prefill_checkpoints, prefill_pieces
-from replicas.engine_config import EngineConfig
+from replicas.engine_config import EngineConfig, context_size
 from replicas.llama_context import (
     BatchEntry,
     ContextParams,
@@ -50,6 +50,7 @@ from replicas.prompt import (
     PromptError,
     chat_prompt,
     model_chat_template,
+    no_chat_template_message,
     text_prompt,
 )
 from replicas.protocol import (
@@ -125,7 +126,9 @@ class Engine:
             raise ValueError("an HMAC key is required to sign and check state blobs")
         self.config = config or EngineConfig()
         self._hmac_key = hmac_key
-        self.model = LlamaModel(model_path, n_gpu_layers=self.config.n_gpu_layers)
+        self.model = LlamaModel(
+            model_path, n_gpu_layers=self.config.n_gpu_layers, cpu_repack=self.config.cpu_repack
+        )
         self.kind = self.model.kind
         self.fingerprint = self.model.fingerprint
         self.hasher = PrefixHasher(self.fingerprint, self.config.block_tokens)
@@ -135,7 +138,7 @@ class Engine:
         self._context = LlamaContext(
             self.model,
             ContextParams(
-                n_ctx_per_seq=self.config.n_ctx,
+                n_ctx_per_seq=context_size(self.config.n_ctx, self.model.n_ctx_train),
                 n_seqs=self.config.n_slots,
                 n_batch=self.config.n_batch,
                 n_threads=self.config.n_threads,
@@ -144,7 +147,7 @@ class Engine:
         )
         self.n_ctx = self._context.n_ctx_per_seq
         self._state_size = self._measure_state_size()
-        self._chat_template = model_chat_template(self.model)
+        self._chat_template = model_chat_template(self.model, self.config.chat_template)
         self._slots = [Slot(seq_id=i) for i in range(self.config.n_slots)]
         self._waiting: list[RequestHandle] = []
         self._wakeup = threading.Condition()
@@ -163,7 +166,7 @@ class Engine:
     def chat_prompt(self, messages: list[ChatMessage] | list[dict[str, str]]) -> Prompt:
         self._check_open()
         if self._chat_template is None:
-            raise PromptError(f"model {self.model.name} has no chat template")
+            raise PromptError(no_chat_template_message(self.model.name))
         parsed = [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
         return chat_prompt(self.model, self._chat_template, parsed)
 
@@ -279,7 +282,7 @@ class Engine:
         """
         if self.model.sliding_window:
             return None
-        return self._context.state_size_line(0, self.model.bos_token)
+        return self._context.state_size_line(0, self.model.any_token)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -438,15 +441,13 @@ class Engine:
                 metrics.CHECKPOINTS_RESTORED.inc()
                 if self.listener is not None:
                     self.listener.checkpoint_used(checkpoint)
-                if stored < len(slot.tokens):  # attention KV: keep only the shared prefix
-                    self._context.truncate(slot.seq_id, stored)
-                    del slot.tokens[stored:]
+                if stored < len(slot.tokens) and not self._cut(slot, stored):
+                    return slot, 0  # attention KV: keep only the shared prefix, if it can
                 return slot, stored
             return slot, 0
         if live:
-            if len(live_slot.tokens) > live:
-                self._context.truncate(live_slot.seq_id, live)  # attention models only
-                del live_slot.tokens[live:]
+            if len(live_slot.tokens) > live and not self._cut(live_slot, live):
+                return live_slot, 0
             return live_slot, live
         slot = self._victim(free)
         self._evict(slot)
@@ -471,6 +472,16 @@ class Engine:
         if self.kind.needs_checkpoints and common < len(slot.tokens):
             return 0  # a recurrent state cannot be cut back
         return common
+
+    def _cut(self, slot: Slot, n_tokens: int) -> bool:
+        """Keep the first `n_tokens` of an attention slot. Where the memory cannot give
+        them back (a sliding window has dropped some), empty the slot and return False."""
+        if self._context.truncate(slot.seq_id, n_tokens):
+            del slot.tokens[n_tokens:]
+            return True
+        self._context.clear(slot.seq_id)
+        slot.tokens = []
+        return False
 
     def _victim(self, free: list[Slot]) -> Slot:
         """The free slot whose contents are least worth keeping: empty first, then LRU."""
@@ -520,8 +531,7 @@ class Engine:
         if len(slot.tokens) <= n_prompt:
             return
         if not self.kind.needs_checkpoints:
-            self._context.truncate(slot.seq_id, n_prompt)
-            del slot.tokens[n_prompt:]
+            self._cut(slot, n_prompt)
             return
         checkpoint = self.store.longest_match(self.hasher, run.prompt, n_prompt)
         if checkpoint is None or not self._restore(slot, checkpoint):

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+logger = logging.getLogger("baton.engine")
+
+MIN_N_CTX = 64
 
 
 class EngineConfig(BaseModel):
@@ -12,7 +17,12 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    n_ctx: int = Field(default=4096, ge=64, description="context window per sequence, in tokens")
+    n_ctx: int = Field(
+        default=4096,
+        ge=0,
+        description="context window per sequence, in tokens (0: the model's training context; "
+        "larger values are clamped to it)",
+    )
     n_slots: int = Field(default=4, ge=1, le=256, description="sequences decoded concurrently")
     n_batch: int = Field(default=512, ge=2, description="most tokens in one llama_decode")
     prefill_chunk: int = Field(
@@ -20,6 +30,15 @@ class EngineConfig(BaseModel):
     )
     n_threads: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
     n_gpu_layers: int = Field(default=0, ge=-1, description="-1 offloads every layer")
+    cpu_repack: bool | None = Field(
+        default=None,
+        description="repack weights for the CPU's matrix kernels (AMX, interleaved AVX); "
+        "unset: on where this machine's backend test showed it runs",
+    )
+    chat_template: str | None = Field(
+        default=None,
+        description="a Jinja chat template used instead of the model's own",
+    )
     flash_attn: bool = Field(
         default=False,
         description="flash attention; off keeps CPU results independent of how a prompt is split",
@@ -31,6 +50,13 @@ class EngineConfig(BaseModel):
     )
     max_interval_checkpoints: int = Field(default=4, ge=0, description="per request")
     store_budget_bytes: int = Field(default=2 << 30, ge=0, description="local checkpoint store")
+
+    @field_validator("n_ctx")
+    @classmethod
+    def _n_ctx_floor(cls, value: int) -> int:
+        if 0 < value < MIN_N_CTX:
+            raise ValueError(f"must be 0 (the model's training context) or at least {MIN_N_CTX}")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -46,3 +72,19 @@ class EngineConfig(BaseModel):
                 f"block_tokens ({self.block_tokens}) so interval checkpoints sit on hash blocks"
             )
         return self
+
+
+def context_size(requested: int, n_ctx_train: int) -> int:
+    """The context window to run: `requested`, or the model's own where that is 0, never
+    more than the model was trained for (llama.cpp reports 0 when it does not know)."""
+    if requested == 0:
+        return n_ctx_train or EngineConfig.model_fields["n_ctx"].default
+    if n_ctx_train and requested > n_ctx_train:
+        logger.warning(
+            "n_ctx %d exceeds the model's training context %d: using %d",
+            requested,
+            n_ctx_train,
+            n_ctx_train,
+        )
+        return n_ctx_train
+    return requested

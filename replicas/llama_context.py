@@ -107,8 +107,16 @@ class LlamaContext:
         llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
 
     def truncate(self, seq_id: int, n_tokens: int) -> bool:
-        """Drop positions ≥ n_tokens; False where the memory cannot (recurrent state)."""
-        return bool(llama_cpp.llama_memory_seq_rm(self.memory, seq_id, n_tokens, -1))
+        """Drop positions ≥ n_tokens. False where what is left is not the exact state of
+        the first n_tokens: recurrent memory, or a sliding window that dropped some of the
+        positions those tokens attend to."""
+        if not llama_cpp.llama_memory_seq_rm(self.memory, seq_id, n_tokens, -1):
+            return False
+        window = self.model.sliding_window
+        if window and n_tokens > 0:
+            oldest = llama_cpp.llama_memory_seq_pos_min(self.memory, seq_id)
+            return 0 <= oldest <= max(0, n_tokens - window)
+        return True
 
     def save_state(self, seq_id: int) -> bytes:
         """The full state (KV and recurrent) of one sequence."""

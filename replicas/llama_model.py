@@ -17,6 +17,8 @@ import llama_cpp
 import numpy as np
 
 from cache_store.fingerprint import file_fingerprint
+from replicas import ggml_backends
+from replicas.prompt import PromptError
 
 logger = logging.getLogger("baton.llama")
 
@@ -33,13 +35,15 @@ def _forward_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> 
         logger.warning("%s", text.decode("utf-8", errors="replace").rstrip())
 
 
-def _init_backend() -> None:
+def _init_backend() -> ggml_backends.CpuChoice:
     global _backend_ready
     with _backend_lock:
         if not _backend_ready:
             llama_cpp.llama_log_set(_forward_llama_log, ctypes.c_void_p(0))
+            ggml_backends.ensure_loaded()
             llama_cpp.llama_backend_init()
             _backend_ready = True
+    return ggml_backends.ensure_loaded()
 
 
 class ModelKind(str, enum.Enum):
@@ -63,18 +67,32 @@ class ModelClosed(RuntimeError):
 
 
 class LlamaModel:
-    """A GGUF model loaded with llama.cpp (weights, or only the vocabulary)."""
+    """A GGUF model loaded with llama.cpp (weights, or only the vocabulary).
+
+    Nothing about the vocabulary is assumed: BOS and EOS may be missing (None), generation
+    ends on any of the model's end-of-generation tokens, and a vocabulary without text
+    (llama.cpp's "none" type) serves token ids only.
+    """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, vocab_only: bool = False
+        self,
+        path: str | os.PathLike[str],
+        *,
+        n_gpu_layers: int = 0,
+        vocab_only: bool = False,
+        cpu_repack: bool | None = None,
     ) -> None:
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelLoadError(f"model file not found: {self.path}")
-        _init_backend()
+        backend = _init_backend()
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
+        # Weight repacking (AMX, interleaved CPU kernels): by default only where this
+        # machine's backend test showed it runs.
+        self.cpu_repack = backend.repack_safe if cpu_repack is None else cpu_repack
+        params.use_extra_bufts = self.cpu_repack
         pointer = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
         if not pointer:
             raise ModelLoadError(f"llama.cpp could not load {self.path} (not a valid GGUF model?)")
@@ -82,10 +100,13 @@ class LlamaModel:
         self._vocab = llama_cpp.llama_model_get_vocab(pointer)
         self.fingerprint = file_fingerprint(self.path)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.has_text = llama_cpp.llama_vocab_type(self.vocab) != llama_cpp.LLAMA_VOCAB_TYPE_NONE
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(pointer)
-        self.bos_token = llama_cpp.llama_vocab_bos(self.vocab)
-        self.eos_token = llama_cpp.llama_vocab_eos(self.vocab)
-        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+        self.bos_token = self._special(llama_cpp.llama_vocab_bos(self.vocab))
+        self.eos_token = self._special(llama_cpp.llama_vocab_eos(self.vocab))
+        self.add_bos = self.bos_token is not None and bool(
+            llama_cpp.llama_vocab_get_add_bos(self.vocab)
+        )
         self.sliding_window = 0 if vocab_only else llama_cpp.llama_model_n_swa(pointer)
         if llama_cpp.llama_model_is_recurrent(pointer):
             self.kind = ModelKind.RECURRENT
@@ -93,6 +114,15 @@ class LlamaModel:
             self.kind = ModelKind.HYBRID
         else:
             self.kind = ModelKind.ATTENTION
+
+    def _special(self, token: int) -> int | None:
+        """A special token id, or None where the model has none (-1 or out of range)."""
+        return token if 0 <= token < self.n_vocab else None
+
+    @property
+    def any_token(self) -> int:
+        """A token id that is valid for this model (for measuring, never for text)."""
+        return self.bos_token if self.bos_token is not None else 0
 
     @property
     def vocab(self) -> llama_cpp.llama_vocab_p:
@@ -126,6 +156,11 @@ class LlamaModel:
         self, text: str, *, add_special: bool = False, parse_special: bool = True
     ) -> list[int]:
         """Text → token ids. Special tokens written in the text (e.g. ``<|im_start|>``) are parsed."""
+        if not self.has_text:
+            raise PromptError(
+                f"model {self.name} has no tokenizer (its vocabulary has no text): "
+                "send prompts as token ids"
+            )
         data = text.encode("utf-8")
         capacity = len(data) + 8
         while True:
@@ -138,7 +173,10 @@ class LlamaModel:
             capacity = -n
 
     def token_bytes(self, token: int) -> bytes:
-        """The bytes one token stands for (special tokens rendered as their text)."""
+        """The bytes one token stands for (special tokens rendered as their text); nothing
+        for a vocabulary without text or an id outside the vocabulary."""
+        if not self.has_text or not 0 <= token < self.n_vocab:
+            return b""
         buf = ctypes.create_string_buffer(64)
         n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
         if n < 0:

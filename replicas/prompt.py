@@ -83,18 +83,30 @@ class ChatTemplate:
 
 class TemplatedModel(Tokenizer, Protocol):
     chat_template: str | None
-    bos_token: int
-    eos_token: int
+    bos_token: int | None
+    eos_token: int | None
 
 
-def model_chat_template(model: TemplatedModel) -> ChatTemplate | None:
-    """The model's own chat template, or None if its GGUF carries none."""
-    if not model.chat_template:
+def model_chat_template(model: TemplatedModel, override: str | None = None) -> ChatTemplate | None:
+    """`override` (a Jinja chat template), else the model's own; None if neither exists.
+
+    A model without BOS or EOS renders them as empty text.
+    """
+    source = override or model.chat_template
+    if not source:
         return None
     return ChatTemplate(
-        model.chat_template,
-        bos_token=model.token_text(model.bos_token),
-        eos_token=model.token_text(model.eos_token),
+        source,
+        bos_token="" if model.bos_token is None else model.token_text(model.bos_token),
+        eos_token="" if model.eos_token is None else model.token_text(model.eos_token),
+    )
+
+
+def no_chat_template_message(model_name: str) -> str:
+    """The error for a chat request to a model without a chat template, naming the fixes."""
+    return (
+        f"model {model_name} has no chat template (its GGUF has no tokenizer.chat_template): "
+        "send a prompt to /v1/completions, or start Baton with --chat-template FILE"
     )
 
 

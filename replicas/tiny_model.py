@@ -4,13 +4,20 @@ Each architecture gets the hyper-parameters and tensors llama.cpp requires (opti
 left out), every dimension scaled from ``n_embd``, and the full SmolLM2 tokenizer so that
 text prompts and chat templates work. Hybrids alternate a recurrent layer with an
 attention layer (the last of every pair is attention).
+
+A `ModelVariant` changes what real GGUF files differ in and the engine must not assume:
+no BOS or EOS token, special ids outside the vocabulary, no chat template, an extra
+end-of-generation token, a short training context, llama.cpp's token-id-only test
+vocabulary, a mixture-of-experts feed-forward, a sliding attention window, quantized weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import gguf
 import numpy as np
@@ -20,7 +27,6 @@ from replicas.default_model import default_model_path
 ARCHITECTURES: tuple[str, ...] = ("llama", "qwen35", "lfm2", "granitehybrid", "mamba2")
 HYBRID_ARCHITECTURES = frozenset({"qwen35", "lfm2", "granitehybrid"})
 
-CONTEXT_LENGTH = 8192
 RMS_EPS = 1e-5
 FFN_MULT = 2  # n_ff = FFN_MULT * n_embd
 HEAD_DIM = 16  # attention and gated-delta-net head size; n_head = n_embd // HEAD_DIM
@@ -31,25 +37,86 @@ MAMBA_GROUPS = 2
 CONV_KERNEL = 4
 SHORTCONV_L_CACHE = 3
 
+N_EXPERTS = 4  # MoE variant: experts per layer, two used per token
+N_EXPERTS_USED = 2
+TEST_VOCAB_SIZE = 512  # the "test" and "none" vocabularies
+SWA_ARCHITECTURES = frozenset({"lfm2"})  # loaders that read `<arch>.attention.sliding_window`
+WEIGHT_TYPES = {
+    "f16": None,
+    "q8_0": gguf.GGMLQuantizationType.Q8_0,
+    "q4_0": gguf.GGMLQuantizationType.Q4_0,
+}
+
 _KeyValue = tuple[str, Any, gguf.GGUFValueType, gguf.GGUFValueType | None]
+
+
+@dataclass(frozen=True)
+class ModelVariant:
+    """Metadata and structure choices that real models differ in (the defaults: none)."""
+
+    bos: bool = True  # False: no `bos_token_id` (llama.cpp falls back to its own default)
+    eos: bool = True  # False: no `eos_token_id`
+    special_ids_out_of_vocab: bool = False  # BOS/EOS ids past the end of the vocabulary
+    chat_template: bool = True  # False: no `tokenizer.chat_template`
+    extra_eog: int | None = None  # one more end-of-generation token (`eot_token_id`)
+    ctx_train: int = 8192  # the model's training context
+    # "test": llama.cpp's test vocabulary (text ↔ token ids by hashing / hex, no real words);
+    # "none": no vocabulary at all, token ids only
+    vocab: Literal["smollm2", "test", "none"] = "smollm2"
+    moe: bool = False  # llama: a mixture-of-experts feed-forward
+    sliding_window: int = 0  # lfm2: attention over the last N tokens only
+    weights: Literal["f16", "q8_0", "q4_0"] = "f16"
+
+    def check(self, arch: str) -> None:
+        """Raise `ValueError` for a variant llama.cpp's loader for `arch` would not read."""
+        if self.moe and arch != "llama":
+            raise ValueError(f"a mixture-of-experts variant is written for llama, not {arch}")
+        if self.sliding_window and arch not in SWA_ARCHITECTURES:
+            raise ValueError(f"a sliding window is written for lfm2, not {arch}")
+        if self.sliding_window < 0 or self.ctx_train < 16:
+            raise ValueError("sliding_window must be >= 0 and ctx_train >= 16")
+        if self.weights not in WEIGHT_TYPES:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_TYPES)}")
+
+    @property
+    def label(self) -> str:
+        """A short name of the non-default fields, e.g. ``no-bos+ctx-train-512``."""
+        parts = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value != field.default:
+                name = field.name.replace("_", "-")
+                parts.append(
+                    f"no-{name}" if value is False else name if value is True else f"{name}-{value}"
+                )
+        return "+".join(parts) or "default"
 
 
 class _Tensors:
     """Named tensors in insertion order, drawn from one seeded generator."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, weights: gguf.GGMLQuantizationType | None = None) -> None:
         self.rng = np.random.default_rng(seed)
-        self.items: list[tuple[str, np.ndarray]] = []
+        self.weights = weights
+        self.items: list[tuple[str, np.ndarray, gguf.GGMLQuantizationType | None]] = []
 
-    def matrix(self, name: str, n_in: int, n_out: int, std: float | None = None) -> None:
-        """An F16 weight of GGUF shape [n_in, n_out], normal with std 1/sqrt(n_in) by default."""
+    def matrix(
+        self, name: str, n_in: int, n_out: int, std: float | None = None, *, experts: int = 0
+    ) -> None:
+        """A weight of GGUF shape [n_in, n_out] (× ``experts``), normal with std 1/sqrt(n_in)
+        by default: F16, or quantized where the model's weights are."""
         scale = n_in**-0.5 if std is None else std
-        values = self.rng.standard_normal((n_out, n_in)) * scale
-        self.items.append((name, values.astype(np.float16)))
+        shape = (experts, n_out, n_in) if experts else (n_out, n_in)
+        values = self.rng.standard_normal(shape) * scale
+        if self.weights is None:
+            self.items.append((name, values.astype(np.float16), None))
+        else:
+            quantized = gguf.quants.quantize(values.astype(np.float32), self.weights)
+            self.items.append((name, quantized, self.weights))
 
     def f32(self, name: str, values: np.ndarray) -> None:
         """An F32 tensor; ``values`` is in numpy order (the reverse of GGUF's)."""
-        self.items.append((name, np.asarray(values, dtype=np.float32)))
+        self.items.append((name, np.asarray(values, dtype=np.float32), None))
 
     def ones(self, name: str, *shape: int) -> None:
         """An F32 tensor of ones, e.g. a norm weight."""
@@ -117,7 +184,7 @@ def _mamba2(t: _Tensors, p: str, n_embd: int) -> None:
 _RECURRENT_MIXERS = {"qwen35": _gated_delta_net, "lfm2": _short_conv, "granitehybrid": _mamba2}
 
 
-def _layer(t: _Tensors, arch: str, il: int, n_embd: int, attention: bool) -> None:
+def _layer(t: _Tensors, arch: str, il: int, n_embd: int, attention: bool, moe: bool) -> None:
     """Block ``il``: pre-norm and mixer, then (except for mamba2) a norm and a SwiGLU FFN."""
     p = f"blk.{il}."
     t.ones(p + "attn_norm.weight", n_embd)
@@ -130,14 +197,27 @@ def _layer(t: _Tensors, arch: str, il: int, n_embd: int, attention: bool) -> Non
         _RECURRENT_MIXERS[arch](t, p, n_embd)
     t.ones(p + ("post_attention_norm.weight" if arch == "qwen35" else "ffn_norm.weight"), n_embd)
     n_ff = FFN_MULT * n_embd
+    if moe:
+        t.f32(p + "ffn_gate_inp.weight", t.rng.standard_normal((N_EXPERTS, n_embd)))
+        t.matrix(p + "ffn_gate_exps.weight", n_embd, n_ff, experts=N_EXPERTS)
+        t.matrix(p + "ffn_up_exps.weight", n_embd, n_ff, experts=N_EXPERTS)
+        t.matrix(p + "ffn_down_exps.weight", n_ff, n_embd, experts=N_EXPERTS)
+        return
     t.matrix(p + "ffn_gate.weight", n_embd, n_ff)
     t.matrix(p + "ffn_up.weight", n_embd, n_ff)
     t.matrix(p + "ffn_down.weight", n_ff, n_embd)
 
 
-def _add_hparams(w: gguf.GGUFWriter, arch: str, n_embd: int, attention: list[bool]) -> None:
+def _add_hparams(
+    w: gguf.GGUFWriter, arch: str, n_embd: int, attention: list[bool], variant: ModelVariant
+) -> None:
     """Architecture key/values; lfm2 and granitehybrid mark recurrent layers by 0 KV heads."""
-    w.add_context_length(CONTEXT_LENGTH)
+    w.add_context_length(variant.ctx_train)
+    if variant.moe:
+        w.add_expert_count(N_EXPERTS)
+        w.add_expert_used_count(N_EXPERTS_USED)
+    if variant.sliding_window:
+        w.add_sliding_window(variant.sliding_window)
     w.add_embedding_length(n_embd)
     w.add_block_count(len(attention))
     w.add_layer_norm_rms_eps(RMS_EPS)
@@ -182,6 +262,52 @@ def _tokenizer_kv(path: Path) -> tuple[_KeyValue, ...]:
     return tuple(items)
 
 
+def _vocabulary_kv(
+    tokenizer_from: str | Path | None, variant: ModelVariant
+) -> tuple[list[_KeyValue], int]:
+    """The ``tokenizer.*`` key/values of ``variant`` and the vocabulary size."""
+    if variant.vocab == "none":
+        return [("tokenizer.ggml.model", "none", gguf.GGUFValueType.STRING, None)], TEST_VOCAB_SIZE
+    if variant.vocab == "test":
+        items: list[_KeyValue] = [
+            ("tokenizer.ggml.model", "test", gguf.GGUFValueType.STRING, None),
+            (
+                "tokenizer.ggml.tokens",
+                [f"<t{i}>" for i in range(TEST_VOCAB_SIZE)],
+                gguf.GGUFValueType.ARRAY,
+                gguf.GGUFValueType.STRING,
+            ),
+            ("tokenizer.ggml.bos_token_id", 1, gguf.GGUFValueType.UINT32, None),
+            ("tokenizer.ggml.eos_token_id", 2, gguf.GGUFValueType.UINT32, None),
+            ("tokenizer.ggml.add_bos_token", variant.bos, gguf.GGUFValueType.BOOL, None),
+        ]
+    else:
+        source = Path(tokenizer_from or default_model_path()).resolve()
+        items = list(_tokenizer_kv(source))
+    n_vocab = len(next(value for key, value, *_ in items if key == "tokenizer.ggml.tokens"))
+    dropped = set()
+    if not variant.bos:
+        dropped.add("tokenizer.ggml.bos_token_id")
+    if not variant.eos:
+        dropped.add("tokenizer.ggml.eos_token_id")
+    if not variant.chat_template:
+        dropped.add("tokenizer.chat_template")
+    items = [item for item in items if item[0] not in dropped]
+    if variant.special_ids_out_of_vocab:
+        out_of_vocab = {"tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"}
+        items = [
+            (key, n_vocab + 7, *types) if key in out_of_vocab else (key, value, *types)
+            for key, value, *types in items
+        ]
+    if variant.extra_eog is not None:
+        if not 0 <= variant.extra_eog < n_vocab:
+            raise ValueError(f"extra_eog must be a token id in [0, {n_vocab})")
+        items.append(
+            ("tokenizer.ggml.eot_token_id", variant.extra_eog, gguf.GGUFValueType.UINT32, None)
+        )
+    return items, n_vocab
+
+
 def write_tiny_model(
     arch: str,
     out: str | Path,
@@ -190,12 +316,14 @@ def write_tiny_model(
     n_layers: int = 2,
     n_embd: int = 64,
     tokenizer_from: str | Path | None = None,
+    variant: ModelVariant = ModelVariant(),
 ) -> Path:
     """Write a random-weight ``arch`` model to ``out`` and return its path.
 
     The same arguments always give a byte-identical file. ``n_embd`` must be a positive
     multiple of 32; hybrids need ``n_layers >= 2`` so that both layer kinds are present.
-    ``tokenizer_from`` (default: the SmolLM2 GGUF) supplies the tokenizer and vocab size.
+    ``tokenizer_from`` (default: the SmolLM2 GGUF) supplies the tokenizer and vocab size,
+    unless ``variant`` asks for llama.cpp's test vocabulary.
     """
     if arch not in ARCHITECTURES:
         expected = ", ".join(ARCHITECTURES)
@@ -206,26 +334,26 @@ def write_tiny_model(
         raise ValueError(f"{arch} needs n_layers >= {min_layers}, got {n_layers}")
     if n_embd <= 0 or n_embd % 32:
         raise ValueError(f"n_embd must be a positive multiple of 32, got {n_embd}")
-    tokenizer = _tokenizer_kv(Path(tokenizer_from or default_model_path()).resolve())
-    n_vocab = len(next(value for key, value, *_ in tokenizer if key == "tokenizer.ggml.tokens"))
+    variant.check(arch)
+    tokenizer, n_vocab = _vocabulary_kv(tokenizer_from, variant)
 
     attention = [arch == "llama" or (hybrid and il % 2 == 1) for il in range(n_layers)]
-    t = _Tensors(seed)
+    t = _Tensors(seed, WEIGHT_TYPES[variant.weights])
     t.matrix("token_embd.weight", n_embd, n_vocab, std=1.0)
     for il, is_attention in enumerate(attention):
-        _layer(t, arch, il, n_embd, is_attention)
+        _layer(t, arch, il, n_embd, is_attention, variant.moe)
     t.ones("token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight", n_embd)
     t.matrix("output.weight", n_embd, n_vocab)
 
     out = Path(out)
     writer = gguf.GGUFWriter(out, arch)
     writer.add_name(f"baton-tiny-{arch}")
-    _add_hparams(writer, arch, n_embd, attention)
+    _add_hparams(writer, arch, n_embd, attention, variant)
     writer.add_vocab_size(n_vocab)
     for key, value, vtype, sub_type in tokenizer:
         writer.add_key_value(key, value, vtype, sub_type)
-    for name, data in t.items:
-        writer.add_tensor(name, data)
+    for name, data, raw_dtype in t.items:
+        writer.add_tensor(name, data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -63,8 +63,9 @@ class ReplicaClient(Protocol):
 class GatewaySettings:
     model_name: str
     model_path: str
-    n_ctx: int
+    n_ctx: int  # 0: the model's training context
     block_tokens: int = 64
+    chat_template: str | None = None  # instead of the model's own
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     max_body_bytes: int = 4 << 20
     max_tokens_cap: int | None = None
@@ -78,7 +79,10 @@ def create_app(
 ) -> FastAPI:
     """The gateway for one model; `ready()` answers /health (always ready if not given)."""
     builder = PromptBuilder(
-        settings.model_path, block_tokens=settings.block_tokens, n_ctx=settings.n_ctx
+        settings.model_path,
+        block_tokens=settings.block_tokens,
+        n_ctx=settings.n_ctx,
+        chat_template=settings.chat_template,
     )
     gateway = _Gateway(settings, replicas, builder, ready)
 
@@ -228,7 +232,7 @@ class _Gateway:
             )
         if requested is not None:
             return requested
-        room = self._settings.n_ctx - prompt_tokens
+        room = self._builder.n_ctx - prompt_tokens
         return room if cap is None else min(room, cap)
 
 

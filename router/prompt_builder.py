@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 
 from cache_store.prefix_hash import PrefixHasher
+from replicas.engine_config import context_size
 from replicas.llama_model import LlamaModel
 from replicas.prompt import (
     ChatMessage,
@@ -14,6 +15,7 @@ from replicas.prompt import (
     PromptError,
     chat_prompt,
     model_chat_template,
+    no_chat_template_message,
     text_prompt,
 )
 from router.errors import context_length_exceeded, invalid_request
@@ -23,19 +25,22 @@ class PromptBuilder:
     """Builds the prompts a replica of one model would build, and checks they fit."""
 
     def __init__(
-        self, model_path: str | os.PathLike[str], *, block_tokens: int, n_ctx: int
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        block_tokens: int,
+        n_ctx: int,
+        chat_template: str | None = None,
     ) -> None:
         self._model = LlamaModel(model_path, vocab_only=True)
-        self._template = model_chat_template(self._model)
+        self._template = model_chat_template(self._model, chat_template)
         self._hasher = PrefixHasher(self._model.fingerprint, block_tokens)
-        self.n_ctx = n_ctx
+        self.n_ctx = context_size(n_ctx, self._model.n_ctx_train)
 
     def from_messages(self, messages: Sequence[ChatMessage]) -> Prompt:
         """A chat rendered with the model's template, ending with the generation prompt."""
         if self._template is None:
-            raise invalid_request(
-                f"model {self._model.name} has no chat template; use /v1/completions"
-            )
+            raise invalid_request(no_chat_template_message(self._model.name), param="messages")
         try:
             prompt = chat_prompt(self._model, self._template, messages)
         except PromptError as exc:
@@ -44,7 +49,11 @@ class PromptBuilder:
 
     def from_text(self, text: str) -> Prompt:
         """Raw text, with BOS where the model wants one."""
-        return self.check_length(text_prompt(self._model, text, add_bos=self._model.add_bos))
+        try:
+            prompt = text_prompt(self._model, text, add_bos=self._model.add_bos)
+        except PromptError as exc:
+            raise invalid_request(str(exc), param="prompt") from exc
+        return self.check_length(prompt)
 
     def from_token_ids(self, ids: Sequence[int]) -> Prompt:
         """Token ids used exactly as given."""

@@ -104,3 +104,23 @@ def test_bench_ship_pulls_instead_of_recomputing(tmp_path: Path) -> None:
     assert row["cached_tokens"] == 1024
     assert row["computed_tokens_recompute"] == 1026
     assert row["state_bytes"] > 0
+
+
+def test_make_model_writes_metadata_variants(tmp_path: Path) -> None:
+    out = tmp_path / "bare.gguf"
+    flags = ["--vocab", "test", "--no-bos", "--no-eos", "--ctx-train", "512", "--extra-eog", "5"]
+    done = _baton("make-model", "--arch", "qwen35", "--out", str(out), *flags, cache=tmp_path)
+    assert done.returncode == 0, done.stderr
+    with LlamaModel(out) as model:
+        assert (model.bos_token, model.eos_token, model.n_ctx_train) == (None, None, 512)
+        assert model.is_end_of_generation(5) and not model.chat_template
+
+
+def test_serve_refuses_a_model_llama_cpp_cannot_load_in_one_line(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    done = _baton("serve", "--model", str(broken), cache=tmp_path)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("baton: error: llama.cpp cannot serve"), done.stderr
+    assert "broken.gguf" in done.stderr and "could not load" in done.stderr

@@ -138,7 +138,10 @@ def test_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"num_gpus_per_replica": -1}, "num_gpus_per_replica: Input should be greater than or"),
         ({"num_cpus_per_replica": 0}, "num_cpus_per_replica: Input should be greater than 0"),
         ({"gateway_replicas": 0}, "gateway_replicas: Input should be greater than or equal to 1"),
-        ({"engine": {"n_ctx": 10}}, "engine.n_ctx: Input should be greater than or equal to 64"),
+        (
+            {"engine": {"n_ctx": 10}},
+            "engine.n_ctx: must be 0 (the model's training context) or at least 64",
+        ),
         (
             {"engine": {"n_slots": 8, "n_batch": 4, "prefill_chunk": 4}},
             "engine: n_slots (8) exceeds n_batch (4)",
@@ -171,7 +174,7 @@ def test_every_problem_is_listed_and_env_values_are_checked() -> None:
         env={"BATON_REPLICAS": "many", "BATON_ENGINE__N_CTX": "1", "BATON_INDEX": "mysql://db"}
     )
     assert "replicas: Input should be a valid integer" in message
-    assert "engine.n_ctx: Input should be greater than or equal to 64" in message
+    assert "engine.n_ctx: must be 0 (the model's training context) or at least 64" in message
     assert "index: expected 'embedded'" in message
 
 
