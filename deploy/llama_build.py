@@ -13,9 +13,9 @@ and kept in a directory named after the version and the flags
 (`~/.cache/baton/wheels/llama-cpp-python-0.3.36-<hash of the flags>/`).
 
 Standard library only: it runs before the project is installed.
-    python -m deploy.llama_build install [--extra-cmake-args "-DGGML_CUDA=on"]
-    python -m deploy.llama_build wheel --out DIR [--extra-cmake-args ...]
-    python -m deploy.llama_build check
+    python deploy/llama_build.py install [--extra-cmake-args "-DGGML_CUDA=on"]
+    python deploy/llama_build.py wheel --out DIR [--extra-cmake-args ...]
+    python deploy/llama_build.py check
 """
 
 from __future__ import annotations
@@ -130,13 +130,13 @@ def check() -> str | None:
         return (
             f"{lib} has no CPU backend variants (libggml-cpu-*.so): this llama-cpp-python "
             "was built for one machine (GGML_NATIVE) and can die with SIGILL on another. "
-            "Reinstall it with `python -m deploy.llama_build install` (or `make install`)."
+            "Reinstall it with `python deploy/llama_build.py install` (or `make install`)."
         )
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.llama_build", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python deploy/llama_build.py", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     for name in ("install", "wheel"):
         command = commands.add_parser(name)

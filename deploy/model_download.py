@@ -1,6 +1,6 @@
 """Download a model file and check its SHA-256: the Helm chart's model init container.
 
-`python -m deploy.model_download URL SHA256 DEST` streams URL into `DEST.partial`, hashing as
+`python -m baton_serve.deploy.model_download URL SHA256 DEST` streams URL into `DEST.partial`, hashing as
 it goes, and renames it to DEST only when the digest matches. A file already at DEST with the
 right digest is kept (an init container that restarts does not download again).
 """
@@ -54,7 +54,9 @@ def download_model(url: str, sha256: str, dest: Path, *, timeout_s: float = TIME
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.model_download", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m baton_serve.deploy.model_download", description=__doc__
+    )
     parser.add_argument("url")
     parser.add_argument("sha256", help="expected SHA-256 of the file, hex")
     parser.add_argument("dest", type=Path)

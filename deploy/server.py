@@ -9,11 +9,11 @@ import threading
 
 from ray import serve
 
-from deploy.app import APP_NAME, build_app, logical_cpus
-from deploy.config import BatonConfig
-from deploy.local_ray import local_ray, metrics_export_port
-from replicas.model_check import check_model
-from replicas.model_source import resolve_model
+from baton_serve.deploy.app import APP_NAME, build_app, logical_cpus
+from baton_serve.deploy.config import BatonConfig
+from baton_serve.deploy.local_ray import local_ray, metrics_export_port
+from baton_serve.replicas.models.model_check import check_model
+from baton_serve.replicas.models.model_source import resolve_model
 
 
 def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) -> None:

@@ -13,14 +13,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cache_store.prefix_hash import common_prefix_length
-from loadtests.synthetic_text import filler_text
-from replicas import ggml_backends
-from replicas.engine import Engine
-from replicas.engine_config import EngineConfig
-from replicas.prompt import Prompt
-from replicas.protocol import Completion, GenerationRequest
-from replicas.sampling import SamplingParams
+from baton_serve.cache_store.prefix_hash import common_prefix_length
+from baton_serve.loadtests.synthetic_text import filler_text
+from baton_serve.replicas.engine import ggml_backends
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.prompt import Prompt
+from baton_serve.replicas.engine.protocol import Completion, GenerationRequest
+from baton_serve.replicas.engine.sampling import SamplingParams
 
 BENCH_HMAC_KEY = b"baton-bench-only"
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cache_store.index import CheckpointIndex, IndexEntry, connect_index
-from deploy.local_ray import local_ray
-from loadtests.redis_server import RedisServer
+from baton_serve.cache_store.index import CheckpointIndex, IndexEntry, connect_index
+from baton_serve.deploy.local_ray import local_ray
+from baton_serve.loadtests.redis_server import RedisServer
 
 BATCH = 1_000
 BLOCK_TOKENS = 64

@@ -42,7 +42,7 @@ from gevent.lock import Semaphore
 from locust import HttpUser, between, events, task
 from locust.runners import MasterRunner, WorkerRunner
 
-from loadtests.synthetic_text import filler_text
+from baton_serve.loadtests.synthetic_text import filler_text
 
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"

@@ -8,7 +8,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.local_ray import metrics_export_port
+from baton_serve.deploy.local_ray import metrics_export_port
 
 SETTLE_TIMEOUT_S = 30.0
 

@@ -37,17 +37,17 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from cache_store.prefix_hash import common_prefix_length
-from deploy.app import GATEWAY_CPUS
-from deploy.config import BatonConfig, RouterPolicy
-from deploy.local_ray import local_ray
-from loadtests.index_bench import redis_url_or_private_server
-from loadtests.ray_metrics import settled_counters
-from loadtests.serve_app import replica_stats, serve_app, wait_idle
-from loadtests.synthetic_text import filler_text
-from replicas.engine_config import EngineConfig
-from replicas.llama_model import LlamaModel
-from replicas.prompt import ChatMessage, chat_prompt, model_chat_template
+from baton_serve.cache_store.prefix_hash import common_prefix_length
+from baton_serve.deploy.app import GATEWAY_CPUS
+from baton_serve.deploy.config import BatonConfig, RouterPolicy
+from baton_serve.deploy.local_ray import local_ray
+from baton_serve.loadtests.index_bench import redis_url_or_private_server
+from baton_serve.loadtests.ray_metrics import settled_counters
+from baton_serve.loadtests.serve_app import replica_stats, serve_app, wait_idle
+from baton_serve.loadtests.synthetic_text import filler_text
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.llama_model import LlamaModel
+from baton_serve.replicas.engine.prompt import ChatMessage, chat_prompt, model_chat_template
 
 POLICIES = tuple(RouterPolicy)
 BASELINE = RouterPolicy.POW2

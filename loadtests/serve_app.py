@@ -13,9 +13,9 @@ from ray import serve
 from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX
 from ray.serve._private.constants import SERVE_NAMESPACE
 
-from deploy.app import REPLICA_DEPLOYMENT, build_app
-from deploy.config import BatonConfig
-from loadtests.redis_server import free_port
+from baton_serve.deploy.app import REPLICA_DEPLOYMENT, build_app
+from baton_serve.deploy.config import BatonConfig
+from baton_serve.loadtests.redis_server import free_port
 
 READY_TIMEOUT_S = 120.0
 IDLE_TIMEOUT_S = 120.0

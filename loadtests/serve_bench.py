@@ -33,19 +33,24 @@ from ray.serve._private.common import (
 )
 from ray.serve.request_router import PendingRequest
 
-from cache_store.index import connect_index
-from deploy.app import REPLICA_DEPLOYMENT
-from deploy.config import BatonConfig
-from deploy.local_ray import local_ray
-from loadtests.index_bench import BLOCK_TOKENS, Workload, latency_ms, redis_url_or_private_server
-from loadtests.serve_app import serve_app, wait_idle
-from replicas.engine import Engine
-from replicas.engine_config import EngineConfig
-from replicas.prompt import Prompt
-from replicas.protocol import GenerationRequest, ReplicaRequest
-from replicas.sampling import SamplingParams
-from router.request_router import BatonRouter
-from router.routing_metrics import decision_counts
+from baton_serve.cache_store.index import connect_index
+from baton_serve.deploy.app import REPLICA_DEPLOYMENT
+from baton_serve.deploy.config import BatonConfig
+from baton_serve.deploy.local_ray import local_ray
+from baton_serve.loadtests.index_bench import (
+    BLOCK_TOKENS,
+    Workload,
+    latency_ms,
+    redis_url_or_private_server,
+)
+from baton_serve.loadtests.serve_app import serve_app, wait_idle
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.prompt import Prompt
+from baton_serve.replicas.engine.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.replicas.engine.sampling import SamplingParams
+from baton_serve.router.request_router import BatonRouter
+from baton_serve.router.routing_metrics import decision_counts
 
 # ---- routing overhead ----------------------------------------------------------------------
 

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import ray
 
-from deploy.local_ray import local_ray
-from loadtests.synthetic_text import filler_text
-from replicas.engine_config import EngineConfig
-from replicas.llama_model import LlamaModel
-from replicas.prompt import Prompt
-from replicas.protocol import GenerationRequest
-from replicas.replica_actor import spawn_replica
-from replicas.sampling import SamplingParams
+from baton_serve.deploy.local_ray import local_ray
+from baton_serve.loadtests.synthetic_text import filler_text
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.llama_model import LlamaModel
+from baton_serve.replicas.engine.prompt import Prompt
+from baton_serve.replicas.engine.protocol import GenerationRequest
+from baton_serve.replicas.engine.sampling import SamplingParams
+from baton_serve.replicas.replica_actor import spawn_replica
 
 PREFILL_ONLY = SamplingParams(max_tokens=0)
 

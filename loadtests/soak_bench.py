@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from deploy.app import GATEWAY_CPUS, REPLICA_DEPLOYMENT
-from deploy.config import BatonConfig
-from deploy.local_ray import local_ray
-from loadtests.serve_app import replica_actors, replica_stats, serve_app
-from replicas.engine_config import EngineConfig
+from baton_serve.deploy.app import GATEWAY_CPUS, REPLICA_DEPLOYMENT
+from baton_serve.deploy.config import BatonConfig
+from baton_serve.deploy.local_ray import local_ray
+from baton_serve.loadtests.serve_app import replica_actors, replica_stats, serve_app
+from baton_serve.replicas.engine.engine_config import EngineConfig
 
 APP = "soak"
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")

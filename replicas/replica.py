@@ -21,16 +21,16 @@ from dataclasses import dataclass
 import numpy as np
 from opentelemetry.trace import Span
 
-from cache_store.checkpoint_store import Checkpoint
-from cache_store.index import CheckpointIndex, IndexEntry, IndexUnavailable
-from cache_store.state_blob import BlobError
-from replicas import metrics, tracing
-from replicas.checkpoint_policy import MIN_PIECE
-from replicas.engine import Engine
-from replicas.logs import request_fields
-from replicas.protocol import Completion, EngineError, ReplicaRequest, TokenEvent
-from replicas.request_telemetry import RequestTelemetry
-from replicas.shipping import PeerDirectory, ShipPolicy
+from baton_serve.cache_store.checkpoint_store import Checkpoint
+from baton_serve.cache_store.index import CheckpointIndex, IndexEntry, IndexUnavailable
+from baton_serve.cache_store.state_blob import BlobError
+from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.protocol import Completion, EngineError, ReplicaRequest, TokenEvent
+from baton_serve.replicas.request_telemetry import RequestTelemetry
+from baton_serve.replicas.shipping import PeerDirectory, ShipPolicy
+from baton_serve.replicas.telemetry import metrics, tracing
+from baton_serve.replicas.telemetry.logs import request_fields
 
 logger = logging.getLogger("baton.replica")
 
@@ -76,7 +76,7 @@ class Replica:
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        engine.listener = self
+        engine.cache.listener = self
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -84,7 +84,7 @@ class Replica:
         """Start publishing to the index (call once, on the loop that serves requests)."""
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        for checkpoint in self.engine.store.checkpoints():
+        for checkpoint in self.engine.cache.store.checkpoints():
             self.checkpoint_added(checkpoint)
         if self.index is not None:
             self._tasks += [
@@ -149,7 +149,7 @@ class Replica:
         local = self.engine.reusable_tokens(tokens)
         if usable - local < self.policy.min_gain_tokens:
             return  # no peer can hold enough more to be worth a pull: skip the lookup
-        chain = self.engine.hasher.chain(tokens[:usable])
+        chain = self.engine.cache.hasher.chain(tokens[:usable])
         if not chain:
             return
         started = time.perf_counter()
@@ -214,7 +214,7 @@ class Replica:
             {"baton.pull.bytes": blob.nbytes, "baton.pull.fetch_ms": 1e3 * fetched_s}
         )
         try:
-            await asyncio.to_thread(self.engine.import_checkpoint, blob)
+            await asyncio.to_thread(self.engine.cache.import_checkpoint, blob)
         except (BlobError, EngineError) as exc:
             self.stats.pulls_rejected += 1
             reason = exc.reason if isinstance(exc, BlobError) else "over_budget"
@@ -234,7 +234,7 @@ class Replica:
     def export_best(self, tokens: tuple[int, ...], min_tokens: int) -> np.ndarray | None:
         """For a peer: our longest checkpoint prefixing `tokens`, as a uint8 array (the
         cheapest type to move through Ray's object store)."""
-        blob = self.engine.export_best(tokens, min_tokens)
+        blob = self.engine.cache.export_best(tokens, min_tokens)
         if blob is None:
             return None
         self.stats.exports += 1
@@ -269,9 +269,9 @@ class Replica:
 
     def _anchor(self, checkpoint: Checkpoint) -> bytes | None:
         """The hash of the last whole block a checkpoint covers: what lookups send."""
-        block = self.engine.hasher.block_tokens
+        block = self.engine.cache.hasher.block_tokens
         covered = checkpoint.n_tokens // block * block
-        return self.engine.hasher.prefix_hash(checkpoint.tokens, covered) if covered else None
+        return self.engine.cache.hasher.prefix_hash(checkpoint.tokens, covered) if covered else None
 
     def _mark_dirty(self, anchor: bytes) -> None:
         with self._lock:
@@ -323,7 +323,7 @@ class Replica:
             load = self.engine.load()
             metrics.QUEUE_LENGTH.set(load.queued)
             metrics.SLOTS_IN_USE.set(load.running)
-            metrics.STORE_BYTES.set(self.engine.store.used_bytes)
+            metrics.STORE_BYTES.set(self.engine.cache.store.used_bytes)
             await asyncio.sleep(GAUGE_PERIOD_S)
 
     def _index_error(self) -> None:

@@ -12,12 +12,12 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError
 
-from cache_store.index import connect_index
-from replicas.engine import Engine
-from replicas.engine_config import EngineConfig
-from replicas.protocol import Completion, GenerationRequest, ReplicaRequest
-from replicas.replica import Replica, ReplicaStats
-from replicas.shipping import ShipPolicy
+from baton_serve.cache_store.index import connect_index
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.protocol import Completion, GenerationRequest, ReplicaRequest
+from baton_serve.replicas.replica import Replica, ReplicaStats
+from baton_serve.replicas.shipping import ShipPolicy
 
 NAMESPACE = "baton"
 

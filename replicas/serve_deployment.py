@@ -15,12 +15,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from cache_store.index import IndexUnavailable, connect_cluster_index
-from replicas.engine import Engine
-from replicas.engine_config import EngineConfig
-from replicas.protocol import TARGET_REPLICA_KWARG, Completion, ReplicaRequest, TokenEvent
-from replicas.replica import Replica
-from replicas.telemetry import configure_process
+from baton_serve.cache_store.index import IndexUnavailable, connect_cluster_index
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.protocol import (
+    TARGET_REPLICA_KWARG,
+    Completion,
+    ReplicaRequest,
+    TokenEvent,
+)
+from baton_serve.replicas.replica import Replica
+from baton_serve.replicas.telemetry.setup import configure_process
 
 
 class ReplicaSettings(BaseModel):
@@ -95,7 +100,7 @@ class ReplicaDeployment:
             "queued": load.queued,
             "running": load.running,
             "free_slots": load.free_slots,
-            "cache_bytes": self.replica.engine.store.used_bytes,
+            "cache_bytes": self.replica.engine.cache.store.used_bytes,
             "pulls": self.replica.stats.pulls,
             "pulled_bytes": self.replica.stats.pulled_bytes,
         }

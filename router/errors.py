@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException
 
-from replicas.prompt import PromptError
-from replicas.protocol import EngineClosed, EngineError, PromptTooLong
+from baton_serve.replicas.engine.prompt import PromptError
+from baton_serve.replicas.engine.protocol import EngineClosed, EngineError, PromptTooLong
 
 logger = logging.getLogger("baton.gateway")
 

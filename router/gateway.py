@@ -25,14 +25,19 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from replicas import tracing
-from replicas.logs import bound_request
-from replicas.prompt import ChatMessage, Prompt
-from replicas.protocol import Completion, GenerationRequest, ReplicaRequest, TokenEvent
-from replicas.sampling import SamplingParams
-from router import openai_types as api
-from router.asgi_path import app_path
-from router.errors import (
+from baton_serve.replicas.engine.prompt import ChatMessage, Prompt
+from baton_serve.replicas.engine.protocol import (
+    Completion,
+    GenerationRequest,
+    ReplicaRequest,
+    TokenEvent,
+)
+from baton_serve.replicas.engine.sampling import SamplingParams
+from baton_serve.replicas.telemetry import tracing
+from baton_serve.replicas.telemetry.logs import bound_request
+from baton_serve.router import openai_types as api
+from baton_serve.router.asgi_path import app_path
+from baton_serve.router.errors import (
     body_too_large,
     from_exception,
     install_error_handlers,
@@ -40,8 +45,8 @@ from router.errors import (
     invalid_request,
     model_not_found,
 )
-from router.http_telemetry import HTTPTelemetry
-from router.prompt_builder import PromptBuilder
+from baton_serve.router.http_telemetry import HTTPTelemetry
+from baton_serve.router.prompt_builder import PromptBuilder
 
 REPLICA_HEADER = "X-Baton-Replica"  # on non-streamed replies: the replica(s) that served them
 

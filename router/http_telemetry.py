@@ -15,9 +15,9 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from replicas import metrics, tracing
-from replicas.logs import bind_request
-from router.asgi_path import app_path
+from baton_serve.replicas.telemetry import metrics, tracing
+from baton_serve.replicas.telemetry.logs import bind_request
+from baton_serve.router.asgi_path import app_path
 
 logger = logging.getLogger("baton.gateway")
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from cache_store.prefix_hash import PrefixHasher
-from replicas.engine_config import context_size
-from replicas.llama_model import LlamaModel
-from replicas.prompt import (
+from baton_serve.cache_store.prefix_hash import PrefixHasher
+from baton_serve.replicas.engine.engine_config import context_size
+from baton_serve.replicas.engine.llama_model import LlamaModel
+from baton_serve.replicas.engine.prompt import (
     ChatMessage,
     Prompt,
     PromptError,
@@ -18,7 +18,7 @@ from replicas.prompt import (
     no_chat_template_message,
     text_prompt,
 )
-from router.errors import context_length_exceeded, invalid_request
+from baton_serve.router.errors import context_length_exceeded, invalid_request
 
 
 class PromptBuilder:

@@ -22,11 +22,11 @@ import time
 from opentelemetry.context import Context
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from cache_store.index import CheckpointIndex, IndexUnavailable, connect_cluster_index
-from replicas import tracing
-from replicas.logs import request_fields
-from replicas.protocol import TARGET_REPLICA_KWARG, ReplicaRequest
-from router.routing_metrics import record_decision, record_lookup
+from baton_serve.cache_store.index import CheckpointIndex, IndexUnavailable, connect_cluster_index
+from baton_serve.replicas.engine.protocol import TARGET_REPLICA_KWARG, ReplicaRequest
+from baton_serve.replicas.telemetry import tracing
+from baton_serve.replicas.telemetry.logs import request_fields
+from baton_serve.router.routing_metrics import record_decision, record_lookup
 
 logger = logging.getLogger("baton.router")
 

@@ -12,10 +12,10 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from replicas.protocol import Completion, ReplicaRequest, TokenEvent
-from replicas.telemetry import configure_process
-from router.errors import replica_lost, too_busy
-from router.gateway import GatewaySettings, create_app
+from baton_serve.replicas.engine.protocol import Completion, ReplicaRequest, TokenEvent
+from baton_serve.replicas.telemetry.setup import configure_process
+from baton_serve.router.errors import replica_lost, too_busy
+from baton_serve.router.gateway import GatewaySettings, create_app
 
 READY_TIMEOUT_S = 2.0
 ATTEMPTS = 3  # a replica that dies before answering: the request goes to another one

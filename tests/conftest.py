@@ -11,9 +11,9 @@ import pytest
 from fixtures_ray import ray_cluster, serve_port  # noqa: F401
 from fixtures_redis import private_redis_server, redis_server  # noqa: F401
 
-from replicas.engine import Engine
-from replicas.engine_config import EngineConfig
-from replicas.tiny_model import write_tiny_model
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.models.tiny_model import write_tiny_model
 
 HMAC_KEY = b"test-cluster-key"
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from deploy.local_ray import local_ray
-from loadtests.serve_app import wait_healthy  # noqa: F401  (the tests' import point)
+from baton_serve.deploy.local_ray import local_ray
+from baton_serve.loadtests.serve_app import wait_healthy  # noqa: F401  (the tests' import point)
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +29,7 @@ def serve_port(ray_cluster: None) -> Iterator[int]:
     """Ray Serve's HTTP proxy on a free local port, for the session."""
     from ray import serve
 
-    from loadtests.redis_server import free_port
+    from baton_serve.loadtests.redis_server import free_port
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from loadtests.redis_server import RedisServer, redis_server_path
+from baton_serve.loadtests.redis_server import RedisServer, redis_server_path
 
 NO_REDIS = "redis-server is not on PATH (install it with `make redis-server`)"
 

@@ -6,8 +6,12 @@ import random
 
 import pytest
 
-from replicas.checkpoint_policy import MIN_PIECE, prefill_checkpoints, prefill_pieces
-from replicas.prompt import Prompt
+from baton_serve.replicas.engine.checkpoint_policy import (
+    MIN_PIECE,
+    prefill_checkpoints,
+    prefill_pieces,
+)
+from baton_serve.replicas.engine.prompt import Prompt
 
 
 def chat(n_tokens: int, starts: list[int], roles: list[str]) -> Prompt:

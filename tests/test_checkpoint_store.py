@@ -4,8 +4,8 @@ import threading
 import numpy as np
 import pytest
 
-from cache_store.checkpoint_store import Checkpoint, CheckpointStore
-from cache_store.prefix_hash import PrefixHasher
+from baton_serve.cache_store.checkpoint_store import Checkpoint, CheckpointStore
+from baton_serve.cache_store.prefix_hash import PrefixHasher
 
 HASHER = PrefixHasher(b"model-a", block_tokens=4)
 

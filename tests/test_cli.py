@@ -10,13 +10,13 @@ from pathlib import Path
 
 import llama_cpp
 
-from replicas.llama_model import LlamaModel, ModelKind
+from baton_serve.replicas.engine.llama_model import LlamaModel, ModelKind
 
 
 def _baton(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "BATON_CACHE_DIR": str(cache)}
     return subprocess.run(
-        [sys.executable, "-m", "deploy.cli", *args],
+        [sys.executable, "-m", "baton_serve.deploy.cli", *args],
         capture_output=True,
         text=True,
         env=env,

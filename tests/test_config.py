@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.config import (
+from baton_serve.deploy.config import (
     BatonConfig,
     ConfigError,
     RouterPolicy,
@@ -17,8 +17,8 @@ from deploy.config import (
     load_config,
     to_serve_args,
 )
-from deploy.serve_config import serve_config, write_serve_config
-from replicas.engine_config import EngineConfig
+from baton_serve.deploy.serve_config import serve_config, write_serve_config
+from baton_serve.replicas.engine.engine_config import EngineConfig
 
 API_KEY = "sk-api-key-do-not-leak"
 HMAC_KEY = "hmac-key-do-not-leak-0123456789"
@@ -284,7 +284,11 @@ def test_serve_config_matches_ray_schema(tmp_path: Path) -> None:
     schema = ServeDeploySchema.model_validate(document)
     assert (schema.http_options.host, schema.http_options.port) == ("0.0.0.0", 8080)
     (app,) = schema.applications
-    assert (app.name, app.route_prefix, app.import_path) == ("chat", "/", "deploy.app:app_builder")
+    assert (app.name, app.route_prefix, app.import_path) == (
+        "chat",
+        "/",
+        "baton_serve.deploy.app:app_builder",
+    )
     assert app.args == to_serve_args(config)
     assert config_from_serve_args(app.args) == config
 
@@ -299,23 +303,24 @@ def test_app_builder_reads_baton_variables_under_the_args(
 ) -> None:
     """The Serve import path (`serve run`, the Helm chart) merges the builder's `BATON_*`
     environment under its args: the chart passes secrets that way, from Kubernetes Secrets."""
-    import deploy.app
+
+    from baton_serve.deploy import app
 
     built: list[BatonConfig] = []
-    monkeypatch.setattr(deploy.app, "build_app", built.append)
+    monkeypatch.setattr(app, "build_app", built.append)
     for name in [n for n in os.environ if n.startswith("BATON_")]:
         monkeypatch.delenv(name)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
     config = load_config(env={}, overrides={"model": str(model), "replicas": 3})
-    deploy.app.app_builder(to_serve_args(config))  # no BATON_* variables: the args alone
+    app.app_builder(to_serve_args(config))  # no BATON_* variables: the args alone
 
     index = f"redis://:{REDIS_PASSWORD}@baton-redis:6379/0"
     monkeypatch.setenv("BATON_API_KEYS", f"{API_KEY},second-key")
     monkeypatch.setenv("BATON_HMAC_KEY", HMAC_KEY)
     monkeypatch.setenv("BATON_INDEX", index)
     monkeypatch.setenv("BATON_REPLICAS", "7")
-    deploy.app.app_builder({**to_serve_args(config), "engine": {"n_ctx": 2048}})
+    app.app_builder({**to_serve_args(config), "engine": {"n_ctx": 2048}})
 
     plain, merged = built
     assert plain == config

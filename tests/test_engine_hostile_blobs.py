@@ -14,11 +14,11 @@ import struct
 
 import pytest
 
-from cache_store.state_blob import HEADER_SIZE, BlobError
-from replicas.engine import Engine
-from replicas.engine_config import EngineConfig
-from replicas.prompt import Prompt
-from replicas.sampling import SamplingParams
+from baton_serve.cache_store.state_blob import HEADER_SIZE, BlobError
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.prompt import Prompt
+from baton_serve.replicas.engine.sampling import SamplingParams
 
 HMAC_KEY = b"test-cluster-key"
 
@@ -29,7 +29,7 @@ RNG = random.Random(20261121)
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """A hybrid-model engine holding one real checkpoint, and a llama-model engine."""
-    from replicas.tiny_model import write_tiny_model
+    from baton_serve.replicas.models.tiny_model import write_tiny_model
 
     folder = tmp_path_factory.mktemp("hostile")
     config = EngineConfig(n_ctx=512, n_slots=2, n_threads=2)
@@ -50,8 +50,8 @@ def engines(tmp_path_factory):
 
 
 def _valid_blob(engine: Engine) -> bytes:
-    checkpoint = max(engine.store.checkpoints(), key=lambda c: c.n_tokens)
-    blob = engine.export_checkpoint(checkpoint.prefix_hash)
+    checkpoint = max(engine.cache.store.checkpoints(), key=lambda c: c.n_tokens)
+    blob = engine.cache.export_checkpoint(checkpoint.prefix_hash)
     assert blob is not None
     return blob
 
@@ -153,19 +153,19 @@ def test_there_are_at_least_200_cases() -> None:
 @pytest.mark.parametrize("name,damage", CASES, ids=[n for n, _ in CASES])
 def test_hostile_blob_is_rejected(name, damage, engines) -> None:
     hybrid, other = engines
-    stored = len(hybrid.store)
+    stored = len(hybrid.cache.store)
     bad = damage(_valid_blob(hybrid), _valid_blob(other))
     with pytest.raises(BlobError) as caught:
-        hybrid.import_checkpoint(bad)
+        hybrid.cache.import_checkpoint(bad)
     assert caught.value.reason and str(caught.value)  # a machine code and a clear message
-    assert len(hybrid.store) == stored  # nothing half-imported
+    assert len(hybrid.cache.store) == stored  # nothing half-imported
 
 
 def test_engine_still_serves_and_restores_after_the_hostile_suite(engines) -> None:
     """Runs after the parametrized cases (file order): the process and engine are intact."""
     hybrid, _ = engines
     blob = _valid_blob(hybrid)
-    checkpoint = hybrid.import_checkpoint(blob)
+    checkpoint = hybrid.cache.import_checkpoint(blob)
     prompt = Prompt(
         tokens=tuple(checkpoint.tokens.tolist()) + tuple(hybrid.model.tokenize(" More."))
     )

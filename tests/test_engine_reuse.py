@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from replicas.checkpoint_policy import MIN_PIECE
-from replicas.engine import Engine
-from replicas.llama_model import ModelKind
-from replicas.prompt import Prompt
-from replicas.sampling import SamplingParams
-from replicas.tiny_model import ARCHITECTURES
+from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.llama_model import ModelKind
+from baton_serve.replicas.engine.prompt import Prompt
+from baton_serve.replicas.engine.sampling import SamplingParams
+from baton_serve.replicas.models.tiny_model import ARCHITECTURES
 
 KINDS = {
     "llama": ModelKind.ATTENTION,
@@ -73,10 +73,10 @@ def test_checkpoint_exported_to_a_second_engine_is_bit_exact(arch, tiny_model, m
         first.generate(first.text_prompt("An unrelated prompt for the other slot."), GREEDY)
         first.generate(first.text_prompt("Another unrelated prompt evicts the first."), GREEDY)
 
-    best = max(first.store.checkpoints(), key=lambda c: c.n_tokens)
-    blob = first.export_checkpoint(best.prefix_hash)
+    best = max(first.cache.store.checkpoints(), key=lambda c: c.n_tokens)
+    blob = first.cache.export_checkpoint(best.prefix_hash)
     assert blob is not None
-    assert second.import_checkpoint(blob).n_tokens == best.n_tokens
+    assert second.cache.import_checkpoint(blob).n_tokens == best.n_tokens
 
     follow_up = Prompt(
         tokens=tuple(best.tokens.tolist()) + tuple(second.model.tokenize(" Go on, please."))

@@ -21,11 +21,17 @@ from fastapi import FastAPI
 from openai.types.chat import ChatCompletionMessageParam
 from ray.serve.exceptions import BackPressureError
 
-from replicas.engine import Engine
-from replicas.engine_config import EngineConfig
-from replicas.protocol import Completion, EngineClosed, PromptTooLong, ReplicaRequest, TokenEvent
-from replicas.replica import Replica
-from router.gateway import GatewaySettings, create_app
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.protocol import (
+    Completion,
+    EngineClosed,
+    PromptTooLong,
+    ReplicaRequest,
+    TokenEvent,
+)
+from baton_serve.replicas.replica import Replica
+from baton_serve.router.gateway import GatewaySettings, create_app
 
 MODEL = "baton-tiny"
 KEY = "sk-test-key"

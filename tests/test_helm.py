@@ -29,10 +29,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deploy.config import BatonConfig, config_from_serve_args, load_config
-from deploy.helm_binary import HELM_SHA256, HELM_VERSION, HelmBinaryError, extract_helm
-from deploy.serve_config import CHART_SERVE_CONFIG, chart_serve_config_text
-from replicas.engine_config import EngineConfig
+from baton_serve.deploy.config import BatonConfig, config_from_serve_args, load_config
+from baton_serve.deploy.helm_binary import HELM_SHA256, HELM_VERSION, HelmBinaryError, extract_helm
+from baton_serve.deploy.serve_config import CHART_SERVE_CONFIG, chart_serve_config_text
+from baton_serve.replicas.engine.engine_config import EngineConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "baton"
@@ -62,7 +62,9 @@ def values_id(values: Path | None) -> str:
 def helm(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., subprocess.CompletedProcess]:
     """`helm(*args)`: the pinned binary, with its own config/cache/data folders."""
     if not HELM.is_file():
-        pytest.fail(f"{HELM} is missing: `make helm` (python -m deploy.helm_binary {HELM})")
+        pytest.fail(
+            f"{HELM} is missing: `make helm` (python -m baton_serve.deploy.helm_binary {HELM})"
+        )
     home = tmp_path_factory.mktemp("helm-home")
     env = {
         **os.environ,
@@ -376,7 +378,7 @@ def test_ray_pods(render: Callable[[Path | None], Docs], values: Path | None) ->
 
 def test_the_charts_serve_config_is_what_deploy_writes() -> None:
     assert CHART_SERVE_CONFIG.read_text() == chart_serve_config_text(), (
-        "helm/baton/files/serve_config.yaml is stale: python -m deploy.serve_config"
+        "helm/baton/files/serve_config.yaml is stale: python -m baton_serve.deploy.serve_config"
     )
 
 
@@ -390,7 +392,7 @@ def test_serve_config_v2_is_a_serve_config_of_baton_args(
     from ray._common.utils import import_attr
     from ray.serve.schema import ServeDeploySchema
 
-    from deploy.app import APP_NAME, REPLICA_DEPLOYMENT
+    from baton_serve.deploy.app import APP_NAME, REPLICA_DEPLOYMENT
 
     docs = render(values)
     document = serve_config_v2(docs)
@@ -441,7 +443,7 @@ def test_serve_builds_and_deploys_the_app_the_chart_describes(
     from ray.serve._private.deployment_info import DeploymentInfo
     from ray.serve.schema import ServeApplicationSchema
 
-    from deploy.app import GATEWAY_CPUS, GATEWAY_DEPLOYMENT, REPLICA_DEPLOYMENT
+    from baton_serve.deploy.app import GATEWAY_CPUS, GATEWAY_DEPLOYMENT, REPLICA_DEPLOYMENT
 
     docs = render(values)
     (head,) = ray_pods(docs)["head"]["spec"]["containers"]

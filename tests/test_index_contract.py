@@ -12,16 +12,21 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import ray
 
-from cache_store.embedded_index import ACTOR_NAME, ACTOR_NAMESPACE, EmbeddedIndex, MemoryIndex
-from cache_store.index import (
+from baton_serve.cache_store.embedded_index import (
+    ACTOR_NAME,
+    ACTOR_NAMESPACE,
+    EmbeddedIndex,
+    MemoryIndex,
+)
+from baton_serve.cache_store.index import (
     CheckpointIndex,
     IndexEntry,
     IndexMatch,
     IndexUnavailable,
     connect_index,
 )
-from cache_store.redis_index import RedisIndex, key_prefix
-from loadtests.redis_server import RedisServer
+from baton_serve.cache_store.redis_index import RedisIndex, key_prefix
+from baton_serve.loadtests.redis_server import RedisServer
 
 pytestmark = pytest.mark.anyio
 

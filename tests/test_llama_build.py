@@ -10,10 +10,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from deploy import llama_build
-from replicas import ggml_backends
-from replicas.model_check import ModelCheckFailed, check_model
-from replicas.tiny_model import ModelVariant, write_tiny_model
+from baton_serve.deploy import llama_build
+from baton_serve.replicas.engine import ggml_backends
+from baton_serve.replicas.models.model_check import ModelCheckFailed, check_model
+from baton_serve.replicas.models.tiny_model import ModelVariant, write_tiny_model
 
 
 def test_the_installed_llama_cpp_is_the_portable_build() -> None:
@@ -37,7 +37,14 @@ def test_the_loaded_cpu_backend_passed_its_test_and_reports_its_features() -> No
     info = ggml_backends.system_info()
     assert "CPU :" in info, info
     # The probe itself runs in a child process and survives on this machine.
-    probe = [sys.executable, "-m", "replicas.backend_probe", "run", "--variant", choice.variant]
+    probe = [
+        sys.executable,
+        "-m",
+        "baton_serve.replicas.models.backend_probe",
+        "run",
+        "--variant",
+        choice.variant,
+    ]
     done = subprocess.run([*probe, "--repack", str(int(choice.repack_safe))], timeout=120)
     assert done.returncode == 0
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from fixtures_ray import wait_healthy
 
-from deploy.app import build_app
-from deploy.config import BatonConfig
-from replicas.engine_config import EngineConfig
+from baton_serve.deploy.app import build_app
+from baton_serve.deploy.config import BatonConfig
+from baton_serve.replicas.engine.engine_config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = ROOT / "loadtests" / "locustfile.py"
@@ -27,7 +27,7 @@ LOCUSTFILE = ROOT / "loadtests" / "locustfile.py"
 
 PARSER_CHECK = r"""
 import time
-from loadtests.locustfile import StreamError, read_stream
+from baton_serve.loadtests.locustfile import StreamError, read_stream
 
 def lines(*events):
     return [f"data: {e}".encode() for e in events]

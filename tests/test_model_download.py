@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.model_download import ModelDownloadError, download_model, main
+from baton_serve.deploy.model_download import ModelDownloadError, download_model, main
 
 CONTENT = b"GGUF" + bytes(range(256)) * 4096
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from replicas.engine import Engine
-from replicas.llama_model import LlamaModel
-from replicas.prompt import Prompt, PromptError
-from replicas.sampling import SamplingParams
-from replicas.tiny_model import ARCHITECTURES, ModelVariant, write_tiny_model
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.llama_model import LlamaModel
+from baton_serve.replicas.engine.prompt import Prompt, PromptError
+from baton_serve.replicas.engine.sampling import SamplingParams
+from baton_serve.replicas.models.tiny_model import ARCHITECTURES, ModelVariant, write_tiny_model
 
 METADATA_VARIANTS = [
     ModelVariant(),

@@ -21,17 +21,17 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from cache_store.index import connect_index
-from replicas import tracing
-from replicas.engine import Engine
-from replicas.engine_config import EngineConfig
-from replicas.logs import configure_logging
-from replicas.prompt import Prompt
-from replicas.protocol import GenerationRequest, ReplicaRequest
-from replicas.replica import Replica
-from replicas.sampling import SamplingParams
-from replicas.shipping import ShipPolicy
-from router.gateway import GatewaySettings, create_app
+from baton_serve.cache_store.index import connect_index
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.prompt import Prompt
+from baton_serve.replicas.engine.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.replicas.engine.sampling import SamplingParams
+from baton_serve.replicas.replica import Replica
+from baton_serve.replicas.shipping import ShipPolicy
+from baton_serve.replicas.telemetry import tracing
+from baton_serve.replicas.telemetry.logs import configure_logging
+from baton_serve.router.gateway import GatewaySettings, create_app
 
 MODEL = "baton-tiny"
 KEY = "sk-observability-key"
@@ -165,7 +165,7 @@ class _LocalPeer:
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int
     ) -> np.ndarray | None:
-        blob = self.peer.export_best(tokens, min_tokens)
+        blob = self.peer.cache.export_best(tokens, min_tokens)
         if blob is not None and self.flip_bit is not None:
             blob = blob.copy()
             blob[self.flip_bit // 8] ^= 1 << (self.flip_bit % 8)
@@ -213,7 +213,7 @@ def test_a_pull_from_a_peer_is_a_span_with_its_bytes_and_outcome(
             await asyncio.to_thread(a.wait_idle, 10)
             history = prompt + tuple(first.tokens)
             for _ in range(100):  # the holder's checkpoints reach the index
-                if holder.replica_id in await b_index.lookup(b.hasher.chain(history)):
+                if holder.replica_id in await b_index.lookup(b.cache.hasher.chain(history)):
                     break
                 await asyncio.sleep(0.05)
             follow_up = ReplicaRequest(

@@ -118,7 +118,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         "OTEL_BSP_SCHEDULE_DELAY": "100",
     }
     command = [
-        *(sys.executable, "-m", "deploy.cli", "serve", "--model", "tiny:qwen35"),
+        *(sys.executable, "-m", "baton_serve.deploy.cli", "serve", "--model", "tiny:qwen35"),
         *("--replicas", "1", "--cpus-per-replica", "0.5", "--n-ctx", "1024", "--slots", "1"),
         *("--port", str(port), "--metrics-port", str(metrics_port), "--log-format", "json"),
     ]
@@ -314,7 +314,7 @@ def test_json_log_lines_of_each_process_name_the_request_and_its_trace(served: S
 
 def test_a_metrics_port_cannot_be_set_on_a_joined_cluster(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "serve", "--address", "127.0.0.1:1"]
+        [sys.executable, "-m", "baton_serve.deploy.cli", "serve", "--address", "127.0.0.1:1"]
         + ["--metrics-port", "9999", "--model", "tiny:llama"],
         env={**os.environ, "BATON_CACHE_DIR": str(tmp_path)},
         capture_output=True,

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from test_gateway import _serving
 
-from replicas.engine_config import EngineConfig
-from router.gateway import GatewaySettings
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.router.gateway import GatewaySettings
 
 MODEL = "baton-tiny"
 EXAMPLES_PER_OPERATION = 40

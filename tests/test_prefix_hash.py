@@ -5,7 +5,7 @@ import struct
 import numpy as np
 import pytest
 
-from cache_store.prefix_hash import HASH_BYTES, PrefixHasher
+from baton_serve.cache_store.prefix_hash import HASH_BYTES, PrefixHasher
 
 FINGERPRINT = b"model-a" * 4
 BLOCK = 8

@@ -7,9 +7,15 @@ from collections.abc import Iterator
 import pytest
 from pydantic import ValidationError
 
-from replicas.default_model import default_model_path
-from replicas.llama_model import LlamaModel
-from replicas.prompt import ChatMessage, ChatTemplate, PromptError, chat_prompt, text_prompt
+from baton_serve.replicas.engine.llama_model import LlamaModel
+from baton_serve.replicas.engine.prompt import (
+    ChatMessage,
+    ChatTemplate,
+    PromptError,
+    chat_prompt,
+    text_prompt,
+)
+from baton_serve.replicas.models.default_model import default_model_path
 
 GENERATION_PROMPT = "<|im_start|>assistant\n"
 

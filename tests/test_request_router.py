@@ -16,18 +16,18 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from deploy.app import build_app
-from deploy.config import BatonConfig, RouterPolicy
-from replicas.engine_config import EngineConfig
-from replicas.prompt import Prompt
-from replicas.protocol import GenerationRequest, ReplicaRequest
-from router.routing_metrics import decision_counts
+from baton_serve.deploy.app import build_app
+from baton_serve.deploy.config import BatonConfig, RouterPolicy
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.prompt import Prompt
+from baton_serve.replicas.engine.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.router.routing_metrics import decision_counts
 
 # Serve's workers cannot import this test module: ship its deployment classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 ROUTER = RequestRouterConfig(
-    request_router_class="router.request_router:BatonRouter",
+    request_router_class="baton_serve.router.request_router:BatonRouter",
     request_router_kwargs={"index": "embedded", "fingerprint_hex": "ab" * 32},
 )
 

@@ -19,13 +19,13 @@ from fixtures_ray import wait_healthy
 from fixtures_redis import NO_REDIS
 from ray import serve
 
-from cache_store.fingerprint import file_fingerprint
-from cache_store.index import connect_index
-from deploy.app import REPLICA_DEPLOYMENT, build_app
-from deploy.config import BatonConfig
-from loadtests.redis_server import RedisServer, redis_server_path
-from loadtests.serve_app import replica_actors
-from replicas.engine_config import EngineConfig
+from baton_serve.cache_store.fingerprint import file_fingerprint
+from baton_serve.cache_store.index import connect_index
+from baton_serve.deploy.app import REPLICA_DEPLOYMENT, build_app
+from baton_serve.deploy.config import BatonConfig
+from baton_serve.loadtests.redis_server import RedisServer, redis_server_path
+from baton_serve.loadtests.serve_app import replica_actors
+from baton_serve.replicas.engine.engine_config import EngineConfig
 
 APP = "resilience"
 ENGINE = EngineConfig(n_ctx=2048, n_slots=2, n_threads=1, prefill_chunk=128)
@@ -172,7 +172,7 @@ def _wait_until(predicate, timeout_s: float, what: str) -> float:
 
 
 def test_more_requests_than_slots_and_queue_get_503_with_retry_after(app: App) -> None:
-    replicas, ongoing = app.config.replicas, 4 * ENGINE.n_slots + 4  # see deploy.app
+    replicas, ongoing = app.config.replicas, 4 * ENGINE.n_slots + 4  # see baton_serve.deploy.app
     flood = 2 * (replicas * ongoing + MAX_QUEUED)
     body = {
         "model": app.config.served_model_name,

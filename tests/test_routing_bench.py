@@ -6,8 +6,8 @@ from __future__ import annotations
 import csv
 import json
 
-from deploy.config import RouterPolicy
-from loadtests.routing_bench import (
+from baton_serve.deploy.config import RouterPolicy
+from baton_serve.loadtests.routing_bench import (
     CHAT,
     MOVED,
     RoutingWorkload,

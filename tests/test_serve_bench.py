@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loadtests.serve_bench import format_report, http_decode, routing_overhead
+from baton_serve.loadtests.serve_bench import format_report, http_decode, routing_overhead
 
 
 def test_routing_overhead_reports_both_backends(redis_server, ray_cluster) -> None:

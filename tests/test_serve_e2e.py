@@ -14,11 +14,11 @@ import pytest
 from fixtures_ray import wait_healthy
 from ray import serve
 
-from deploy.app import APP_NAME, build_app
-from deploy.config import BatonConfig
-from replicas.engine import Engine
-from replicas.engine_config import EngineConfig
-from replicas.sampling import SamplingParams
+from baton_serve.deploy.app import APP_NAME, build_app
+from baton_serve.deploy.config import BatonConfig
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.sampling import SamplingParams
 
 ENGINE = EngineConfig(n_ctx=2048, n_slots=1, n_threads=1, prefill_chunk=128)
 SYSTEM = "You answer in short sentences about routing, caches and state. " * 20

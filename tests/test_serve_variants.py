@@ -17,13 +17,13 @@ import pytest
 from fixtures_ray import wait_healthy
 from ray import serve
 
-from deploy.app import APP_NAME, build_app
-from deploy.config import BatonConfig
-from replicas.engine import Engine
-from replicas.engine_config import EngineConfig
-from replicas.prompt import Prompt
-from replicas.sampling import SamplingParams
-from replicas.tiny_model import ModelVariant, write_tiny_model
+from baton_serve.deploy.app import APP_NAME, build_app
+from baton_serve.deploy.config import BatonConfig
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.prompt import Prompt
+from baton_serve.replicas.engine.sampling import SamplingParams
+from baton_serve.replicas.models.tiny_model import ModelVariant, write_tiny_model
 
 MAX_TOKENS = 6
 VARIANTS = {

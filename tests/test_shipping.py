@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 import ray
 
-from cache_store.index import connect_index
-from cache_store.state_blob import encode_blob
-from replicas.engine import Engine
-from replicas.engine_config import EngineConfig
-from replicas.prompt import Prompt
-from replicas.protocol import GenerationRequest, ReplicaRequest
-from replicas.replica import Replica
-from replicas.replica_actor import spawn_replica
-from replicas.sampling import SamplingParams
-from replicas.shipping import ShipPolicy
+from baton_serve.cache_store.index import connect_index
+from baton_serve.cache_store.state_blob import encode_blob
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.prompt import Prompt
+from baton_serve.replicas.engine.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.replicas.engine.sampling import SamplingParams
+from baton_serve.replicas.replica import Replica
+from baton_serve.replicas.replica_actor import spawn_replica
+from baton_serve.replicas.shipping import ShipPolicy
 
 KEY = secrets.token_bytes(32)
 CONFIG = EngineConfig(n_ctx=2048, n_slots=2, n_threads=1)
@@ -90,7 +90,7 @@ def test_pull_through_index_and_object_store_is_exact(index_spec, tiny_model) ->
         history = prefix + tuple(first.tokens)
 
         with Engine(path, EngineConfig(n_ctx=256, n_slots=1, n_threads=1), hmac_key=KEY) as local:
-            chain = local.hasher.chain(history)
+            chain = local.cache.hasher.chain(history)
             fingerprint = local.fingerprint
         asyncio.run(_wait_for_entries(index_spec, fingerprint, chain, "a" + suffix))
 
@@ -124,7 +124,7 @@ def test_dead_peer_costs_a_recompute_not_a_failure(redis_server, ray_cluster, ti
         ray.get(holder.wait_idle.remote())
         history = prefix + tuple(first.tokens)
         with Engine(path, EngineConfig(n_ctx=256, n_slots=1, n_threads=1), hmac_key=KEY) as local:
-            chain, fingerprint = local.hasher.chain(history), local.fingerprint
+            chain, fingerprint = local.cache.hasher.chain(history), local.fingerprint
         asyncio.run(_wait_for_entries(redis_server.url, fingerprint, chain, "dead-a"))
         ray.kill(holder)  # its index entries outlive it until its liveness expires
 
@@ -155,7 +155,7 @@ class _TamperingPeers:
 
     async def fetch(self, replica_id, tokens, min_tokens):
         await asyncio.sleep(self.delay_s)
-        blob = self.peer.export_best(tokens, min_tokens)
+        blob = self.peer.cache.export_best(tokens, min_tokens)
         if blob is None:
             return None
         if self.flip_bit is not None:
@@ -165,7 +165,7 @@ class _TamperingPeers:
             blob = blob[: blob.size // 2]
         if self.forge:  # intact contents, signed with a key that is not the cluster's
             engine = self.peer.engine
-            checkpoint = engine.store.longest_match(engine.hasher, tokens, len(tokens))
+            checkpoint = engine.cache.store.longest_match(engine.cache.hasher, tokens, len(tokens))
             blob = np.frombuffer(
                 encode_blob(
                     fingerprint=engine.fingerprint,
@@ -221,7 +221,7 @@ def test_bad_transfer_is_rejected_and_recomputed(fault, expected, redis_server, 
             await _wait_for_entries(
                 redis_server.url,
                 a_engine.fingerprint,
-                a_engine.hasher.chain(history),
+                a_engine.cache.hasher.chain(history),
                 holder.replica_id,
             )
             started = time.perf_counter()
@@ -253,7 +253,7 @@ def test_redis_outage_never_fails_a_request_and_the_index_repopulates(
             first = await replica.generate(ReplicaRequest(generation=_request(prefix)))
             await asyncio.to_thread(engine.wait_idle, 10)
             history = prefix + tuple(first.tokens)
-            chain = engine.hasher.chain(history)
+            chain = engine.cache.hasher.chain(history)
             await _wait_for_entries(server.url, engine.fingerprint, chain, "outage")
 
             server.stop()

@@ -3,7 +3,7 @@ failures, and the figures over time and the replicas' memory are read back."""
 
 from __future__ import annotations
 
-from loadtests.soak_bench import format_report, soak_benchmark
+from baton_serve.loadtests.soak_bench import format_report, soak_benchmark
 
 
 def test_short_soak_reports_requests_ttft_and_replica_memory(

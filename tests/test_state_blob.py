@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cache_store.prefix_hash import PrefixHasher
-from cache_store.state_blob import (
+from baton_serve.cache_store.prefix_hash import PrefixHasher
+from baton_serve.cache_store.state_blob import (
     FORMAT_VERSION,
     HEADER_SIZE,
     MAGIC,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from replicas.text_stream import TextStream
+from baton_serve.replicas.engine.text_stream import TextStream
 
 EURO = "€".encode()  # 3 bytes
 FACE = "😀".encode()  # 4 bytes

@@ -10,7 +10,11 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from replicas.tiny_model import ARCHITECTURES, HYBRID_ARCHITECTURES, write_tiny_model
+from baton_serve.replicas.models.tiny_model import (
+    ARCHITECTURES,
+    HYBRID_ARCHITECTURES,
+    write_tiny_model,
+)
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time")
 

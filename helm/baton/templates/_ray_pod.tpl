@@ -1,6 +1,6 @@
 {{/* Pieces shared by the Ray head and worker pod templates. */}}
 
-{{/* BATON_* settings from Secrets: deploy.app.app_builder reads them (load_config) under the
+{{/* BATON_* settings from Secrets: baton_serve.deploy.app.app_builder reads them (load_config) under the
 Serve config's args, wherever Serve builds the app. */}}
 {{- define "baton.rayEnv" -}}
 - name: BATON_HMAC_KEY
@@ -49,7 +49,7 @@ Serve config's args, wherever Serve builds the app. */}}
 - name: model-download
   image: {{ include "baton.image" . }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
-  command: [python, -m, deploy.model_download]
+  command: [python, -m, baton_serve.deploy.model_download]
   args:
     - {{ .Values.model.download.url | quote }}
     - {{ .Values.model.download.sha256 | lower | quote }}

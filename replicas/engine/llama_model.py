@@ -16,9 +16,9 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from cache_store.fingerprint import file_fingerprint
-from replicas import ggml_backends
-from replicas.prompt import PromptError
+from baton_serve.cache_store.fingerprint import file_fingerprint
+from baton_serve.replicas.engine import ggml_backends
+from baton_serve.replicas.engine.prompt import PromptError
 
 logger = logging.getLogger("baton.llama")
 

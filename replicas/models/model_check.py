@@ -3,7 +3,7 @@
 A GGUF file that llama.cpp refuses, or whose load or first decode kills the process (an
 unsupported architecture, a corrupt tensor, an instruction the CPU cannot run), must fail
 `baton serve` at start with its cause — not send every replica into a crash loop.
-`check_model` runs `python -m replicas.model_check PATH` and reports what the child saw.
+`check_model` runs `python -m baton_serve.replicas.models.model_check PATH` and reports what the child saw.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from replicas.ggml_backends import exit_description
+from baton_serve.replicas.engine.ggml_backends import exit_description
 
 CHECK_TIMEOUT_S = 300.0
 
@@ -60,7 +60,7 @@ def check_model(
     path: str | Path, *, n_gpu_layers: int = 0, cpu_repack: bool | None = None
 ) -> ModelReport:
     """Load `path` and decode a few tokens in a child process; raise `ModelCheckFailed`."""
-    command = [sys.executable, "-m", "replicas.model_check", str(path)]
+    command = [sys.executable, "-m", "baton_serve.replicas.models.model_check", str(path)]
     command += ["--n-gpu-layers", str(n_gpu_layers)]
     if cpu_repack is not None:
         command += ["--cpu-repack", str(int(cpu_repack))]
@@ -78,9 +78,9 @@ def check_model(
 
 
 def _report(path: str, n_gpu_layers: int, cpu_repack: bool | None) -> ModelReport:
-    from replicas.ggml_backends import ensure_loaded
-    from replicas.llama_context import BatchEntry, ContextParams, LlamaContext
-    from replicas.llama_model import LlamaModel, ModelLoadError
+    from baton_serve.replicas.engine.ggml_backends import ensure_loaded
+    from baton_serve.replicas.engine.llama_context import BatchEntry, ContextParams, LlamaContext
+    from baton_serve.replicas.engine.llama_model import LlamaModel, ModelLoadError
 
     try:
         model = LlamaModel(path, n_gpu_layers=n_gpu_layers, cpu_repack=cpu_repack)
@@ -102,7 +102,7 @@ def _report(path: str, n_gpu_layers: int, cpu_repack: bool | None) -> ModelRepor
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m replicas.model_check")
+    parser = argparse.ArgumentParser(prog="python -m baton_serve.replicas.models.model_check")
     parser.add_argument("path")
     parser.add_argument("--n-gpu-layers", type=int, default=0)
     parser.add_argument("--cpu-repack", type=int, choices=(0, 1))

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from replicas.request_handle import RequestHandle
-from replicas.sampling import SamplingParams, TokenSampler
-from replicas.text_stream import TextStream
+from baton_serve.replicas.engine.protocol import Completion, Timings, Usage
+from baton_serve.replicas.engine.request_handle import RequestHandle
+from baton_serve.replicas.engine.sampling import SamplingParams, TokenSampler
+from baton_serve.replicas.engine.text_stream import TextStream
 
 
 class Phase(enum.Enum):
@@ -56,3 +57,28 @@ class Running:
     @property
     def params(self) -> SamplingParams:
         return self.handle.request.sampling
+
+    def completion(self, reason: str, now: float) -> Completion:
+        """What the client gets when this request ends now, for `reason`."""
+        n_prompt, first = len(self.prompt), self.first_token_at
+        return Completion(
+            request_id=self.handle.request.request_id,
+            tokens=list(self.generated),
+            text=self.text.text,
+            finish_reason=reason,
+            usage=Usage(
+                prompt_tokens=n_prompt,
+                cached_tokens=self.cached,
+                computed_tokens=n_prompt - self.cached,
+                completion_tokens=len(self.generated),
+            ),
+            ttft_s=None if first is None else first - self.submitted_at,
+            total_s=now - self.submitted_at,
+            timings=Timings(
+                queued_s=self.admitted_at - self.handle.submitted_at,
+                restore_s=self.submitted_at - self.admitted_at,
+                prefill_s=(now if first is None else first) - self.submitted_at,
+                decode_s=0.0 if first is None else now - first,
+            ),
+            logits=self.last_logits,
+        )

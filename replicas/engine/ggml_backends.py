@@ -195,7 +195,7 @@ class _ProbeCrashed(RuntimeError):
 
 
 def _run_probe(args: list[str], *, capture: bool = False) -> str:
-    command = [sys.executable, "-m", "replicas.backend_probe", *args]
+    command = [sys.executable, "-m", "baton_serve.replicas.models.backend_probe", *args]
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False

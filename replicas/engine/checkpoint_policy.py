@@ -8,7 +8,7 @@ pieces), and checkpoints sit only at piece boundaries.
 
 from __future__ import annotations
 
-from replicas.prompt import Prompt
+from baton_serve.replicas.engine.prompt import Prompt
 
 MIN_PIECE = 2
 

@@ -7,8 +7,8 @@ import uuid
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from replicas.prompt import Prompt
-from replicas.sampling import SamplingParams
+from baton_serve.replicas.engine.prompt import Prompt
+from baton_serve.replicas.engine.sampling import SamplingParams
 
 TARGET_REPLICA_KWARG = "target_replica"  # a replica call carrying it goes to that replica only
 

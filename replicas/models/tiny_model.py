@@ -22,7 +22,7 @@ from typing import Any, Literal
 import gguf
 import numpy as np
 
-from replicas.default_model import default_model_path
+from baton_serve.replicas.models.default_model import default_model_path
 
 ARCHITECTURES: tuple[str, ...] = ("llama", "qwen35", "lfm2", "granitehybrid", "mamba2")
 HYBRID_ARCHITECTURES = frozenset({"qwen35", "lfm2", "granitehybrid"})

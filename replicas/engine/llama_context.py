@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 
-from replicas.llama_model import LlamaModel
+from baton_serve.replicas.engine.llama_model import LlamaModel
 
 
 class DecodeError(RuntimeError):
@@ -97,6 +97,23 @@ class LlamaContext:
         code = llama_cpp.llama_decode(self.pointer, batch)
         if code != 0:
             raise DecodeError(code)
+
+    def decode_rows(self, entries: list[BatchEntry]) -> dict[int, np.ndarray]:
+        """Decode `entries`; return the logits rows they asked for, by batch index. When the
+        KV cache has no room for the whole batch, it is retried as two smaller ones."""
+        return self._decode_split(entries, 0)
+
+    def _decode_split(self, entries: list[BatchEntry], offset: int) -> dict[int, np.ndarray]:
+        try:
+            self.decode(entries)
+        except DecodeError as exc:
+            if exc.code != 1 or len(entries) < 2:
+                raise
+            half = len(entries) // 2
+            return self._decode_split(entries[:half], offset) | self._decode_split(
+                entries[half:], offset + half
+            )
+        return {offset + i: self.logits(i) for i, e in enumerate(entries) if e.want_logits}
 
     def logits(self, batch_index: int) -> np.ndarray:
         """A copy of the logits row of the batch entry at `batch_index`."""

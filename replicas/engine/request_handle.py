@@ -8,7 +8,13 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from replicas.protocol import Completion, GenerationRequest, TokenEvent
+from baton_serve.replicas.engine.protocol import (
+    Completion,
+    GenerationRequest,
+    Timings,
+    TokenEvent,
+    Usage,
+)
 
 _DONE = object()
 
@@ -73,6 +79,20 @@ class RequestHandle:
         async for _ in self.aiter():
             pass
         return self.result()
+
+    def empty_completion(self, reason: str) -> Completion:
+        """The completion of a request that ends before it got a slot (e.g. cancelled)."""
+        n = len(self.request.prompt)
+        return Completion(
+            request_id=self.request.request_id,
+            tokens=[],
+            text="",
+            finish_reason=reason,
+            usage=Usage(prompt_tokens=n, cached_tokens=0, computed_tokens=0, completion_tokens=0),
+            ttft_s=None,
+            total_s=0.0,
+            timings=Timings(queued_s=time.perf_counter() - self.submitted_at),
+        )
 
     # Called by the engine loop only.
 

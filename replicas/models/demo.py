@@ -6,10 +6,10 @@ import secrets
 import sys
 from pathlib import Path
 
-from replicas.engine import Engine
-from replicas.engine_config import EngineConfig
-from replicas.protocol import GenerationRequest
-from replicas.sampling import SamplingParams
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.protocol import GenerationRequest
+from baton_serve.replicas.engine.sampling import SamplingParams
 
 _QUESTIONS = (
     "What is the capital of France?",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from replicas.default_model import default_model_path
-from replicas.tiny_model import ARCHITECTURES, write_tiny_model
+from baton_serve.replicas.models.default_model import default_model_path
+from baton_serve.replicas.models.tiny_model import ARCHITECTURES, write_tiny_model
 
 TINY_PREFIX = "tiny:"
 

@@ -1,7 +1,7 @@
 """Child-process checks of llama.cpp backends (run by `replicas.ggml_backends`).
 
-`python -m replicas.backend_probe scores` prints every CPU variant's score for this CPU;
-`python -m replicas.backend_probe run [--variant FILE] --repack 0|1` loads that variant and
+`python -m baton_serve.replicas.models.backend_probe scores` prints every CPU variant's score for this CPU;
+`python -m baton_serve.replicas.models.backend_probe run [--variant FILE] --repack 0|1` loads that variant and
 runs a small Q4_0 model through batched and single-token decodes — the matrix kernels a
 served model uses, repacked or not. If the CPU cannot run them, this process dies, not
 the caller.
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import llama_cpp
 
-from replicas.ggml_backends import cpu_variants, lib_dir, libggml, variant_score
-from replicas.tiny_model import ModelVariant, write_tiny_model
+from baton_serve.replicas.engine.ggml_backends import cpu_variants, lib_dir, libggml, variant_score
+from baton_serve.replicas.models.tiny_model import ModelVariant, write_tiny_model
 
 # Large enough that llama.cpp repacks the matrices (AMX tiles, interleaved rows).
 PROBE_EMBD = 256
@@ -63,7 +63,7 @@ def run(variant: str | None, repack: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m replicas.backend_probe")
+    parser = argparse.ArgumentParser(prog="python -m baton_serve.replicas.models.backend_probe")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("scores")
     probe = commands.add_parser("run")

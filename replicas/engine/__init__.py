@@ -1,0 +1,1 @@
+"""The engine room: everything that touches llama.cpp and runs on the engine thread."""

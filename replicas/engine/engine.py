@@ -1,0 +1,406 @@
+"""The replica engine: one llama.cpp context, several sequence slots, continuous batching.
+
+One thread (the engine loop) owns the llama context. Requests join between steps. A step
+is one `llama_decode`: either a *decode step* — one token for every generating sequence —
+or a *prefill step* — the next piece of one sequence's prompt. When both kinds of work
+wait, steps alternate, so a long prompt never stalls running streams for more than one
+piece. (Mixing both in one call buys nothing here: with one KV stream per sequence and
+with recurrent memory, llama.cpp splits a batch into equal-length sub-batches anyway.)
+
+Which cached state serves a prompt is `prefix_cache`'s job. The loop keeps those states
+exact: prompts are computed in pieces of two or more tokens, and after a reply is sent it is
+recomputed as a prefill (a *replay*) instead of keeping the state built one token at a time,
+whose kernels round differently. A resumed conversation thus gives the same logits as a
+cold one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+
+from baton_serve.replicas.engine.checkpoint_policy import (
+    MIN_PIECE,
+    prefill_pieces,
+)
+from baton_serve.replicas.engine.engine_config import EngineConfig, context_size
+from baton_serve.replicas.engine.llama_context import (
+    BatchEntry,
+    ContextParams,
+    DecodeError,
+    LlamaContext,
+)
+from baton_serve.replicas.engine.llama_model import LlamaModel
+from baton_serve.replicas.engine.prefix_cache import CheckpointListener, PrefixCache
+from baton_serve.replicas.engine.prompt import (
+    ChatMessage,
+    Prompt,
+    PromptError,
+    chat_prompt,
+    model_chat_template,
+    no_chat_template_message,
+    text_prompt,
+)
+from baton_serve.replicas.engine.protocol import (
+    Completion,
+    EngineClosed,
+    EngineError,
+    GenerationRequest,
+    PromptTooLong,
+    TokenEvent,
+)
+from baton_serve.replicas.engine.request_handle import RequestHandle
+from baton_serve.replicas.engine.sampling import SamplingParams, TokenSampler
+from baton_serve.replicas.engine.slots import Phase, Running, Slot
+from baton_serve.replicas.engine.stats import EngineLoad, EngineStats
+from baton_serve.replicas.engine.text_stream import TextStream
+from baton_serve.replicas.telemetry import metrics
+from baton_serve.replicas.telemetry.logs import request_fields
+
+logger = logging.getLogger("baton.engine")
+
+
+class Engine:
+    """Serves generation requests for one model from one llama.cpp context."""
+
+    def __init__(
+        self,
+        model_path: str,
+        config: EngineConfig | None = None,
+        *,
+        hmac_key: bytes,
+        listener: CheckpointListener | None = None,
+    ) -> None:
+        if not hmac_key:
+            raise ValueError("an HMAC key is required to sign and check state blobs")
+        self.config = config or EngineConfig()
+        self.model = LlamaModel(
+            model_path, n_gpu_layers=self.config.n_gpu_layers, cpu_repack=self.config.cpu_repack
+        )
+        self.kind = self.model.kind
+        self.fingerprint = self.model.fingerprint
+        self.stats = EngineStats()
+        self._context = LlamaContext(
+            self.model,
+            ContextParams(
+                n_ctx_per_seq=context_size(self.config.n_ctx, self.model.n_ctx_train),
+                n_seqs=self.config.n_slots,
+                n_batch=self.config.n_batch,
+                n_threads=self.config.n_threads,
+                flash_attn=self.config.flash_attn,
+            ),
+        )
+        self.n_ctx = self._context.n_ctx_per_seq
+        self.cache = PrefixCache(
+            self.model, self._context, self.config, self.stats, hmac_key=hmac_key
+        )
+        self.cache.listener = listener  # may be set later, before requests arrive
+        self._chat_template = model_chat_template(self.model, self.config.chat_template)
+        self._slots = [Slot(seq_id=i) for i in range(self.config.n_slots)]
+        self._waiting: list[RequestHandle] = []
+        self._wakeup = threading.Condition()
+        self._closed = False
+        self._idle = threading.Event()
+        self._last_step_was_prefill = False
+        self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
+        self._thread.start()
+
+    # ---- prompts -------------------------------------------------------------------------
+
+    def text_prompt(self, text: str) -> Prompt:
+        self._check_open()
+        return text_prompt(self.model, text, add_bos=self.model.add_bos)
+
+    def chat_prompt(self, messages: list[ChatMessage] | list[dict[str, str]]) -> Prompt:
+        self._check_open()
+        if self._chat_template is None:
+            raise PromptError(no_chat_template_message(self.model.name))
+        parsed = [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
+        return chat_prompt(self.model, self._chat_template, parsed)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request; raises `PromptError`, `PromptTooLong` or `EngineClosed` at once."""
+        n_prompt = len(request.prompt)
+        if n_prompt == 0:
+            raise PromptError("the prompt is empty")
+        if n_prompt >= self.n_ctx:
+            raise PromptTooLong(n_prompt, self.n_ctx)
+        if not all(0 <= t < self.model.n_vocab for t in request.prompt.tokens):
+            raise PromptError(f"token ids must be in [0, {self.model.n_vocab})")
+        handle = RequestHandle(request)
+        with self._wakeup:
+            if self._closed:
+                raise EngineClosed("the engine is shut down")
+            self._waiting.append(handle)
+            self._idle.clear()
+            self._wakeup.notify()
+        return handle
+
+    def generate(
+        self, prompt: Prompt, sampling: SamplingParams | None = None, *, return_logits: bool = False
+    ) -> Completion:
+        """Submit and wait for the completion."""
+        request = GenerationRequest(
+            prompt=prompt, sampling=sampling or SamplingParams(), return_logits=return_logits
+        )
+        return self.submit(request).result()
+
+    # ---- the prefix cache ----------------------------------------------------------------
+
+    def reusable_tokens(self, tokens: tuple[int, ...]) -> int:
+        """About how many tokens of `tokens` this engine could reuse right now."""
+        return self.cache.reusable_tokens(tokens, self._slots)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def load(self) -> EngineLoad:
+        with self._wakeup:
+            queued = len(self._waiting)
+        running = sum(slot.running is not None for slot in self._slots)
+        return EngineLoad(queued=queued, running=running, free_slots=len(self._slots) - running)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed("the engine is shut down")
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is queued or running (replays included); False on timeout."""
+        return self._idle.wait(timeout)
+
+    def close(self) -> None:
+        with self._wakeup:
+            if self._closed:
+                return
+            self._closed = True
+            self._wakeup.notify()
+        self._thread.join()
+        self._context.close()
+        self.model.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the engine loop (owns the llama context) ----------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wakeup:
+                while not self._closed and not self._waiting and not self._running():
+                    self._idle.set()
+                    self._wakeup.wait()
+                if self._closed:
+                    break
+            try:
+                self._step()
+            except Exception:  # one bad step must not kill the loop
+                logger.exception("engine step failed")
+                self._fail_all(EngineError("internal engine error; see the replica log"))
+        self._fail_all(EngineClosed("the engine is shut down"))
+        with self._wakeup:
+            waiting, self._waiting = self._waiting, []
+        for handle in waiting:
+            handle.finish(None, EngineClosed("the engine is shut down"))
+
+    def _running(self) -> list[Running]:
+        return [s.running for s in self._slots if s.running is not None]
+
+    def _step(self) -> None:
+        self._drop_cancelled()
+        self._admit()
+        running = self._running()
+        decoding = [r for r in running if r.phase is Phase.DECODE]
+        prefilling = [r for r in running if r.phase is not Phase.DECODE]
+        if decoding and not (prefilling and not self._last_step_was_prefill):
+            self._decode_step(decoding)
+            self._last_step_was_prefill = False
+        elif prefilling:
+            self._prefill_step(min(prefilling, key=lambda r: r.submitted_at))
+            self._last_step_was_prefill = True
+
+    def _drop_cancelled(self) -> None:
+        for run in self._running():
+            if run.handle.cancelled and run.phase is not Phase.REPLAY:
+                self._complete(run, "cancelled")
+                if run.phase is Phase.DECODE:
+                    self.cache.rewind_to_prompt(run)
+                self._release(run.slot)
+        with self._wakeup:
+            cancelled = [h for h in self._waiting if h.cancelled]
+            self._waiting = [h for h in self._waiting if not h.cancelled]
+        for handle in cancelled:
+            handle.finish(handle.empty_completion("cancelled"))
+
+    # ---- admission -----------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        while True:
+            free = [s for s in self._slots if s.running is None]
+            with self._wakeup:
+                if not free or not self._waiting or self._replay_pending(self._waiting[0]):
+                    return
+                handle = self._waiting.pop(0)
+            self._start(handle, free)
+
+    def _replay_pending(self, handle: RequestHandle) -> bool:
+        """True while a slot replays the conversation this request continues: waiting
+        those few steps beats recomputing the reply."""
+        if not self.config.prefix_cache:
+            return False
+        return self.cache.replay_pending_for(handle.request.prompt.tokens, self._running())
+
+    def _start(self, handle: RequestHandle, free: list[Slot]) -> None:
+        prompt = handle.request.prompt
+        admitted_at = time.perf_counter()
+        slot, cached = self.cache.place(prompt.tokens, free)
+        cuts = self.cache.checkpoints_for(prompt, cached)
+        pieces = prefill_pieces(cached, len(prompt), cuts, self.config.prefill_chunk)
+        params = handle.request.sampling
+        slot.running = Running(
+            handle=handle,
+            slot=slot,
+            cached=cached,
+            feed=prompt.tokens,
+            pieces=pieces,
+            checkpoints=set(cuts) & set(pieces),
+            sampler=TokenSampler(params),
+            text=TextStream(self.model.token_bytes, params.stop),
+            submitted_at=time.perf_counter(),
+            admitted_at=admitted_at,
+        )
+        slot.last_used = time.monotonic()
+
+    # ---- steps ---------------------------------------------------------------------------
+
+    def _decode_step(self, runs: list[Running]) -> None:
+        runs = sorted(runs, key=lambda r: r.slot.seq_id)
+        entries = [
+            BatchEntry(r.slot.seq_id, r.pending_token, len(r.slot.tokens), True) for r in runs
+        ]
+        logits = self._decode(entries, runs)
+        if logits is None:
+            return
+        self.stats.decode_steps += 1
+        for i, run in enumerate(runs):
+            run.slot.tokens.append(entries[i].token)
+            self._sampled(run, logits[i])
+
+    def _prefill_step(self, run: Running) -> None:
+        slot = run.slot
+        start, end = len(slot.tokens), run.pieces.pop(0)
+        wants_logits = run.phase is Phase.PREFILL and end == len(run.feed)
+        entries = [
+            BatchEntry(slot.seq_id, run.feed[p], p, wants_logits and p == end - 1)
+            for p in range(start, end)
+        ]
+        started = time.perf_counter()
+        logits = self._decode(entries, [run])
+        if logits is None:
+            return
+        self.stats.prefill_seconds += time.perf_counter() - started
+        self.stats.prefill_steps += 1
+        slot.tokens.extend(run.feed[start:end])
+        if run.phase is Phase.PREFILL:
+            self.stats.prompt_tokens_computed += end - start
+        else:
+            self.stats.replayed_tokens += end - start
+        if end in run.checkpoints:
+            self.cache.save_checkpoint(slot)
+        if wants_logits:
+            self._sampled(run, logits[len(entries) - 1])
+        elif run.phase is Phase.REPLAY and not run.pieces:
+            self._release(slot)
+
+    def _decode(
+        self, entries: list[BatchEntry], runs: list[Running]
+    ) -> dict[int, np.ndarray] | None:
+        """Decode `entries`; return logits by batch index. On failure, fail `runs`."""
+        try:
+            return self._context.decode_rows(entries)
+        except DecodeError as exc:
+            ids = ",".join(run.handle.request.request_id for run in runs)
+            logger.error("%s; failing %d request(s)", exc, len(runs), extra=request_fields(ids))
+            for run in runs:
+                self._fail(run, EngineError(str(exc)))
+            return None
+
+    def _sampled(self, run: Running, logits: np.ndarray) -> None:
+        """Pick the next token from `logits`; stream it; finish when a stop rule fires."""
+        params = run.params
+        now = time.perf_counter()
+        if run.last_token_at is not None:
+            metrics.INTER_TOKEN.observe(now - run.last_token_at)
+        run.last_token_at = now
+        if run.first_token_at is None:
+            run.first_token_at = now
+            run.phase = Phase.DECODE
+            if params.max_tokens == 0:
+                self._finish(run, "length")
+                return
+        if run.handle.request.return_logits:
+            run.last_logits = logits
+        token = run.sampler(logits)
+        if self.model.is_end_of_generation(token) and not params.ignore_eos:
+            self._finish(run, "stop", end_token=token)
+            return
+        run.generated.append(token)
+        run.pending_token = token
+        delta = run.text.push(token)
+        if delta or not run.text.stopped:
+            run.handle.emit(TokenEvent(token=token, text=delta))
+        if run.text.stopped:
+            self._finish(run, "stop")
+        elif len(run.generated) >= params.max_tokens or len(run.slot.tokens) + 1 >= self.n_ctx:
+            self._finish(run, "length")
+
+    # ---- finishing -----------------------------------------------------------------------
+
+    def _finish(self, run: Running, reason: str, *, end_token: int | None = None) -> None:
+        """Answer the client now; then replay the reply so the cache holds exact states."""
+        rest = run.text.flush()
+        if rest:
+            run.handle.emit(TokenEvent(token=run.generated[-1], text=rest))
+        self._complete(run, reason)
+        if not self.config.prefix_cache:
+            self._release(run.slot)
+            return
+        history = (
+            run.prompt + tuple(run.generated) + ((end_token,) if end_token is not None else ())
+        )
+        history = history[: self.n_ctx]
+        self.cache.rewind_to_prompt(run)
+        start = len(run.slot.tokens)
+        if not start or len(history) - start < MIN_PIECE:
+            self._release(run.slot)
+            return
+        run.phase = Phase.REPLAY
+        run.feed = history
+        run.pieces = prefill_pieces(start, len(history), [], self.config.prefill_chunk)
+        run.checkpoints = {len(history)}  # every kind: the state peers may pull
+
+    def _complete(self, run: Running, reason: str) -> None:
+        self.stats.requests += 1
+        run.handle.finish(run.completion(reason, time.perf_counter()))
+
+    def _release(self, slot: Slot) -> None:
+        slot.running = None
+        slot.last_used = time.monotonic()
+
+    def _fail(self, run: Running, error: EngineError) -> None:
+        """Fail one request; its slot's state is unknown, so it is emptied."""
+        if not run.handle.done:
+            run.handle.finish(None, error)
+        self._context.clear(run.slot.seq_id)
+        run.slot.tokens = []
+        self._release(run.slot)
+
+    def _fail_all(self, error: EngineError) -> None:
+        for run in self._running():
+            self._fail(run, error)

@@ -1,0 +1,294 @@
+"""Prefix reuse, exact to the bit: which cached state serves a prompt, and the states kept.
+
+- Attention-only models keep each idle slot's KV and cut it back to the matched prefix; a
+  slot's state is saved to the checkpoint store when the slot is given to another prompt,
+  and a stored state serves any prompt sharing its beginning (restored, then cut back).
+- Hybrid and recurrent models cannot cut their recurrent state back, so full sequence
+  states are saved at exact positions (`checkpoint_policy`) and the longest one that
+  prefixes a new prompt is restored.
+- Signed state blobs move checkpoints between engines; each is validated completely
+  (`state_blob`, then the exact state size measured here) before llama.cpp sees it.
+
+Everything here runs on the engine thread, except `reusable_tokens` (a read-only estimate).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import numpy as np
+
+from baton_serve.cache_store.checkpoint_store import Checkpoint, CheckpointStore
+from baton_serve.cache_store.prefix_hash import PrefixHasher, common_prefix_length
+from baton_serve.cache_store.state_blob import BlobError, decode_blob, encode_blob
+from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE, prefill_checkpoints
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.llama_context import LlamaContext, StateRestoreError
+from baton_serve.replicas.engine.llama_model import LlamaModel
+from baton_serve.replicas.engine.prompt import Prompt
+from baton_serve.replicas.engine.protocol import EngineError
+from baton_serve.replicas.engine.slots import Phase, Running, Slot
+from baton_serve.replicas.engine.stats import EngineStats
+from baton_serve.replicas.telemetry import metrics
+
+logger = logging.getLogger("baton.engine")
+
+
+class CheckpointListener(Protocol):
+    """Told about the local store's contents; called on the engine thread, must be quick."""
+
+    def checkpoint_added(self, checkpoint: Checkpoint) -> None: ...
+
+    def checkpoint_used(self, checkpoint: Checkpoint) -> None: ...
+
+    def checkpoint_removed(self, checkpoint: Checkpoint) -> None: ...
+
+
+class PrefixCache:
+    """One engine's cached prefixes: its slots' live states and its checkpoint store."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        context: LlamaContext,
+        config: EngineConfig,
+        stats: EngineStats,
+        *,
+        hmac_key: bytes,
+    ) -> None:
+        self.model = model
+        self.context = context
+        self.config = config
+        self.stats = stats
+        self.kind = model.kind
+        self.fingerprint = model.fingerprint
+        self._hmac_key = hmac_key
+        self.hasher = PrefixHasher(self.fingerprint, config.block_tokens)
+        self.store = CheckpointStore(config.store_budget_bytes, on_evict=self._evicted)
+        self.listener: CheckpointListener | None = None
+        self.state_size = self._measure_state_size()
+
+    def export_checkpoint(self, prefix_hash: bytes) -> bytes | None:
+        """A signed state blob of a stored checkpoint, or None if it is not here."""
+        checkpoint = self.store.get(prefix_hash)
+        if checkpoint is None:
+            return None
+        return encode_blob(
+            fingerprint=self.fingerprint,
+            prefix_hash=checkpoint.prefix_hash,
+            tokens=checkpoint.tokens,
+            state=checkpoint.state,
+            key=self._hmac_key,
+        )
+
+    def import_checkpoint(self, blob: bytes | memoryview | np.ndarray) -> Checkpoint:
+        """Validate a state blob fully and keep it in the local store.
+
+        Raises `BlobError` for anything that is not an authentic, intact blob of this
+        model: llama.cpp only ever sees a blob that passed every check.
+        """
+        try:
+            checkpoint = self._checked_checkpoint(blob)
+        except BlobError as exc:
+            metrics.BLOBS_REJECTED.inc(reason=exc.reason)
+            raise
+        if not self.store.put(checkpoint):
+            metrics.BLOBS_REJECTED.inc(reason="over_budget")
+            raise EngineError(
+                f"a {checkpoint.nbytes}-byte checkpoint exceeds the store budget "
+                f"({self.store.budget_bytes} bytes)"
+            )
+        self.stats.checkpoints_imported += 1
+        self._added(checkpoint)
+        return checkpoint
+
+    def _checked_checkpoint(self, blob: bytes | memoryview | np.ndarray) -> Checkpoint:
+        state = decode_blob(
+            blob, key=self._hmac_key, fingerprint=self.fingerprint, hasher=self.hasher
+        )
+        if self.state_size is not None:
+            fixed, per_token = self.state_size
+            expected = fixed + per_token * state.n_tokens
+            if len(state.state) != expected:
+                raise BlobError(
+                    "bad_state_size",
+                    f"a {state.n_tokens}-token state of this model is {expected} bytes, "
+                    f"the blob carries {len(state.state)}",
+                )
+        return Checkpoint(
+            prefix_hash=state.prefix_hash, tokens=state.tokens, state=bytes(state.state)
+        )
+
+    def export_best(self, tokens: tuple[int, ...] | list[int], min_tokens: int = 0) -> bytes | None:
+        """A signed blob of the longest stored checkpoint that prefixes `tokens`, if it is
+        longer than `min_tokens` (what a peer asks for before pulling)."""
+        checkpoint = self.store.longest_match(self.hasher, tokens, len(tokens))
+        if checkpoint is None or checkpoint.n_tokens <= min_tokens:
+            return None
+        return self.export_checkpoint(checkpoint.prefix_hash)
+
+    def reusable_tokens(self, tokens: tuple[int, ...], slots: list[Slot]) -> int:
+        """About how many tokens of `tokens` this engine could reuse right now.
+
+        An estimate (idle slots are read without stopping the engine loop) for deciding
+        whether pulling a longer prefix from a peer is worth it.
+        """
+        limit = max(0, len(tokens) - MIN_PIECE)
+        _, stored = self._stored_prefix(tokens, limit, touch=False)
+        live = max(
+            (self._live_reuse(s, tokens, limit) for s in slots if s.running is None),
+            default=0,
+        )
+        return max(live, stored)
+
+    def _measure_state_size(self) -> tuple[int, int] | None:
+        """The exact size of a state, so a signed but malformed blob never reaches llama.cpp.
+
+        Sliding-window caches keep at most a window of tokens, so their size is not linear:
+        for those models only the blob's own checks apply.
+        """
+        if self.model.sliding_window:
+            return None
+        return self.context.state_size_line(0, self.model.any_token)
+
+    def replay_pending_for(self, prompt: tuple[int, ...], running: list[Running]) -> bool:
+        """True while one of `running` replays the conversation `prompt` continues.
+
+        The next turn of a chat often arrives while the previous reply is still being
+        replayed into the cache; waiting those few steps beats recomputing the reply.
+        """
+        limit = len(prompt) - MIN_PIECE
+        for run in running:
+            if run.phase is Phase.REPLAY:
+                common = common_prefix_length(run.feed, prompt, limit)
+                if common > 0 and common >= min(limit, len(run.prompt) - MIN_PIECE):
+                    return True
+        return False
+
+    def checkpoints_for(self, prompt: Prompt, cached: int) -> list[int]:
+        """Positions of `prompt` after which its state is saved (hybrid and recurrent)."""
+        if not self.config.prefix_cache or not self.kind.needs_checkpoints:
+            return []
+        return prefill_checkpoints(
+            prompt,
+            cached=cached,
+            interval=self.config.checkpoint_interval,
+            max_interval=self.config.max_interval_checkpoints,
+        )
+
+    def place(self, prompt: tuple[int, ...], free: list[Slot]) -> tuple[Slot, int]:
+        """Pick a slot for `prompt` and load the longest reusable prefix into it."""
+        if not self.config.prefix_cache:
+            slot = self._victim(free)
+            self._evict(slot)
+            return slot, 0
+        limit = max(0, len(prompt) - MIN_PIECE)  # the rest is computed as one exact piece
+        live_slot, live = max(
+            ((s, self._live_reuse(s, prompt, limit)) for s in free), key=lambda p: p[1]
+        )
+        checkpoint, stored = self._stored_prefix(prompt, limit)
+        if checkpoint is not None and stored > live:
+            slot = self._victim(free)
+            self._evict(slot)
+            if self._restore(slot, checkpoint):
+                self.stats.checkpoints_restored += 1
+                metrics.CHECKPOINTS_RESTORED.inc()
+                if self.listener is not None:
+                    self.listener.checkpoint_used(checkpoint)
+                if stored < len(slot.tokens) and not self._cut(slot, stored):
+                    return slot, 0  # attention KV: keep only the shared prefix, if it can
+                return slot, stored
+            return slot, 0
+        if live:
+            if len(live_slot.tokens) > live and not self._cut(live_slot, live):
+                return live_slot, 0
+            return live_slot, live
+        slot = self._victim(free)
+        self._evict(slot)
+        return slot, 0
+
+    def _stored_prefix(
+        self, prompt: tuple[int, ...], limit: int, *, touch: bool = True
+    ) -> tuple[Checkpoint | None, int]:
+        """The stored checkpoint to restore for `prompt`, and how many tokens it gives.
+
+        Hybrid and recurrent states only serve prompts they prefix exactly; an attention
+        state also serves any prompt sharing its beginning (its KV is cut back after).
+        """
+        if self.kind.needs_checkpoints:
+            checkpoint = self.store.longest_match(self.hasher, prompt, limit, touch=touch)
+            return checkpoint, checkpoint.n_tokens if checkpoint is not None else 0
+        return self.store.longest_shared_prefix(prompt, limit, touch=touch)
+
+    def _live_reuse(self, slot: Slot, prompt: tuple[int, ...], limit: int) -> int:
+        """Tokens of `prompt` this idle slot already holds and can keep."""
+        common = common_prefix_length(slot.tokens, prompt, limit)
+        if self.kind.needs_checkpoints and common < len(slot.tokens):
+            return 0  # a recurrent state cannot be cut back
+        return common
+
+    def _cut(self, slot: Slot, n_tokens: int) -> bool:
+        """Keep the first `n_tokens` of an attention slot. Where the memory cannot give
+        them back (a sliding window has dropped some), empty the slot and return False."""
+        if self.context.truncate(slot.seq_id, n_tokens):
+            del slot.tokens[n_tokens:]
+            return True
+        self.context.clear(slot.seq_id)
+        slot.tokens = []
+        return False
+
+    def _victim(self, free: list[Slot]) -> Slot:
+        """The free slot whose contents are least worth keeping: empty first, then LRU."""
+        return min(free, key=lambda s: (bool(s.tokens), s.last_used))
+
+    def _evict(self, slot: Slot) -> None:
+        """Empty a slot; an attention model's KV is saved to the store first."""
+        if slot.tokens and self.config.prefix_cache and not self.kind.needs_checkpoints:
+            self.save_checkpoint(slot)
+        self.context.clear(slot.seq_id)
+        slot.tokens = []
+
+    def _restore(self, slot: Slot, checkpoint: Checkpoint) -> bool:
+        try:
+            self.context.restore_state(slot.seq_id, checkpoint.state)
+        except StateRestoreError:
+            logger.warning("dropping a checkpoint that llama.cpp refused to restore")
+            self.store.remove(checkpoint.prefix_hash)
+            slot.tokens = []
+            return False
+        slot.tokens = checkpoint.tokens.tolist()
+        return True
+
+    def save_checkpoint(self, slot: Slot) -> None:
+        prefix_hash = self.hasher.prefix_hash(slot.tokens)
+        if prefix_hash in self.store:
+            return
+        state = self.context.save_state(slot.seq_id)
+        checkpoint = Checkpoint(prefix_hash=prefix_hash, tokens=slot.tokens, state=state)
+        if self.store.put(checkpoint):
+            self.stats.checkpoints_saved += 1
+            metrics.CHECKPOINTS_TAKEN.inc()
+            self._added(checkpoint)
+
+    def _added(self, checkpoint: Checkpoint) -> None:
+        if self.listener is not None:
+            self.listener.checkpoint_added(checkpoint)
+
+    def _evicted(self, checkpoint: Checkpoint) -> None:
+        metrics.CHECKPOINTS_EVICTED.inc()
+        if self.listener is not None:
+            self.listener.checkpoint_removed(checkpoint)
+
+    def rewind_to_prompt(self, run: Running) -> None:
+        """Bring the slot back to an exact state within its prompt, dropping decode-time state."""
+        slot, n_prompt = run.slot, len(run.prompt)
+        if len(slot.tokens) <= n_prompt:
+            return
+        if not self.kind.needs_checkpoints:
+            self._cut(slot, n_prompt)
+            return
+        checkpoint = self.store.longest_match(self.hasher, run.prompt, n_prompt)
+        if checkpoint is None or not self._restore(slot, checkpoint):
+            self.context.clear(slot.seq_id)
+            slot.tokens = []

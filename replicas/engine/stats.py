@@ -1,0 +1,35 @@
+"""What an engine is doing and has done: its load (for routing) and counters since start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine is doing right now (for routing)."""
+
+    queued: int  # submitted, waiting for a slot
+    running: int  # in a slot (prefill, decode or replay)
+    free_slots: int
+
+
+@dataclass
+class EngineStats:
+    """Counters since start (written by the engine loop, readable from any thread)."""
+
+    requests: int = 0
+    decode_steps: int = 0
+    prefill_steps: int = 0
+    prompt_tokens_computed: int = 0
+    replayed_tokens: int = 0
+    checkpoints_saved: int = 0
+    checkpoints_restored: int = 0
+    checkpoints_imported: int = 0
+    prefill_seconds: float = 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """Measured prefill speed (prompt and replay tokens per second), once known."""
+        tokens = self.prompt_tokens_computed + self.replayed_tokens
+        return tokens / self.prefill_seconds if self.prefill_seconds > 0 and tokens >= 64 else None

@@ -1,0 +1,1 @@
+"""Model tooling: generated test models, the default model, model sources, checks."""

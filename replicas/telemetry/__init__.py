@@ -1,0 +1,1 @@
+"""Telemetry shared by the router and the replicas: traces, metrics, log lines."""
