@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from typing import Protocol
 
 from baton_serve.cache_store.prefix_hash import HASH_BYTES
 
@@ -141,29 +141,3 @@ class CheckpointIndex(Protocol):
     async def close(self) -> None:
         """Release the client's resources (the index's data stays)."""
         ...
-
-
-async def connect_index(spec: str, fingerprint: bytes, **settings: Any) -> CheckpointIndex:
-    """Open the index named by `spec`: "embedded" (a Ray actor) or a redis:// / rediss:// URL.
-
-    `settings` are the backend's keyword arguments (`IndexSettings` fields and its own).
-    """
-    if spec == EMBEDDED_SPEC:
-        from baton_serve.cache_store.embedded_index import EmbeddedIndex
-
-        return await EmbeddedIndex.connect(fingerprint, **settings)
-    if spec.startswith(("redis://", "rediss://")):
-        from baton_serve.cache_store.redis_index import RedisIndex
-
-        return RedisIndex(spec, fingerprint, **settings)
-    raise ValueError(
-        f"unknown index {spec!r}: expected {EMBEDDED_SPEC!r} or a redis:// or rediss:// URL"
-    )
-
-
-async def connect_cluster_index(spec: str, fingerprint: bytes, **settings: Any) -> CheckpointIndex:
-    """`connect_index` for Serve replicas and routers: the embedded actor is detached, so
-    it outlives whichever replica happened to create it."""
-    if spec == EMBEDDED_SPEC:
-        settings = {"detached": True, **settings}
-    return await connect_index(spec, fingerprint, **settings)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from baton_serve.cache_store.index import CheckpointIndex, IndexEntry, connect_index
+from baton_serve.cache_store.index import CheckpointIndex, IndexEntry
+from baton_serve.cache_store.index_connect import connect_index
 from baton_serve.deploy.local_ray import local_ray
 from baton_serve.loadtests.redis_server import RedisServer
 

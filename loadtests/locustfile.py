@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import csv
 import itertools
-import json
 import random
 import time
 from collections import defaultdict
@@ -42,6 +41,7 @@ from gevent.lock import Semaphore
 from locust import HttpUser, between, events, task
 from locust.runners import MasterRunner, WorkerRunner
 
+from baton_serve.loadtests import sse
 from baton_serve.loadtests.synthetic_text import filler_text
 
 CHAT_PATH = "/v1/chat/completions"
@@ -73,10 +73,6 @@ def _add_arguments(parser) -> None:
 # ---- SSE parsing ------------------------------------------------------------------------------
 
 
-class StreamError(Exception):
-    """The stream broke OpenAI's SSE contract or carried an error event."""
-
-
 @dataclass
 class StreamResult:
     text: str = ""
@@ -86,36 +82,15 @@ class StreamResult:
 
 
 def read_stream(lines: Iterable[bytes], start: float) -> StreamResult:
-    """Consume `data:` events up to `[DONE]`, timing content chunks from `start`
-    (a `time.perf_counter()` value). Raises StreamError on anything malformed."""
+    """Consume a chat stream, timing content chunks from `start` (a `time.perf_counter()`
+    value). Raises `StreamError` on anything malformed (`loadtests/sse.py`)."""
     result = StreamResult()
     parts: list[str] = []
     last: float | None = None
-    done = False
-    for raw in lines:
-        line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-        line = line.strip()
-        if not line or line.startswith(":"):
-            continue
-        if done:
-            raise StreamError(f"data after [DONE]: {line[:80]!r}")
-        if not line.startswith("data:"):
-            raise StreamError(f"not an SSE data line: {line[:80]!r}")
-        data = line[5:].strip()
-        if data == "[DONE]":
-            done = True
-            continue
-        try:
-            chunk = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise StreamError(f"malformed event: {data[:80]!r}") from exc
-        if not isinstance(chunk, dict):
-            raise StreamError(f"event is not an object: {data[:80]!r}")
-        if "error" in chunk:
-            raise StreamError(f"error event: {chunk['error']}")
-        if chunk.get("usage"):
-            result.usage = chunk["usage"]
-        for choice in chunk.get("choices") or ():
+    for event in sse.events(lines):
+        if event.get("usage"):
+            result.usage = event["usage"]
+        for choice in event.get("choices") or ():
             content = (choice.get("delta") or {}).get("content")
             if content:
                 now = time.perf_counter()
@@ -125,8 +100,6 @@ def read_stream(lines: Iterable[bytes], start: float) -> StreamResult:
                     result.gaps_s.append(now - last)
                 last = now
                 parts.append(content)
-    if not done:
-        raise StreamError("stream ended without data: [DONE]")
     result.text = "".join(parts)
     return result
 

@@ -14,7 +14,6 @@ Two figures:
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import secrets
@@ -33,7 +32,7 @@ from ray.serve._private.common import (
 )
 from ray.serve.request_router import PendingRequest
 
-from baton_serve.cache_store.index import connect_index
+from baton_serve.cache_store.index_connect import connect_index
 from baton_serve.deploy.app import REPLICA_DEPLOYMENT
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.local_ray import local_ray
@@ -44,6 +43,7 @@ from baton_serve.loadtests.index_bench import (
     redis_url_or_private_server,
 )
 from baton_serve.loadtests.serve_app import serve_app, wait_idle
+from baton_serve.loadtests.sse import events
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.prompt import Prompt
@@ -259,15 +259,7 @@ def _stream_completion(client: httpx.Client, url: str, body: dict) -> tuple[dict
         if response.status_code != 200:
             response.read()
             raise RuntimeError(f"completion failed: HTTP {response.status_code}: {response.text}")
-        for line in response.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: ") :]
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"completion failed mid-stream: {chunk['error']}")
+        for chunk in events(response.iter_lines()):
             if chunk.get("choices") and chunk["choices"][0].get("text"):
                 stamps.append(time.perf_counter())
             if chunk.get("usage"):

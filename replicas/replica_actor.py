@@ -12,7 +12,7 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError
 
-from baton_serve.cache_store.index import connect_index
+from baton_serve.cache_store.index_connect import connect_index
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.protocol import Completion, GenerationRequest, ReplicaRequest

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from baton_serve.cache_store.index import IndexUnavailable, connect_cluster_index
+from baton_serve.cache_store.index import IndexUnavailable
+from baton_serve.cache_store.index_connect import connect_cluster_index
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.protocol import (

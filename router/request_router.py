@@ -22,7 +22,8 @@ import time
 from opentelemetry.context import Context
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from baton_serve.cache_store.index import CheckpointIndex, IndexUnavailable, connect_cluster_index
+from baton_serve.cache_store.index import CheckpointIndex, IndexUnavailable
+from baton_serve.cache_store.index_connect import connect_cluster_index
 from baton_serve.replicas.engine.protocol import TARGET_REPLICA_KWARG, ReplicaRequest
 from baton_serve.replicas.telemetry import tracing
 from baton_serve.replicas.telemetry.logs import request_fields

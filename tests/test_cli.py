@@ -124,3 +124,18 @@ def test_serve_refuses_a_model_llama_cpp_cannot_load_in_one_line(tmp_path: Path)
     assert "Traceback" not in done.stderr
     assert done.stderr.startswith("baton: error: llama.cpp cannot serve"), done.stderr
     assert "broken.gguf" in done.stderr and "could not load" in done.stderr
+
+
+def test_a_benchmark_without_its_extra_says_what_to_install(tmp_path: Path) -> None:
+    """httpx made unimportable (as where the bench extra is not installed)."""
+    code = (
+        "import sys; sys.modules['httpx'] = None\n"
+        "from baton_serve.deploy.cli import main\n"
+        "raise SystemExit(main(['bench', 'serve', '--model', 'tiny:llama']))\n"
+    )
+    env = {**os.environ, "BATON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "pip install 'baton-serve[bench]'" in done.stderr and "httpx" in done.stderr

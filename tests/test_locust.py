@@ -27,7 +27,8 @@ LOCUSTFILE = ROOT / "loadtests" / "locustfile.py"
 
 PARSER_CHECK = r"""
 import time
-from baton_serve.loadtests.locustfile import StreamError, read_stream
+from baton_serve.loadtests.locustfile import read_stream
+from baton_serve.loadtests.sse import StreamError
 
 def lines(*events):
     return [f"data: {e}".encode() for e in events]

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from baton_serve.cache_store.index import connect_index
+from baton_serve.cache_store.index_connect import connect_index
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.prompt import Prompt
@@ -165,7 +165,7 @@ class _LocalPeer:
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int
     ) -> np.ndarray | None:
-        blob = self.peer.cache.export_best(tokens, min_tokens)
+        blob = self.peer.export_best(tokens, min_tokens)
         if blob is not None and self.flip_bit is not None:
             blob = blob.copy()
             blob[self.flip_bit // 8] ^= 1 << (self.flip_bit % 8)

@@ -7,14 +7,9 @@ import csv
 import json
 
 from baton_serve.deploy.config import RouterPolicy
-from baton_serve.loadtests.routing_bench import (
-    CHAT,
-    MOVED,
-    RoutingWorkload,
-    format_report,
-    routing_benchmark,
-    write_outputs,
-)
+from baton_serve.loadtests.routing_bench import routing_benchmark
+from baton_serve.loadtests.routing_report import format_report, write_outputs
+from baton_serve.loadtests.routing_workload import CHAT, MOVED, RoutingWorkload
 
 WORKLOAD = RoutingWorkload(
     sessions=3,

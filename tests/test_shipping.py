@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import ray
 
-from baton_serve.cache_store.index import connect_index
+from baton_serve.cache_store.index_connect import connect_index
 from baton_serve.cache_store.state_blob import encode_blob
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
@@ -155,7 +155,7 @@ class _TamperingPeers:
 
     async def fetch(self, replica_id, tokens, min_tokens):
         await asyncio.sleep(self.delay_s)
-        blob = self.peer.cache.export_best(tokens, min_tokens)
+        blob = self.peer.export_best(tokens, min_tokens)
         if blob is None:
             return None
         if self.flip_bit is not None:

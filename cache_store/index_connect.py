@@ -1,0 +1,35 @@
+"""Open a checkpoint index by name: "embedded" (a Ray actor) or a Redis URL.
+
+Apart from `index` (the contract both backends implement) so that the backends import the
+contract and this module imports the backends — no cycle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from baton_serve.cache_store.embedded_index import EmbeddedIndex
+from baton_serve.cache_store.index import EMBEDDED_SPEC, CheckpointIndex
+from baton_serve.cache_store.redis_index import RedisIndex
+
+
+async def connect_index(spec: str, fingerprint: bytes, **settings: Any) -> CheckpointIndex:
+    """Open the index named by `spec`: "embedded" (a Ray actor) or a redis:// / rediss:// URL.
+
+    `settings` are the backend's keyword arguments (`IndexSettings` fields and its own).
+    """
+    if spec == EMBEDDED_SPEC:
+        return await EmbeddedIndex.connect(fingerprint, **settings)
+    if spec.startswith(("redis://", "rediss://")):
+        return RedisIndex(spec, fingerprint, **settings)
+    raise ValueError(
+        f"unknown index {spec!r}: expected {EMBEDDED_SPEC!r} or a redis:// or rediss:// URL"
+    )
+
+
+async def connect_cluster_index(spec: str, fingerprint: bytes, **settings: Any) -> CheckpointIndex:
+    """`connect_index` for Serve replicas and routers: the embedded actor is detached, so
+    it outlives whichever replica happened to create it."""
+    if spec == EMBEDDED_SPEC:
+        settings = {"detached": True, **settings}
+    return await connect_index(spec, fingerprint, **settings)

@@ -1,0 +1,221 @@
+"""`baton bench …`: the benchmark commands, registered into the `baton` command line.
+
+`baton_serve.deploy.cli` finds this through the `baton_serve.commands` entry point, so the
+command line never imports the benchmarks that import it. Benchmarks need the `bench`
+extra (locust, matplotlib, httpx); without it, each says how to install it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from baton_serve.deploy.config import RouterPolicy
+from baton_serve.replicas.models.model_source import resolve_model
+
+BENCH_EXTRA_HINT = "pip install 'baton-serve[bench]'"
+
+
+class MissingExtra(ValueError):
+    """A benchmark needs a package of the `bench` extra that is not installed."""
+
+
+def add_bench_commands(commands: argparse._SubParsersAction) -> None:
+    """Add `bench` and its benchmarks to the `baton` subcommands."""
+    bench = commands.add_parser("bench", help="benchmarks that print figures")
+    benches = bench.add_subparsers(required=True, metavar="BENCHMARK")
+    engine = benches.add_parser("engine", help="multi-turn chat on one engine, cache on vs off")
+    engine.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
+    engine.add_argument("--turns", type=int, default=10)
+    engine.add_argument("--system-tokens", type=int, default=2000)
+    engine.add_argument("--turn-tokens", type=int, default=100)
+    engine.add_argument("--reply-tokens", type=int, default=32)
+    engine.add_argument(
+        "--concurrency", type=int, default=0, help="also measure K concurrent streams"
+    )
+    engine.add_argument(
+        "--cpu-repack",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="weight repacking for the CPU kernels (auto: where this machine's test passed)",
+    )
+    engine.add_argument("--json", action="store_true", help="print one JSON object")
+    engine.set_defaults(run=_bench_engine)
+
+    index = benches.add_parser("index", help="index lookup latency, Redis and embedded backends")
+    index.add_argument("--redis", help="redis:// URL (default: a private redis-server)")
+    index.add_argument("--checkpoints", type=int, default=100_000)
+    index.add_argument("--replicas", type=int, default=8)
+    index.add_argument("--lookups", type=int, default=2_000)
+    index.add_argument("--json", action="store_true", help="print one JSON object")
+    index.set_defaults(run=_bench_index)
+
+    ship = benches.add_parser("ship", help="pull a prefix state from a peer vs recompute it")
+    ship.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
+    ship.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 4096])
+    ship.add_argument("--json", action="store_true", help="print one JSON object")
+    ship.set_defaults(run=_bench_ship)
+
+    served = benches.add_parser(
+        "serve", help="routing overhead, and decode tokens/s over HTTP vs the engine"
+    )
+    served.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
+    served.add_argument("--redis", help="redis:// URL (default: a private redis-server)")
+    served.add_argument("--json", action="store_true", help="print one JSON object")
+    served.set_defaults(run=_bench_serve)
+
+    routing = benches.add_parser(
+        "routing", help="one seeded multi-turn workload against each routing policy"
+    )
+    routing.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
+    routing.add_argument("--replicas", type=int, default=2)
+    routing.add_argument(
+        "--policies",
+        nargs="+",
+        type=RouterPolicy,
+        choices=list(RouterPolicy),
+        metavar="POLICY",
+        help="routers to compare (default: all: baton pow2 prefix-affinity round-robin)",
+    )
+    routing.add_argument(
+        "--index", help='a redis:// URL or "embedded" (default: a private redis-server)'
+    )
+    routing.add_argument(
+        "--think-s", type=float, help="mean pause before each later turn (default 2.0)"
+    )
+    for name, what in _ROUTING_WORKLOAD_FLAGS.items():
+        routing.add_argument(f"--{name}", type=int, help=what)
+    routing.add_argument("--out", default="bench-out/routing", help="CSV, JSON and PNG go here")
+    routing.add_argument("--json", action="store_true", help="print one JSON object")
+    routing.set_defaults(run=_bench_routing)
+
+    soak = benches.add_parser(
+        "soak", help="a mixed locust workload for N minutes: failures, TTFT and RSS over time"
+    )
+    soak.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
+    soak.add_argument("--minutes", type=float, default=10.0)
+    soak.add_argument("--users", type=int, default=6, help="locust users, spread over 3 classes")
+    soak.add_argument("--replicas", type=int, default=2)
+    soak.add_argument("--system-tokens", type=int, default=500)
+    soak.add_argument("--max-tokens", type=int, default=32)
+    soak.add_argument("--out", default="bench-out/soak", help="locust's CSV and HTML go here")
+    soak.add_argument("--json", action="store_true", help="print one JSON object")
+    soak.set_defaults(run=_bench_soak)
+
+
+def _needs_extra(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Turn a missing optional package into one line naming the extra to install."""
+
+    @functools.wraps(run)
+    def checked(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.split(".")[0] == "baton_serve":
+                raise
+            raise MissingExtra(
+                f"this benchmark needs {exc.name!r}, from the bench extra: {BENCH_EXTRA_HINT}"
+            ) from exc
+
+    return checked
+
+
+_ROUTING_WORKLOAD_FLAGS = {  # flag → what it sets (defaults: `RoutingWorkload`)
+    "sessions": "conversations in the chat scenario (default 8)",
+    "turns": "turns per conversation (default 5)",
+    "concurrency": "conversations at a time (default 4)",
+    "system-tokens": "shared system prompt (default 1000)",
+    "document-tokens": "each conversation's own document in its first message (default 800)",
+    "turn-tokens": "each later user message (default 60)",
+    "reply-tokens": "each reply (default 24)",
+    "moved-sessions": "conversations in the moved scenario (default 2)",
+    "seed": "seed of every text (default 0)",
+}
+
+
+@_needs_extra
+def _bench_engine(args: argparse.Namespace) -> int:
+    from baton_serve.loadtests.engine_bench import engine_benchmark, format_report
+
+    result = engine_benchmark(
+        resolve_model(args.model),
+        turns=args.turns,
+        system_tokens=args.system_tokens,
+        turn_tokens=args.turn_tokens,
+        reply_tokens=args.reply_tokens,
+        concurrency=args.concurrency,
+        cpu_repack={"auto": None, "on": True, "off": False}[args.cpu_repack],
+    )
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    return 0
+
+
+@_needs_extra
+def _bench_index(args: argparse.Namespace) -> int:
+    from baton_serve.loadtests.index_bench import format_report, index_benchmark
+
+    result = index_benchmark(
+        args.redis, checkpoints=args.checkpoints, replicas=args.replicas, lookups=args.lookups
+    )
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    return 0
+
+
+@_needs_extra
+def _bench_ship(args: argparse.Namespace) -> int:
+    from baton_serve.loadtests.ship_bench import format_report, ship_benchmark
+
+    result = ship_benchmark(resolve_model(args.model), args.tokens)
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    return 0
+
+
+@_needs_extra
+def _bench_serve(args: argparse.Namespace) -> int:
+    from baton_serve.loadtests.serve_bench import format_report, serve_benchmark
+
+    result = serve_benchmark(resolve_model(args.model), args.redis)
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    return 0
+
+
+@_needs_extra
+def _bench_routing(args: argparse.Namespace) -> int:
+    from baton_serve.loadtests.routing_bench import POLICIES, routing_benchmark
+    from baton_serve.loadtests.routing_report import format_report, write_outputs
+    from baton_serve.loadtests.routing_workload import RoutingWorkload
+
+    fields = [name.replace("-", "_") for name in _ROUTING_WORKLOAD_FLAGS] + ["think_s"]
+    given = {field: getattr(args, field) for field in fields if getattr(args, field) is not None}
+    result, records = routing_benchmark(
+        resolve_model(args.model),
+        workload=RoutingWorkload(**given),
+        policies=args.policies or POLICIES,
+        replicas=args.replicas,
+        index=args.index,
+    )
+    written = write_outputs(result, records, Path(args.out))
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    if not args.json:
+        print("wrote " + ", ".join(str(path) for path in written))
+    return 0
+
+
+@_needs_extra
+def _bench_soak(args: argparse.Namespace) -> int:
+    from baton_serve.loadtests.soak_bench import format_report, soak_benchmark
+
+    result = soak_benchmark(
+        resolve_model(args.model),
+        minutes=args.minutes,
+        out_dir=Path(args.out),
+        users=args.users,
+        replicas=args.replicas,
+        system_tokens=args.system_tokens,
+        max_tokens=args.max_tokens,
+    )
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    return 0
