@@ -23,8 +23,8 @@ from baton_serve.cache_store.index import (
     IndexEntry,
     IndexMatch,
     IndexUnavailable,
-    connect_index,
 )
+from baton_serve.cache_store.index_connect import connect_index
 from baton_serve.cache_store.redis_index import RedisIndex, key_prefix
 from baton_serve.loadtests.redis_server import RedisServer
 
