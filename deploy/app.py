@@ -54,9 +54,10 @@ def logical_cpus(config: BatonConfig) -> float:
     return config.replicas * config.num_cpus_per_replica + config.gateway_replicas * GATEWAY_CPUS
 
 
-def build_app(config: BatonConfig) -> Application:
+def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Application:
     """The application for `config`. Without an HMAC key, one is generated here: every
-    replica of this application receives the same one."""
+    replica of this application receives the same one. With `startup_dir`, replicas on
+    this machine report their start-up stages there (`deploy/startup.py` shows them)."""
     config = config.with_hmac_key()
     model_path = resolve_model(config.model)
     engine = config.engine
@@ -87,6 +88,7 @@ def build_app(config: BatonConfig) -> Application:
             index=config.index,
             ship=config.router is RouterPolicy.BATON,
             heartbeat_s=config.heartbeat_s,
+            startup_dir=startup_dir,
         )
     )
     gateway = serve.deployment(
@@ -104,6 +106,7 @@ def build_app(config: BatonConfig) -> Application:
         chat_template=config.engine.chat_template,
         api_keys=tuple(k.get_secret_value() for k in config.api_keys),
         max_body_bytes=config.max_body_bytes,
+        stream_ping_s=config.stream_ping_s,
     )
     return gateway.bind(settings, replica)
 

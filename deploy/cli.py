@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from importlib.metadata import entry_points
+from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
 
 from baton_serve.deploy.config import RouterPolicy, load_config
@@ -18,6 +18,15 @@ from baton_serve.replicas.models.model_source import resolve_model
 from baton_serve.replicas.telemetry.logs import FORMATS, configure_logging
 
 COMMANDS_ENTRY_POINTS = "baton_serve.commands"
+DISTRIBUTION = "baton-serve"
+# Failures a user fixes (a setting, a file, a missing package): their message says how.
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    DefaultModelMissing,
+    ModelCheckFailed,
+    BackendUnavailable,
+)
 
 
 def _plugin_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
@@ -35,21 +44,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return args.run(args)
-    except (
-        ValueError,
-        FileNotFoundError,
-        DefaultModelMissing,
-        ModelCheckFailed,
-        BackendUnavailable,
-    ) as exc:
-        print(f"baton: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"baton: error: {_one_line(exc)}", file=sys.stderr)
+        return 2 if isinstance(exc, USER_ERRORS) else 1
+
+
+def _one_line(exc: Exception) -> str:
+    """The cause in one line: a user error's own message; anything else with its type and
+    the way to see the traceback."""
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, USER_ERRORS):
+        return message
+    return f"{type(exc).__name__}: {message} (run with --debug for the traceback)"
+
+
+def _version() -> str:
+    try:
+        return version(DISTRIBUTION)
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"baton {_version()}")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an unexpected failure"
+    )
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
     make = commands.add_parser("make-model", help="write a tiny random-weight GGUF test model")
@@ -71,9 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     variant.add_argument("--ctx-train", type=int, default=8192, help="training context length")
     variant.add_argument(
         "--vocab",
-        choices=("smollm2", "test"),
+        choices=("smollm2", "test", "none"),
         default="smollm2",
-        help="SmolLM2's tokenizer, or llama.cpp's token-id-only test vocabulary",
+        help="SmolLM2's tokenizer, llama.cpp's test vocabulary, or none (token ids only)",
     )
     variant.add_argument("--moe", action="store_true", help="mixture-of-experts FFN (llama)")
     variant.add_argument(
@@ -140,6 +165,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from baton_serve.deploy.server import serve_until_interrupted
+    from baton_serve.deploy.startup import AppStartFailed
 
     overrides = {
         key: getattr(args, key)
@@ -166,7 +192,11 @@ def _serve(args: argparse.Namespace) -> int:
     if args.log_format:  # the Ray workers started from here inherit the environment
         os.environ["BATON_LOG_FORMAT"] = args.log_format
     configure_logging()
-    serve_until_interrupted(config, address=args.address)
+    try:
+        serve_until_interrupted(config, address=args.address)
+    except AppStartFailed as exc:
+        print(f"baton: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -85,6 +85,12 @@ class BatonConfig(BaseModel):
         description="requests a gateway holds while every replica is full; more get 503",
     )
     heartbeat_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
+    stream_ping_s: float = Field(
+        default=15.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="an SSE comment after this many seconds without an event (0: none)",
+    )
 
     @field_validator("model")
     @classmethod

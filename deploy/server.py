@@ -5,13 +5,17 @@ from __future__ import annotations
 import math
 import os
 import signal
+import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from ray import serve
 
 from baton_serve.deploy.app import APP_NAME, build_app, logical_cpus
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.local_ray import local_ray, metrics_export_port
+from baton_serve.deploy.startup import deploy_with_progress
 from baton_serve.replicas.models.model_check import check_model
 from baton_serve.replicas.models.model_source import resolve_model
 
@@ -35,7 +39,10 @@ def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) 
     # Ray's CPUs are logical: a local cluster must declare at least what the app asks for,
     # or Serve waits forever to place the last replica.
     num_cpus = None if address else max(os.cpu_count() or 1, math.ceil(logical_cpus(config)))
-    with local_ray(num_cpus, address=address, metrics_port=config.metrics_port):
+    with (
+        _startup_dir(local=not address) as stages_dir,
+        local_ray(num_cpus, address=address, metrics_port=config.metrics_port),
+    ):
         # After ray.init, which installs handlers of its own: both signals mean "stop".
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, _raise_interrupt)
@@ -45,7 +52,8 @@ def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) 
                 f"starting {config.replicas} replica(s) of {config.served_model_name} ...",
                 flush=True,
             )
-            serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+            app = build_app(config, startup_dir=stages_dir)
+            deploy_with_progress(app, name=APP_NAME, stages_dir=stages_dir)
             print(_banner(config, None if address else metrics_export_port()), flush=True)
             threading.Event().wait()
         except KeyboardInterrupt:
@@ -54,6 +62,17 @@ def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) 
             serve.delete(APP_NAME)
             if not address:  # a joined cluster keeps its Serve instance
                 serve.shutdown()
+
+
+@contextmanager
+def _startup_dir(*, local: bool) -> Iterator[str | None]:
+    """Where the replicas of a local cluster report their start-up stages; none for a
+    joined cluster (its replicas may run on other machines)."""
+    if not local:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="baton-startup-") as folder:
+        yield folder
 
 
 def _raise_interrupt(*_: object) -> None:

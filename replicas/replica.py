@@ -26,7 +26,13 @@ from baton_serve.cache_store.index import CheckpointIndex, IndexEntry, IndexUnav
 from baton_serve.cache_store.state_blob import BlobError
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 from baton_serve.replicas.engine.engine import Engine
-from baton_serve.replicas.engine.protocol import Completion, EngineError, ReplicaRequest, TokenEvent
+from baton_serve.replicas.engine.protocol import (
+    Admitted,
+    Completion,
+    EngineError,
+    ReplicaRequest,
+    TokenEvent,
+)
 from baton_serve.replicas.request_telemetry import RequestTelemetry
 from baton_serve.replicas.shipping import PeerDirectory, ShipPolicy
 from baton_serve.replicas.telemetry import metrics, tracing
@@ -123,10 +129,13 @@ class Replica:
 
     async def stream(
         self, request: ReplicaRequest
-    ) -> AsyncGenerator[TokenEvent | Completion, None]:
-        """Stream the tokens of one request, then its `Completion`. Closing the stream
-        early (a client that went away) cancels the generation and frees its slot."""
+    ) -> AsyncGenerator[Admitted | TokenEvent | Completion, None]:
+        """`Admitted` once the request passed the engine's checks, then its tokens, then its
+        `Completion`. Closing the stream early (a client that went away) cancels the
+        generation and frees its slot."""
         with RequestTelemetry(request, self.replica_id) as telemetry:
+            self.engine.check(request.generation)
+            yield Admitted(replica_id=self.replica_id)
             await self.prepare(request.generation.prompt.tokens, telemetry)
             telemetry.submitting()
             handle = self.engine.submit(request.generation)

@@ -21,12 +21,14 @@ from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.protocol import (
     TARGET_REPLICA_KWARG,
+    Admitted,
     Completion,
     ReplicaRequest,
     TokenEvent,
 )
 from baton_serve.replicas.replica import Replica
 from baton_serve.replicas.telemetry.setup import configure_process
+from baton_serve.replicas.telemetry.startup import report_stage
 
 
 class ReplicaSettings(BaseModel):
@@ -40,6 +42,7 @@ class ReplicaSettings(BaseModel):
     index: str | None = "embedded"
     ship: bool = True  # pull from peers (needs Baton's router to reach a given replica)
     heartbeat_s: float = 5.0
+    startup_dir: str | None = None  # where to report start-up stages (a local cluster)
 
 
 class ServePeers:
@@ -61,6 +64,7 @@ class ReplicaDeployment:
         configure_process("replica")
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
+        report_stage(settings.startup_dir, self.replica_id, "loading the model")
         engine = await asyncio.to_thread(
             Engine,
             settings.model_path,
@@ -69,6 +73,7 @@ class ReplicaDeployment:
         )
         index = None
         if settings.index:
+            report_stage(settings.startup_dir, self.replica_id, "connecting to the index")
             with contextlib.suppress(IndexUnavailable):
                 index = await connect_cluster_index(settings.index, engine.fingerprint)
         peers = None
@@ -78,13 +83,14 @@ class ReplicaDeployment:
             self.replica_id, engine, index=index, peers=peers, heartbeat_s=settings.heartbeat_s
         )
         await self.replica.start()
+        report_stage(settings.startup_dir, self.replica_id, "ready")
 
     async def generate(self, request: ReplicaRequest) -> Completion:
         return await self.replica.generate(request)
 
     async def stream(
         self, request: ReplicaRequest
-    ) -> AsyncGenerator[TokenEvent | Completion, None]:
+    ) -> AsyncGenerator[Admitted | TokenEvent | Completion, None]:
         async for item in self.replica.stream(request):
             yield item
 

@@ -9,36 +9,38 @@ as OpenAI JSON or as server-sent events.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
-from starlette.types import Receive, Scope, Send
 
 from baton_serve.replicas.engine.prompt import ChatMessage, Prompt
 from baton_serve.replicas.engine.protocol import (
     Completion,
     GenerationRequest,
     ReplicaRequest,
-    TokenEvent,
 )
 from baton_serve.replicas.engine.sampling import SamplingParams
 from baton_serve.replicas.telemetry import tracing
 from baton_serve.replicas.telemetry.logs import bound_request
 from baton_serve.router import openai_types as api
 from baton_serve.router.errors import (
-    from_exception,
     install_error_handlers,
     invalid_request,
     model_not_found,
+)
+from baton_serve.router.event_stream import (
+    ReplicaStream,
+    event_stream,
+    finish_reason,
+    usage_of,
 )
 from baton_serve.router.http_telemetry import HTTPTelemetry
 from baton_serve.router.middleware import APIKeyAuth, BodySizeLimit
@@ -46,7 +48,6 @@ from baton_serve.router.prompt_builder import PromptBuilder
 
 REPLICA_HEADER = "X-Baton-Replica"  # on non-streamed replies: the replica(s) that served them
 
-ReplicaStream = AsyncGenerator[TokenEvent | Completion, None]
 GenerationBody = api.ChatCompletionRequest | api.CompletionRequest
 
 
@@ -67,6 +68,7 @@ class GatewaySettings:
     n_ctx: int  # 0: the model's training context
     block_tokens: int = 64
     chat_template: str | None = None  # instead of the model's own
+    stream_ping_s: float = 15.0  # an SSE comment after this long without an event (0: none)
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     max_body_bytes: int = 4 << 20
     max_tokens_cap: int | None = None
@@ -140,12 +142,17 @@ class _Gateway:
         reply = _Reply(f"chatcmpl-{request_id}", int(time.time()), self._settings.model_name)
         if body.stream:
             chunks = _ChatChunks(reply)
-            return await _event_stream(self._replicas.stream(call), chunks, body.include_usage)
+            return await event_stream(
+                self._replicas.stream(call),
+                chunks,
+                body.include_usage,
+                self._settings.stream_ping_s,
+            )
         done = await self._replicas.generate(call)
         message = api.AssistantMessage(content=done.text)
-        choice = api.ChatChoice(index=0, message=message, finish_reason=_finish_reason(done))
+        choice = api.ChatChoice(index=0, message=message, finish_reason=finish_reason(done))
         return _json(
-            api.ChatCompletion(**asdict(reply), choices=[choice], usage=_usage([done])), [done]
+            api.ChatCompletion(**asdict(reply), choices=[choice], usage=usage_of([done])), [done]
         )
 
     async def complete(self, body: api.CompletionRequest) -> Response:
@@ -165,13 +172,20 @@ class _Gateway:
         reply = _Reply(f"cmpl-{request_id}", int(time.time()), self._settings.model_name)
         if body.stream:
             chunks = _TextChunks(reply)
-            return await _event_stream(self._replicas.stream(calls[0]), chunks, body.include_usage)
+            return await event_stream(
+                self._replicas.stream(calls[0]),
+                chunks,
+                body.include_usage,
+                self._settings.stream_ping_s,
+            )
         done = await asyncio.gather(*(self._replicas.generate(call) for call in calls))
         choices = [
-            api.CompletionChoice(index=i, text=d.text, finish_reason=_finish_reason(d))
+            api.CompletionChoice(index=i, text=d.text, finish_reason=finish_reason(d))
             for i, d in enumerate(done)
         ]
-        return _json(api.TextCompletion(**asdict(reply), choices=choices, usage=_usage(done)), done)
+        return _json(
+            api.TextCompletion(**asdict(reply), choices=choices, usage=usage_of(done)), done
+        )
 
     async def models(self) -> Response:
         card = api.ModelCard(id=self._settings.model_name, created=self._started)
@@ -249,16 +263,6 @@ class _Reply:
     model: str
 
 
-class _ChunkFormat(Protocol):
-    def opening(self) -> list[BaseModel]: ...
-
-    def text(self, text: str) -> BaseModel: ...
-
-    def finish(self, reason: api.FinishReason) -> BaseModel: ...
-
-    def usage(self, usage: api.Usage) -> BaseModel: ...
-
-
 class _ChatChunks:
     def __init__(self, reply: _Reply) -> None:
         self._reply = reply
@@ -304,74 +308,3 @@ def _json(body: BaseModel, done: Sequence[Completion] = ()) -> Response:
     served_by = ",".join(dict.fromkeys(d.replica_id for d in done if d.replica_id))
     headers = {REPLICA_HEADER: served_by} if served_by else None
     return Response(body.model_dump_json(), media_type="application/json", headers=headers)
-
-
-def _finish_reason(done: Completion) -> api.FinishReason:
-    return "length" if done.finish_reason == "length" else "stop"
-
-
-def _usage(done: Sequence[Completion]) -> api.Usage:
-    prompt = sum(d.usage.prompt_tokens for d in done)
-    completion = sum(d.usage.completion_tokens for d in done)
-    cached = sum(d.usage.cached_tokens for d in done)
-    return api.Usage(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=prompt + completion,
-        prompt_tokens_details=api.PromptTokensDetails(cached_tokens=cached),
-    )
-
-
-# ---- server-sent events --------------------------------------------------------------------
-
-_DONE = "data: [DONE]\n\n"
-
-
-def _sse(data: str) -> str:
-    return f"data: {data}\n\n"
-
-
-async def _event_stream(
-    items: ReplicaStream, chunks: _ChunkFormat, include_usage: bool
-) -> _EventStream:
-    """Start the request; a failure before its first token is answered with an HTTP status."""
-    first = await anext(items)
-    return _EventStream(_events(items, first, chunks, include_usage))
-
-
-async def _events(
-    items: ReplicaStream, item: TokenEvent | Completion, chunks: _ChunkFormat, include_usage: bool
-) -> AsyncGenerator[str, None]:
-    """OpenAI's chunks, then `[DONE]`; a failure mid-stream is sent as an error event."""
-    try:
-        for chunk in chunks.opening():
-            yield _sse(chunk.model_dump_json())
-        while isinstance(item, TokenEvent):
-            if item.text:
-                yield _sse(chunks.text(item.text).model_dump_json())
-            item = await anext(items)
-        yield _sse(chunks.finish(_finish_reason(item)).model_dump_json())
-        if include_usage:
-            yield _sse(chunks.usage(_usage([item])).model_dump_json())
-    except Exception as exc:
-        yield _sse(json.dumps(from_exception(exc).body()))
-    finally:
-        await items.aclose()
-    yield _DONE
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events whose source is closed however the response ends: a client that
-    goes away mid-stream cancels its generation."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncGenerator[str, None]) -> None:
-        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._events = events
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._events.aclose()

