@@ -27,7 +27,7 @@ from urllib.parse import urljoin, urlsplit
 
 CHUNK_BYTES = 1 << 20
 TIMEOUT_S = 60.0
-ATTEMPTS = 3  # per fetch: a dropped connection is resumed this many times less one
+ATTEMPTS = 3  # requests per fetch: a dropped connection is resumed up to twice
 RETRY_DELAY_S = 2.0  # times the attempt number
 MAX_REDIRECTS = 10
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
