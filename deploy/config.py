@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from baton_serve.cache_store.index import EMBEDDED_SPEC
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.models.default_model import DEFAULT_MODEL_FILE
+from baton_serve.replicas.models.hf_hub import HF_PREFIX, parse_hf_ref
 from baton_serve.replicas.models.model_source import TINY_PREFIX
 from baton_serve.replicas.models.tiny_model import ARCHITECTURES
 
@@ -48,7 +49,9 @@ class BatonConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
     model: str | None = Field(
-        default=None, description='GGUF path, "tiny:ARCH", or None for SmolLM2-135M-Instruct'
+        default=None,
+        description='GGUF path, "tiny:ARCH", "hf://ORG/REPO/PATH[@REVISION]" (downloaded into '
+        "$BATON_CACHE_DIR/models), or None for SmolLM2-135M-Instruct",
     )
     model_name: str | None = Field(
         default=None, description="name served in the OpenAI API (default: the model file's stem)"
@@ -102,6 +105,9 @@ class BatonConfig(BaseModel):
             if arch not in ARCHITECTURES:
                 choices = ", ".join(ARCHITECTURES)
                 raise ValueError(f"unknown tiny model {arch!r}; choose from {choices}")
+            return value
+        if value.startswith(HF_PREFIX):
+            parse_hf_ref(value)  # downloaded by resolve_model, where the model is loaded
             return value
         if not value:
             raise ValueError("must not be empty (leave it unset for the default model)")

@@ -1,4 +1,4 @@
-"""Turn a model argument into a GGUF file: a path, `tiny:ARCH`, or the default model."""
+"""Turn a model argument into a GGUF file: a path, `tiny:ARCH`, `hf://...`, or the default model."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from baton_serve.replicas.models.default_model import default_model_path
+from baton_serve.replicas.models.hf_hub import HF_PREFIX, hub_download, parse_hf_ref
 from baton_serve.replicas.models.tiny_model import ARCHITECTURES, write_tiny_model
 
 TINY_PREFIX = "tiny:"
@@ -16,9 +17,12 @@ def model_cache_dir() -> Path:
 
 
 def resolve_model(spec: str | None) -> Path:
-    """None → SmolLM2 (default); ``tiny:ARCH`` → a generated tiny model; else a file path."""
+    """None → SmolLM2 (default); ``tiny:ARCH`` → a generated tiny model; ``hf://ORG/REPO/PATH``
+    → the file downloaded from the Hugging Face hub into the cache; else a file path."""
     if not spec:
         return default_model_path()
+    if spec.startswith(HF_PREFIX):
+        return hub_download(parse_hf_ref(spec), model_cache_dir())
     if spec.startswith(TINY_PREFIX):
         arch = spec[len(TINY_PREFIX) :]
         if arch not in ARCHITECTURES:
