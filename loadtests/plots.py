@@ -71,6 +71,8 @@ def engine_plots(result: dict, out_dir: Path) -> list[Path]:
 
 def ship_plots(result: dict, out_dir: Path) -> list[Path]:
     """By prefix size (tokens and state MB): pulling the state from a peer vs recomputing it."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "ship_vs_recompute.png"
     rows = result["rows"]
@@ -78,14 +80,19 @@ def ship_plots(result: dict, out_dir: Path) -> list[Path]:
     with figure(path, f"Ship a prefix state vs recompute it: {Path(result['model']).name}") as (
         ax,
     ):
-        ax.bar(x - 0.2, [r["ship_s"] for r in rows], 0.4, label="ship (pull from a peer)")
-        ax.bar(x + 0.2, [r["recompute_s"] for r in rows], 0.4, label="recompute (cache off)")
+        ship = [r["ship_s"] for r in rows]
+        ax.plot(x, [r["recompute_s"] for r in rows], "s-", label="recompute (cache off)")
+        ax.plot(x, ship, "o-", label="ship (pull from a peer)")
         for i, r in enumerate(rows):
-            ax.annotate(f"x{r['ratio']:.3f}", (i - 0.2, r["ship_s"]), ha="center", va="bottom")
+            ax.annotate(f"ratio {r['ratio']:.3f}", (i, ship[i]), (8, -4), "data", "offset points")
         ax.set_yscale("log")
-        ax.set_xticks(
-            x, [f"{r['prefix_tokens']} tok\n{r['state_bytes'] / 1e6:.1f} MB" for r in rows]
-        )
+        ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        labels = [f"{r['prefix_tokens']} tok\n{r['state_bytes'] / 1e6:.3g} MB" for r in rows]
+        ax.set_xticks(x, labels)
+        ax.set_xlim(-0.5, len(rows) - 0.5)
+        ax.margins(y=0.15)
         ax.set(xlabel="prefix (tokens / state size)", ylabel="request time (s, log scale)")
     return [path]
 
