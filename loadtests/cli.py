@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from baton_serve.deploy.config import RouterPolicy
+from baton_serve.loadtests.progress import Progress
 from baton_serve.replicas.models.model_source import resolve_model
 
 BENCH_EXTRA_HINT = "pip install 'baton-serve[bench]'"
@@ -42,6 +44,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
         default="auto",
         help="weight repacking for the CPU kernels (auto: where this machine's test passed)",
     )
+    engine.add_argument("--out", default="bench-out/engine", help="PNG plots go here")
     engine.add_argument("--json", action="store_true", help="print one JSON object")
     engine.set_defaults(run=_bench_engine)
 
@@ -56,6 +59,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     ship = benches.add_parser("ship", help="pull a prefix state from a peer vs recompute it")
     ship.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
     ship.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 4096])
+    ship.add_argument("--out", default="bench-out/ship", help="PNG plots go here")
     ship.add_argument("--json", action="store_true", help="print one JSON object")
     ship.set_defaults(run=_bench_ship)
 
@@ -101,9 +105,23 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     soak.add_argument("--replicas", type=int, default=2)
     soak.add_argument("--system-tokens", type=int, default=500)
     soak.add_argument("--max-tokens", type=int, default=32)
-    soak.add_argument("--out", default="bench-out/soak", help="locust's CSV and HTML go here")
+    soak.add_argument(
+        "--out", default="bench-out/soak", help="locust's CSV and HTML, and PNG plots go here"
+    )
     soak.add_argument("--json", action="store_true", help="print one JSON object")
     soak.set_defaults(run=_bench_soak)
+
+
+def _progress(args: argparse.Namespace, bench: str) -> Progress:
+    """Progress on stderr, silent with `--json`."""
+    return Progress(f"bench {bench}", stream=None if args.json else sys.stderr)
+
+
+def _report(args: argparse.Namespace, result: dict, text: str, written: list[Path]) -> None:
+    """`result` as JSON, or `text` and the files written."""
+    print(json.dumps(result, indent=2) if args.json else text)
+    if written and not args.json:
+        print("wrote " + ", ".join(str(path) for path in written))
 
 
 def _needs_extra(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -139,17 +157,22 @@ _ROUTING_WORKLOAD_FLAGS = {  # flag → what it sets (defaults: `RoutingWorkload
 @_needs_extra
 def _bench_engine(args: argparse.Namespace) -> int:
     from baton_serve.loadtests.engine_bench import engine_benchmark, format_report
+    from baton_serve.loadtests.plots import engine_plots
 
-    result = engine_benchmark(
-        resolve_model(args.model),
-        turns=args.turns,
-        system_tokens=args.system_tokens,
-        turn_tokens=args.turn_tokens,
-        reply_tokens=args.reply_tokens,
-        concurrency=args.concurrency,
-        cpu_repack={"auto": None, "on": True, "off": False}[args.cpu_repack],
-    )
-    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    with _progress(args, "engine") as progress:
+        result = engine_benchmark(
+            resolve_model(args.model),
+            turns=args.turns,
+            system_tokens=args.system_tokens,
+            turn_tokens=args.turn_tokens,
+            reply_tokens=args.reply_tokens,
+            concurrency=args.concurrency,
+            cpu_repack={"auto": None, "on": True, "off": False}[args.cpu_repack],
+            progress=progress,
+        )
+        progress.step("plotting")
+        written = engine_plots(result, Path(args.out))
+    _report(args, result, format_report(result), written)
     return 0
 
 
@@ -157,19 +180,28 @@ def _bench_engine(args: argparse.Namespace) -> int:
 def _bench_index(args: argparse.Namespace) -> int:
     from baton_serve.loadtests.index_bench import format_report, index_benchmark
 
-    result = index_benchmark(
-        args.redis, checkpoints=args.checkpoints, replicas=args.replicas, lookups=args.lookups
-    )
-    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    with _progress(args, "index") as progress:
+        result = index_benchmark(
+            args.redis,
+            checkpoints=args.checkpoints,
+            replicas=args.replicas,
+            lookups=args.lookups,
+            progress=progress,
+        )
+    _report(args, result, format_report(result), [])
     return 0
 
 
 @_needs_extra
 def _bench_ship(args: argparse.Namespace) -> int:
+    from baton_serve.loadtests.plots import ship_plots
     from baton_serve.loadtests.ship_bench import format_report, ship_benchmark
 
-    result = ship_benchmark(resolve_model(args.model), args.tokens)
-    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    with _progress(args, "ship") as progress:
+        result = ship_benchmark(resolve_model(args.model), args.tokens, progress)
+        progress.step("plotting")
+        written = ship_plots(result, Path(args.out))
+    _report(args, result, format_report(result), written)
     return 0
 
 
@@ -177,8 +209,9 @@ def _bench_ship(args: argparse.Namespace) -> int:
 def _bench_serve(args: argparse.Namespace) -> int:
     from baton_serve.loadtests.serve_bench import format_report, serve_benchmark
 
-    result = serve_benchmark(resolve_model(args.model), args.redis)
-    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    with _progress(args, "serve") as progress:
+        result = serve_benchmark(resolve_model(args.model), args.redis, progress)
+    _report(args, result, format_report(result), [])
     return 0
 
 
@@ -190,17 +223,17 @@ def _bench_routing(args: argparse.Namespace) -> int:
 
     fields = [name.replace("-", "_") for name in _ROUTING_WORKLOAD_FLAGS] + ["think_s"]
     given = {field: getattr(args, field) for field in fields if getattr(args, field) is not None}
-    result, records = routing_benchmark(
-        resolve_model(args.model),
-        workload=RoutingWorkload(**given),
-        policies=args.policies or POLICIES,
-        replicas=args.replicas,
-        index=args.index,
-    )
-    written = write_outputs(result, records, Path(args.out))
-    print(json.dumps(result, indent=2) if args.json else format_report(result))
-    if not args.json:
-        print("wrote " + ", ".join(str(path) for path in written))
+    with _progress(args, "routing") as progress:
+        result, records = routing_benchmark(
+            resolve_model(args.model),
+            workload=RoutingWorkload(**given),
+            policies=args.policies or POLICIES,
+            replicas=args.replicas,
+            index=args.index,
+            progress=progress,
+        )
+        written = write_outputs(result, records, Path(args.out))
+    _report(args, result, format_report(result), written)
     return 0
 
 
@@ -208,14 +241,16 @@ def _bench_routing(args: argparse.Namespace) -> int:
 def _bench_soak(args: argparse.Namespace) -> int:
     from baton_serve.loadtests.soak_bench import format_report, soak_benchmark
 
-    result = soak_benchmark(
-        resolve_model(args.model),
-        minutes=args.minutes,
-        out_dir=Path(args.out),
-        users=args.users,
-        replicas=args.replicas,
-        system_tokens=args.system_tokens,
-        max_tokens=args.max_tokens,
-    )
-    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    with _progress(args, "soak") as progress:
+        result = soak_benchmark(
+            resolve_model(args.model),
+            minutes=args.minutes,
+            out_dir=Path(args.out),
+            users=args.users,
+            replicas=args.replicas,
+            system_tokens=args.system_tokens,
+            max_tokens=args.max_tokens,
+            progress=progress,
+        )
+    _report(args, result, format_report(result), [])
     return 0

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from baton_serve.cache_store.prefix_hash import common_prefix_length
+from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.synthetic_text import filler_text
 from baton_serve.replicas.engine import ggml_backends
 from baton_serve.replicas.engine.engine import Engine
@@ -42,7 +43,7 @@ SPEED_DECODE_TOKENS = 64
 SPEED_RUNS = 5
 
 
-def raw_speed(model: Path, *, cpu_repack: bool | None) -> dict:
+def raw_speed(model: Path, *, cpu_repack: bool | None, progress: Progress = SILENT) -> dict:
     """Prefill and single-stream decode tokens/s with the cache off, over `SPEED_RUNS` runs."""
     config = EngineConfig(n_ctx=2048, n_slots=1, prefix_cache=False, cpu_repack=cpu_repack)
     with Engine(str(model), config, hmac_key=BENCH_HMAC_KEY) as engine:
@@ -53,10 +54,15 @@ def raw_speed(model: Path, *, cpu_repack: bool | None) -> dict:
         sampling = SamplingParams(max_tokens=SPEED_DECODE_TOKENS, ignore_eos=True)
         engine.generate(Prompt(tokens=prompt.tokens[:64]), SamplingParams(max_tokens=4))
         prefill, decode = [], []
-        for _ in range(SPEED_RUNS):
+        progress.start(SPEED_RUNS)
+        for run in range(1, SPEED_RUNS + 1):
             done = engine.generate(prompt, sampling)
             prefill.append(len(prompt) / done.timings.prefill_s)
             decode.append((done.usage.completion_tokens - 1) / done.timings.decode_s)
+            progress.step(
+                f"speed run: prefill {prefill[-1]:.0f} tok/s, decode {decode[-1]:.0f} tok/s",
+                done=run,
+            )
         return {
             "cpu_repack": engine.model.cpu_repack,
             "prefill_tokens_per_s": statistics.median(prefill),
@@ -75,6 +81,7 @@ def run_chat(
     reply_tokens: int,
     n_ctx: int,
     cpu_repack: bool | None = None,
+    progress: Progress = SILENT,
 ) -> list[TurnRow]:
     """The same conversation on two engines (cache on / off); one row per turn."""
     config = EngineConfig(n_ctx=n_ctx, n_slots=2, cpu_repack=cpu_repack)
@@ -89,6 +96,7 @@ def run_chat(
         sampling = SamplingParams(max_tokens=reply_tokens, ignore_eos=True)
         history: list[int] = []
         rows = []
+        progress.start(turns)
         for turn in range(1, turns + 1):
             question = filler_text(turn_tokens, count, seed=turn, topic=f"Question {turn}:")
             messages.append({"role": "user", "content": question})
@@ -108,6 +116,13 @@ def run_chat(
                 )
             )
             history = list(prompt.tokens) + on.tokens
+            row = rows[-1]
+            progress.step(
+                f"turn {turn}: computed {row.computed_tokens} vs"
+                f" {row.computed_tokens_no_cache} tokens, TTFT {row.ttft_s:.2f} vs"
+                f" {row.ttft_s_no_cache:.2f} s (cache on vs off)",
+                done=turn,
+            )
             messages.append({"role": "assistant", "content": on.text})
     return rows
 
@@ -139,10 +154,13 @@ def engine_benchmark(
     reply_tokens: int = 32,
     concurrency: int = 0,
     cpu_repack: bool | None = None,
+    progress: Progress = SILENT,
 ) -> dict:
     n_ctx = system_tokens + turns * (turn_tokens + reply_tokens + 32) + 256
     backend = ggml_backends.ensure_loaded()
-    speed = raw_speed(model, cpu_repack=cpu_repack)
+    progress.step("loading the model for the speed runs")
+    speed = raw_speed(model, cpu_repack=cpu_repack, progress=progress)
+    progress.step("multi-turn chat: loading two engines (cache on, cache off)")
     rows = run_chat(
         model,
         turns=turns,
@@ -151,6 +169,7 @@ def engine_benchmark(
         reply_tokens=reply_tokens,
         n_ctx=n_ctx,
         cpu_repack=cpu_repack,
+        progress=progress,
     )
     new = sum(r.new_tokens for r in rows)
     result: dict = {
@@ -169,6 +188,7 @@ def engine_benchmark(
         "ttft_total_s_no_cache": sum(r.ttft_s_no_cache for r in rows),
     }
     if concurrency > 1:
+        progress.step(f"decode throughput: 1 stream, then {concurrency}")
         one = decode_throughput(model, streams=1, tokens=64, n_ctx=512)
         many = decode_throughput(model, streams=concurrency, tokens=64, n_ctx=512)
         result["decode_tokens_per_s"] = {"1": one, str(concurrency): many, "speedup": many / one}

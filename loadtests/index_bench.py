@@ -23,6 +23,7 @@ import numpy as np
 from baton_serve.cache_store.index import CheckpointIndex, IndexEntry
 from baton_serve.cache_store.index_connect import connect_index
 from baton_serve.deploy.local_ray import local_ray
+from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.redis_server import RedisServer
 
 BATCH = 1_000
@@ -81,12 +82,15 @@ class Workload:
         return time.perf_counter() - started
 
 
-async def _run_backend(spec: str, workload: Workload) -> dict:
+async def _run_backend(spec: str, workload: Workload, progress: Progress, name: str) -> dict:
     index: CheckpointIndex = await connect_index(
         spec, os.urandom(32), timeout_s=1.0, write_timeout_s=30.0, liveness_ttl_s=600.0
     )
     try:
+        published = sum(len(e) for e in workload.entries.values())
+        progress.step(f"{name}: publishing {published:,} checkpoints")
         publish_s = await workload.publish(index)
+        progress.step(f"{name}: {len(workload.chains):,} lookups")
         for chain in workload.chains[:WARMUP_LOOKUPS]:
             await index.lookup(chain)
         latencies, hits = [], 0
@@ -99,7 +103,6 @@ async def _run_backend(spec: str, workload: Workload) -> dict:
             await index.forget(replica)
     finally:
         await index.close()
-    published = sum(len(e) for e in workload.entries.values())
     return {
         "publish_s": publish_s,
         "publish_entries_per_s": published / publish_s,
@@ -137,15 +140,18 @@ def index_benchmark(
     replicas: int = 8,
     lookups: int = 2_000,
     chain: int = 64,
+    progress: Progress = SILENT,
 ) -> dict:
     """Benchmark Redis (at `redis_url`, or a private redis-server) and the embedded index
     (in the running Ray cluster, or a local one started here)."""
+    progress.step("generating the workload")
     workload = Workload.make(checkpoints, replicas, lookups, chain)
     backends = {}
     with redis_url_or_private_server(redis_url) as url:
-        backends["redis"] = asyncio.run(_run_backend(url, workload))
+        backends["redis"] = asyncio.run(_run_backend(url, workload, progress, "redis"))
+    progress.step("embedded: starting Ray")
     with local_ray(num_cpus=2):
-        backends["embedded"] = asyncio.run(_run_backend("embedded", workload))
+        backends["embedded"] = asyncio.run(_run_backend("embedded", workload, progress, "embedded"))
     return {
         "checkpoints": checkpoints,
         "replicas": replicas,

@@ -22,7 +22,8 @@ with `--csv PREFIX`, written to `PREFIX_tokens.csv`. A non-200 status, a malform
 error event or a stream without `data: [DONE]` is a failure.
 
 A local run with `--csv PREFIX` also writes every sample, timestamped, to `PREFIX_samples.csv`
-(`baton bench soak` reads it for figures over time).
+(`baton bench soak` reads it for figures over time): to `PREFIX_samples.csv.part` as they come,
+renamed when locust quits.
 
 Sizes are in words, a client-side stand-in for tokens (no tokenizer needed here).
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+import os
 import random
 import time
 from collections import defaultdict
@@ -178,26 +180,39 @@ def _print_tokens(environment, **_kwargs) -> None:
 
 # ---- per-request samples (local runs) ----------------------------------------------------------
 
-_SAMPLES: list[tuple[float, str, str, float, bool]] = []
 SAMPLE_FIELDS = ("time_s", "type", "name", "response_time_ms", "ok")
+_SAMPLES: dict = {}  # "file", "writer": where samples go once the test starts
+
+
+@events.test_start.add_listener
+def _open_samples(environment, **_kwargs) -> None:
+    """With `--csv PREFIX`, every request, TTFT and ITL sample of a local (not distributed)
+    run, timestamped, in `PREFIX_samples.csv.part` as it comes: figures over time."""
+    prefix = getattr(environment.parsed_options, "csv_prefix", None)
+    if not prefix or isinstance(environment.runner, (MasterRunner, WorkerRunner)):
+        return
+    _SAMPLES["file"] = open(f"{prefix}_samples.csv.part", "w", newline="")  # noqa: SIM115
+    _SAMPLES["writer"] = csv.writer(_SAMPLES["file"])
+    _SAMPLES["writer"].writerow(SAMPLE_FIELDS)
 
 
 @events.request.add_listener
 def _keep_sample(request_type, name, response_time, exception=None, **_kwargs) -> None:
-    _SAMPLES.append((time.time(), request_type, name, response_time, exception is None))
+    if "writer" in _SAMPLES:
+        _SAMPLES["writer"].writerow(
+            (time.time(), request_type, name, response_time, exception is None)
+        )
+        _SAMPLES["file"].flush()
 
 
 @events.quitting.add_listener
-def _write_samples(environment, **_kwargs) -> None:
-    """With `--csv PREFIX`, every request, TTFT and ITL sample of a local (not distributed)
-    run, timestamped, in `PREFIX_samples.csv`: figures over time for long runs."""
-    prefix = getattr(environment.parsed_options, "csv_prefix", None)
-    if not prefix or isinstance(environment.runner, (MasterRunner, WorkerRunner)):
-        return
-    with open(f"{prefix}_samples.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(SAMPLE_FIELDS)
-        writer.writerows(_SAMPLES)
+def _close_samples(environment, **_kwargs) -> None:
+    """The run is over: `PREFIX_samples.csv` holds all of its samples."""
+    if "file" in _SAMPLES:
+        _SAMPLES.pop("writer")
+        part = _SAMPLES.pop("file")
+        part.close()
+        os.replace(part.name, part.name.removesuffix(".part"))
 
 
 # ---- the users --------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -36,6 +36,7 @@ from baton_serve.deploy.app import GATEWAY_CPUS
 from baton_serve.deploy.config import BatonConfig, RouterPolicy
 from baton_serve.deploy.local_ray import local_ray
 from baton_serve.loadtests.index_bench import redis_url_or_private_server
+from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.ray_metrics import settled_counters
 from baton_serve.loadtests.routing_report import policy_targets, summarize
 from baton_serve.loadtests.routing_workload import (
@@ -112,12 +113,19 @@ class _Client:
 
 
 class _Run:
-    """One policy's requests, recorded against a shared clock and tokeniser."""
+    """One policy's requests, recorded against a shared clock and tokeniser; `recorded` is
+    told how many there are after each."""
 
     def __init__(
-        self, policy: str, client: _Client, model: LlamaModel, workload: RoutingWorkload
+        self,
+        policy: str,
+        client: _Client,
+        model: LlamaModel,
+        workload: RoutingWorkload,
+        recorded: Callable[[int], None],
     ) -> None:
         self.policy = policy
+        self._recorded = recorded
         self.records: list[RequestRecord] = []
         self._client = client
         self._model = model
@@ -147,6 +155,7 @@ class _Run:
                 reply=tuple(self._model.tokenize(reply.text)),
             )
         )
+        self._recorded(len(self.records))
         return reply.text
 
     async def block(self, messages: list[dict]) -> None:
@@ -298,12 +307,13 @@ async def _policy_run(
     model: LlamaModel,
     script: Script,
     workload: RoutingWorkload,
+    recorded: Callable[[int], None],
 ) -> tuple[list[RequestRecord], dict]:
     async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http:
         client = _Client(http, url, config.served_model_name)
         warmups = await _warm_up(client, config.replicas)
         await wait_idle(app)
-        run = _Run(policy.value, client, model, workload)
+        run = _Run(policy.value, client, model, workload, recorded)
         figures = await _scenarios(run, script, workload, app, warmups)
     _count_new_tokens(run.records)
     return run.records, figures
@@ -321,6 +331,7 @@ def routing_benchmark(
     index: str | None = None,
     cpus_per_replica: float = 1.0,
     http_port: int | None = None,
+    progress: Progress = SILENT,
 ) -> tuple[dict, list[RequestRecord]]:
     """Run `workload` against each of `policies` on `replicas` replicas of `model_path`.
 
@@ -349,12 +360,20 @@ def routing_benchmark(
                 heartbeat_s=HEARTBEAT_S,
                 hmac_key=secrets.token_hex(16),
             )
-            for policy in policies:
+            per_policy = workload.sessions * workload.turns + 2 * workload.moved_sessions
+            progress.start(len(policies) * per_policy)
+            for i, policy in enumerate(policies):
+                name = f"policy {policy.value} ({i + 1}/{len(policies)})"
+                progress.step(f"{name}: deploying {replicas} replicas and warming up")
+
+                def recorded(n: int, name: str = name, done: int = i * per_policy) -> None:
+                    progress.step(f"{name}: request {n}/{per_policy}", done=done + n)
+
                 config = base.model_copy(update={"router": policy})
                 app = f"routing-{policy.value}"
                 with serve_app(config, app, http_port) as url:
                     rows, scenarios = asyncio.run(
-                        _policy_run(policy, config, url, app, model, script, workload)
+                        _policy_run(policy, config, url, app, model, script, workload, recorded)
                     )
                 records += rows
                 summaries[policy.value] = summarize(rows, scenarios)

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from baton_serve.deploy.config import RouterPolicy
+from baton_serve.loadtests.plots import figure
 from baton_serve.loadtests.routing_workload import BLOCKERS, CHAT, MOVED, RequestRecord
 
 BASELINE = RouterPolicy.POW2
@@ -188,47 +189,28 @@ def _flat(figures: dict) -> dict:
 
 
 def _plots(records: list[RequestRecord], out_dir: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     chat = [r for r in records if r.scenario == CHAT and not r.error]
     by_policy: dict[str, list[RequestRecord]] = defaultdict(list)
     for record in chat:
         by_policy[record.policy].append(record)
 
     cdf_path = out_dir / "ttft_cdf.png"
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for policy, rows in by_policy.items():
-        ttfts = sorted(r.ttft_s for r in rows if r.ttft_s is not None)
-        axes.step(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), where="post", label=policy)
-    axes.set(xlabel="time to first token (s)", ylabel="share of requests", title="TTFT CDF (chat)")
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(cdf_path, dpi=120)
-    plt.close(figure)
+    with figure(cdf_path, "TTFT CDF (chat)") as (axes,):
+        for policy, rows in by_policy.items():
+            ttfts = sorted(r.ttft_s for r in rows if r.ttft_s is not None)
+            axes.step(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), where="post", label=policy)
+        axes.set(xlabel="time to first token (s)", ylabel="share of requests")
 
     turns_path = out_dir / "computed_per_turn.png"
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for (policy, rows), marker in zip(by_policy.items(), itertools.cycle("osD^v")):
-        turns = sorted({r.turn for r in rows})
-        mean = [np.mean([r.computed_tokens for r in rows if r.turn == t]) for t in turns]
-        # Distinct markers, open: policies that compute the same show on top of each other.
-        axes.plot(turns, mean, marker=marker, fillstyle="none", markersize=8, label=policy)
-    turns = sorted({r.turn for r in chat})
-    new = [np.mean([r.new_tokens for r in chat if r.turn == t]) for t in turns]
-    axes.plot(turns, new, linestyle="--", color="black", label="new tokens (ideal)")
-    axes.set(
-        xlabel="turn",
-        ylabel="computed prompt tokens (mean per request)",
-        title="Prompt tokens computed per turn (chat)",
-    )
-    axes.set_xticks(turns)
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(turns_path, dpi=120)
-    plt.close(figure)
+    with figure(turns_path, "Prompt tokens computed per turn (chat)") as (axes,):
+        for (policy, rows), marker in zip(by_policy.items(), itertools.cycle("osD^v")):
+            turns = sorted({r.turn for r in rows})
+            mean = [np.mean([r.computed_tokens for r in rows if r.turn == t]) for t in turns]
+            # Distinct markers, open: policies that compute the same show on top of each other.
+            axes.plot(turns, mean, marker=marker, fillstyle="none", markersize=8, label=policy)
+        turns = sorted({r.turn for r in chat})
+        new = [np.mean([r.new_tokens for r in chat if r.turn == t]) for t in turns]
+        axes.plot(turns, new, linestyle="--", color="black", label="new tokens (ideal)")
+        axes.set(xlabel="turn", ylabel="computed prompt tokens (mean per request)")
+        axes.set_xticks(turns)
     return [cdf_path, turns_path]

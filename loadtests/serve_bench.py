@@ -42,6 +42,7 @@ from baton_serve.loadtests.index_bench import (
     latency_ms,
     redis_url_or_private_server,
 )
+from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.serve_app import serve_app, wait_idle
 from baton_serve.loadtests.sse import events
 from baton_serve.replicas.engine.engine import Engine
@@ -178,14 +179,19 @@ def routing_overhead(
     checkpoints: int = 100_000,
     replicas: int = 8,
     decisions: int = 2_000,
+    progress: Progress = SILENT,
 ) -> dict:
     """Time `BatonRouter.choose_replicas` (index lookup included) on Redis (at `redis_url`,
     or a private redis-server) and on the embedded index (Ray started here if needed)."""
     workload = Workload.make(checkpoints, replicas, decisions, CHAIN_BLOCKS)
     backends = {}
     with redis_url_or_private_server(redis_url) as url:
+        progress.step(
+            f"routing overhead, redis: {checkpoints:,} checkpoints, {decisions:,} decisions"
+        )
         backends["redis"] = asyncio.run(_route_backend(url, workload, seed=1))
     with local_ray(num_cpus=2):
+        progress.step("routing overhead, embedded index")
         backends["embedded"] = asyncio.run(_route_backend("embedded", workload, seed=1))
     return {
         "checkpoints": checkpoints,
@@ -318,6 +324,7 @@ def http_decode(
     runs: int = 3,
     n_threads: int = 1,
     http_port: int | None = None,
+    progress: Progress = SILENT,
 ) -> dict:
     """Single-stream decode tokens/s through HTTP vs the engine alone (best of `runs`),
     both with `EngineConfig(n_ctx=2048, n_slots=2, n_threads=n_threads)`.
@@ -330,7 +337,9 @@ def http_decode(
         raise ValueError("tokens must be >= 2 and runs >= 1")
     hmac_key = secrets.token_hex(16)
     config = _engine_config(n_threads)
+    progress.step(f"decode: the engine alone, {runs} x {tokens} tokens")
     engine_rows, engine_prompt = _engine_runs(model, config, hmac_key, tokens, runs)
+    progress.step(f"decode: through HTTP (starting the app), {runs} x {tokens} tokens")
     http_rows, http_prompt = _http_runs(model, config, hmac_key, tokens, runs, http_port)
     engine, http = _summary(engine_rows), _summary(http_rows)
     return {
@@ -350,11 +359,12 @@ def http_decode(
 # ---- both ----------------------------------------------------------------------------------
 
 
-def serve_benchmark(model: Path, redis_url: str | None) -> dict:
+def serve_benchmark(model: Path, redis_url: str | None, progress: Progress = SILENT) -> dict:
     """Routing overhead (Redis at `redis_url` or a private server, and embedded) and HTTP
     decode speed of `model`, on one local Ray runtime (started here if none is running)."""
     with local_ray(num_cpus=2):
-        return {"routing": routing_overhead(redis_url), "http_decode": http_decode(model)}
+        routing = routing_overhead(redis_url, progress=progress)
+        return {"routing": routing, "http_decode": http_decode(model, progress=progress)}
 
 
 def format_routing(result: dict) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 import ray
 
 from baton_serve.deploy.local_ray import local_ray
+from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.synthetic_text import filler_text
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_model import LlamaModel
@@ -41,7 +42,7 @@ async def _timed(actor, prompt: tuple[int, ...], sampling: SamplingParams) -> tu
     return time.perf_counter() - started, done
 
 
-async def _run(model: Path, lengths: list[int]) -> list[dict]:
+async def _run(model: Path, lengths: list[int], progress: Progress) -> list[dict]:
     key = secrets.token_bytes(32)
     config = EngineConfig(n_ctx=max(lengths) + 256, n_slots=2)
     holder, puller = (
@@ -51,9 +52,11 @@ async def _run(model: Path, lengths: list[int]) -> list[dict]:
     no_cache = config.model_copy(update={"prefix_cache": False})
     baseline = spawn_replica("bench-c", str(model), no_cache, hmac_key=key)
     await asyncio.gather(holder.start.remote(), puller.start.remote(), baseline.start.remote())
-    rows = []
+    rows: list[dict] = []
+    progress.start(len(lengths))
     try:
         for n, tokens in _prompts(model, lengths).items():
+            progress.step(f"{n}-token prefix: computing it on A", done=len(rows))
             # A holds exactly n tokens: a prompt of n-2, two generated tokens, replayed
             _, first = await _timed(
                 holder, tokens[:-2], SamplingParams(max_tokens=2, ignore_eos=True)
@@ -75,6 +78,10 @@ async def _run(model: Path, lengths: list[int]) -> list[dict]:
                     "state_bytes": replica_stats.pulled_bytes - sum(r["state_bytes"] for r in rows),
                 }
             )
+            progress.step(
+                f"{n}-token prefix: ship {ship_s:.3f} s, recompute {recompute_s:.3f} s",
+                done=len(rows),
+            )
     finally:
         for actor in (holder, puller, baseline):
             await actor.close.remote()
@@ -82,9 +89,14 @@ async def _run(model: Path, lengths: list[int]) -> list[dict]:
     return rows
 
 
-def ship_benchmark(model: Path, lengths: list[int] = [512, 2048, 4096]) -> dict:  # noqa: B006
+def ship_benchmark(
+    model: Path,
+    lengths: list[int] = [512, 2048, 4096],  # noqa: B006
+    progress: Progress = SILENT,
+) -> dict:
+    progress.step("starting Ray and three replicas")
     with local_ray(num_cpus=2):
-        rows = asyncio.run(_run(model, lengths))
+        rows = asyncio.run(_run(model, lengths, progress))
     return {"model": str(model), "rows": rows}
 
 

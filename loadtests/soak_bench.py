@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import io
 import math
 import os
 import secrets
@@ -20,6 +21,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,8 @@ import ray
 from baton_serve.deploy.app import GATEWAY_CPUS, REPLICA_DEPLOYMENT
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.local_ray import local_ray
+from baton_serve.loadtests.plots import soak_plots
+from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.serve_app import replica_actors, replica_stats, serve_app
 from baton_serve.replicas.engine.engine_config import EngineConfig
 
@@ -104,9 +108,16 @@ def _rss_bytes(status: str) -> int:
 
 
 def _locust(
-    url: str, seconds: int, users: int, system_tokens: int, max_tokens: int, prefix: Path
+    url: str,
+    seconds: int,
+    users: int,
+    system_tokens: int,
+    max_tokens: int,
+    prefix: Path,
+    each_window: Callable[[int], None],
 ) -> None:
-    """Run the locustfile headless; its reports and samples are written at `prefix`."""
+    """Run the locustfile headless; its reports, samples and output (`_locust.log`) are
+    written at `prefix`. `each_window(n)` is called after each `WINDOW_S` of the run."""
     samples = prefix.parent / f"{prefix.name}_samples.csv"
     samples.unlink(missing_ok=True)  # an earlier run's must not pass for this one's
     command = [
@@ -139,20 +150,42 @@ def _locust(
     ]
     root = LOCUSTFILE.parent.parent
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run(
-        command, cwd=root, env=env, capture_output=True, text=True, timeout=seconds + 300
-    )
+    log = prefix.parent / f"{prefix.name}_locust.log"
+    started = time.monotonic()
+    windows = 0
+    with (
+        log.open("w") as output,
+        subprocess.Popen(
+            command, cwd=root, env=env, stdout=output, stderr=subprocess.STDOUT
+        ) as locust,
+    ):
+        while locust.poll() is None:
+            time.sleep(1.0)
+            elapsed = time.monotonic() - started
+            if elapsed > seconds + 300:
+                locust.kill()
+            elif elapsed >= (windows + 1) * WINDOW_S:
+                windows += 1
+                each_window(windows)
     if not samples.exists():
-        raise RuntimeError(f"locust failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"locust failed (exit {locust.returncode}):\n{log.read_text()[-2000:]}")
 
 
 def _read_samples(path: Path) -> list[tuple[float, str, float, bool]]:
-    """(time, type, seconds, ok) of every sample the locustfile wrote."""
-    with path.open(newline="") as f:
-        return [
-            (float(r["time_s"]), r["type"], float(r["response_time_ms"]) / 1000, r["ok"] == "True")
-            for r in csv.DictReader(f)
-        ]
+    """(time, type, seconds, ok) of every complete sample line the locustfile wrote."""
+    text = path.read_text() if path.exists() else ""
+    rows = csv.DictReader(io.StringIO(text[: text.rfind("\n") + 1]))
+    return [
+        (float(r["time_s"]), r["type"], float(r["response_time_ms"]) / 1000, r["ok"] == "True")
+        for r in rows
+    ]
+
+
+def _so_far(figures: dict) -> str:
+    return (
+        f"{figures['requests']} requests, {figures['failures']} failures,"
+        f" TTFT p50 {_s(figures['ttft_p50_s'])} p99 {_s(figures['ttft_p99_s'])}"
+    )
 
 
 def _figures(samples: list[tuple[float, str, float, bool]]) -> dict:
@@ -221,9 +254,10 @@ def soak_benchmark(
     cpus_per_replica: float = 1.0,
     store_budget_bytes: int = STORE_BUDGET_BYTES,
     http_port: int | None = None,
+    progress: Progress = SILENT,
 ) -> dict:
     """Run the mixed workload for `minutes` against `replicas` replicas of `model_path`;
-    locust's CSV/HTML reports and samples go to `out_dir`."""
+    locust's CSV/HTML reports, samples and the PNG plots go to `out_dir`."""
     seconds = max(10, round(minutes * 60))
     threads = max(1, (os.cpu_count() or 1) // replicas)
     config = BatonConfig(
@@ -238,13 +272,24 @@ def soak_benchmark(
     out_dir.mkdir(parents=True, exist_ok=True)
     prefix = out_dir / "soak"
     num_cpus = max(os.cpu_count() or 1, math.ceil(replicas * cpus_per_replica + GATEWAY_CPUS))
+    progress.step(f"starting Ray and the app ({replicas} replicas)")
     with (
         local_ray(num_cpus),
         serve_app(config, APP, http_port) as url,
         MemorySampler(APP, store_budget_bytes) as memory,
     ):
         started = time.time()
-        _locust(url, seconds, users, system_tokens, max_tokens, prefix)
+
+        def each_window(window: int) -> None:
+            rss = _rss_by_window(list(memory.rss), started).get(window - 1)
+            progress.line(
+                f"minute {window} of {seconds / 60:.1f}, so far: "
+                + _so_far(_figures(_read_samples(out_dir / "soak_samples.csv.part")))
+                + f"; largest replica RSS this minute {_mb(rss)}"
+            )
+
+        progress.step(f"locust: {users} users for {seconds} s")
+        _locust(url, seconds, users, system_tokens, max_tokens, prefix, each_window)
         stores = [s["cache_bytes"] for s in asyncio.run(replica_stats(APP))]
     samples = _read_samples(out_dir / "soak_samples.csv")
     warmup_s = _warmup_s(memory, started, seconds)
@@ -252,6 +297,9 @@ def soak_benchmark(
     rss_by_window = _rss_by_window(memory.rss, started)
     for window in windows:
         window["rss_max_mb"] = rss_by_window.get(window["minute"] - 1)
+    progress.line(f"done: {_so_far(_figures(samples))}")
+    rss = [(at - started, pid, size) for at, pid, size in memory.rss]
+    plots = soak_plots(rss, windows, warmup_s, out_dir)
     return {
         "model": str(model_path),
         "minutes": seconds / 60,
@@ -266,6 +314,7 @@ def soak_benchmark(
         "store_end_mb": [b / 2**20 for b in stores],
         "rss_growth_target": RSS_GROWTH_TARGET,
         "reports": [str(p) for p in sorted(out_dir.glob("soak*"))],
+        "plots": [str(p) for p in plots],
     }
 
 
@@ -299,6 +348,7 @@ def format_report(result: dict) -> str:
             f"largest growth {memory['max_growth']:+.1%} (target < {result['rss_growth_target']:.0%}):"
             f" {'met' if met else 'NOT met'}"
         )
+    lines.append("wrote " + ", ".join(result["reports"]))
     return "\n".join(lines)
 
 

@@ -4,9 +4,13 @@ it must show (state shipped when a session's replica is busy), not the speed tar
 from __future__ import annotations
 
 import csv
+import io
 import json
 
+from plot_files import assert_png
+
 from baton_serve.deploy.config import RouterPolicy
+from baton_serve.loadtests.progress import Progress
 from baton_serve.loadtests.routing_bench import routing_benchmark
 from baton_serve.loadtests.routing_report import format_report, write_outputs
 from baton_serve.loadtests.routing_workload import CHAT, MOVED, RoutingWorkload
@@ -49,6 +53,7 @@ def test_routing_benchmark_compares_policies_on_one_workload(
         index=redis_server.url,
         cpus_per_replica=0.5,
         http_port=serve_port,
+        progress=Progress("bench routing", stderr := io.StringIO()),
     )
     policies = result["policies"]
     assert list(policies) == [p.value for p in POLICIES]
@@ -89,6 +94,11 @@ def test_routing_benchmark_compares_policies_on_one_workload(
     assert len(rows) == len(records)
     assert {row["scenario"] for row in rows} == {CHAT, MOVED}
     for plot in ("ttft_cdf.png", "computed_per_turn.png"):
-        assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert_png(tmp_path / plot)
+    progress = stderr.getvalue()
+    per_policy = WORKLOAD.sessions * WORKLOAD.turns + 2 * WORKLOAD.moved_sessions
+    assert "policy baton (1/2): deploying" in progress
+    assert f"policy round-robin (2/2): request {per_policy}/{per_policy}" in progress
+    assert f"({2 * per_policy}/{2 * per_policy})" in progress
     report = format_report(result)
     assert "baton" in report and "round-robin" in report and "moved" in report

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import io
+
+from baton_serve.loadtests.progress import Progress
 from baton_serve.loadtests.serve_bench import format_report, http_decode, routing_overhead
 
 
 def test_routing_overhead_reports_both_backends(redis_server, ray_cluster) -> None:
-    result = routing_overhead(redis_server.url, checkpoints=2_000, decisions=50)
+    progress = Progress("bench serve", stderr := io.StringIO())
+    result = routing_overhead(redis_server.url, checkpoints=2_000, decisions=50, progress=progress)
     assert set(result["backends"]) == {"redis", "embedded"}
     for backend in result["backends"].values():
         ms = backend["decision_ms"]
@@ -14,10 +18,15 @@ def test_routing_overhead_reports_both_backends(redis_server, ray_cluster) -> No
         assert sum(backend["decisions_by_reason"].values()) == 50
         assert 0 < backend["prefix_hit_share"] < 1  # most chains share a published prefix, some not
     assert "redis" in format_report(result)
+    assert "routing overhead, redis: 2,000 checkpoints, 50 decisions" in stderr.getvalue()
+    assert "routing overhead, embedded index" in stderr.getvalue()
 
 
 def test_http_decode_compares_http_with_the_engine(tiny_model, serve_port) -> None:
-    result = http_decode(tiny_model("llama"), tokens=32, runs=1, http_port=serve_port)
+    progress = Progress("bench serve", stderr := io.StringIO())
+    result = http_decode(
+        tiny_model("llama"), tokens=32, runs=1, http_port=serve_port, progress=progress
+    )
     assert result["prompt_tokens"]["engine"] == result["prompt_tokens"]["http"]
     for side in ("engine", "http"):
         (run,) = result[side]["runs"]
@@ -25,3 +34,5 @@ def test_http_decode_compares_http_with_the_engine(tiny_model, serve_port) -> No
         assert result[side]["best_tokens_per_s"] > 0
     assert result["ratio"] > 0
     assert "HTTP / engine" in format_report(result)
+    assert "decode: the engine alone, 1 x 32 tokens" in stderr.getvalue()
+    assert "decode: through HTTP" in stderr.getvalue()

@@ -1,8 +1,15 @@
 """`baton bench soak` for half a minute on a tiny model: locust's mixed workload runs with no
-failures, and the figures over time and the replicas' memory are read back."""
+failures, the figures over time and the replicas' memory are read back, progress is shown and
+the plots are written."""
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
+
+from plot_files import assert_png
+
+from baton_serve.loadtests.progress import Progress
 from baton_serve.loadtests.soak_bench import format_report, soak_benchmark
 
 
@@ -19,6 +26,7 @@ def test_short_soak_reports_requests_ttft_and_replica_memory(
         max_tokens=8,
         cpus_per_replica=0.5,
         http_port=serve_port,
+        progress=Progress("bench soak", stderr := io.StringIO()),
     )
     assert result["requests"] > 10 and result["failures"] == 0
     assert 0 < result["ttft_p50_s"] <= result["ttft_p99_s"]
@@ -28,4 +36,12 @@ def test_short_soak_reports_requests_ttft_and_replica_memory(
     assert {"soak_stats.csv", "soak_samples.csv", "soak.html"} <= {
         p.rsplit("/", 1)[-1] for p in result["reports"]
     }
-    assert "largest growth" in format_report(result)
+    report = format_report(result)
+    assert "largest growth" in report
+    assert [Path(p).name for p in result["plots"]] == ["soak_rss.png", "soak_ttft.png"]
+    for plot in result["plots"]:
+        assert_png(Path(plot))
+        assert plot in result["reports"] and plot in report.splitlines()[-1]
+    progress = stderr.getvalue()
+    assert "locust: 3 users for 30 s" in progress
+    assert f"done: {result['requests']} requests, 0 failures, TTFT p50" in progress
