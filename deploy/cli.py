@@ -19,6 +19,10 @@ from baton_serve.replicas.telemetry.logs import FORMATS, configure_logging
 
 COMMANDS_ENTRY_POINTS = "baton_serve.commands"
 DISTRIBUTION = "baton-serve"
+MODEL_HELP = (
+    "GGUF path, hf://ORG/REPO/FILE.gguf[@REV] (downloaded once into the cache), or "
+    "tiny:ARCH (default: SmolLM2-135M-Instruct)"
+)
 # Failures a user fixes (a setting, a file, a missing package): their message says how.
 USER_ERRORS = (
     ValueError,
@@ -113,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--config", help="YAML file of settings (BATON_* variables and flags override it)"
     )
-    serve.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--model", help=MODEL_HELP)
     serve.add_argument("--model-name", help="name served in the API (default: the file's stem)")
     serve.add_argument("--replicas", type=int)
     serve.add_argument("--gpus-per-replica", type=float, dest="num_gpus_per_replica")
@@ -153,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="chat with the model on a local engine, showing cache reuse"
     )
-    demo.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
+    demo.add_argument("--model", help=MODEL_HELP)
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.set_defaults(run=_demo)
 

@@ -153,6 +153,8 @@ class BatonConfig(BaseModel):
             return Path(DEFAULT_MODEL_FILE).stem
         if self.model.startswith(TINY_PREFIX):
             return f"tiny-{self.model[len(TINY_PREFIX) :]}"  # the file resolve_model writes
+        if self.model.startswith(HF_PREFIX):
+            return Path(parse_hf_ref(self.model).path).stem  # without the @revision
         return Path(self.model).stem
 
     def with_hmac_key(self) -> BatonConfig:

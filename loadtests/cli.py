@@ -19,6 +19,7 @@ from baton_serve.loadtests.progress import Progress
 from baton_serve.replicas.models.model_source import resolve_model
 
 BENCH_EXTRA_HINT = "pip install 'baton-serve[bench]'"
+MODEL_HELP = "GGUF path, hf://ORG/REPO/FILE.gguf[@REV] or tiny:ARCH (default: SmolLM2)"
 
 
 class MissingExtra(ValueError):
@@ -30,7 +31,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="benchmarks that print figures")
     benches = bench.add_subparsers(required=True, metavar="BENCHMARK")
     engine = benches.add_parser("engine", help="multi-turn chat on one engine, cache on vs off")
-    engine.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
+    engine.add_argument("--model", help=MODEL_HELP)
     engine.add_argument("--turns", type=int, default=10)
     engine.add_argument("--system-tokens", type=int, default=2000)
     engine.add_argument("--turn-tokens", type=int, default=100)
@@ -57,7 +58,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     index.set_defaults(run=_bench_index)
 
     ship = benches.add_parser("ship", help="pull a prefix state from a peer vs recompute it")
-    ship.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
+    ship.add_argument("--model", help=MODEL_HELP)
     ship.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 4096])
     ship.add_argument("--out", default="bench-out/ship", help="PNG plots go here")
     ship.add_argument("--json", action="store_true", help="print one JSON object")
@@ -66,7 +67,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     served = benches.add_parser(
         "serve", help="routing overhead, and decode tokens/s over HTTP vs the engine"
     )
-    served.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
+    served.add_argument("--model", help=MODEL_HELP)
     served.add_argument("--redis", help="redis:// URL (default: a private redis-server)")
     served.add_argument("--json", action="store_true", help="print one JSON object")
     served.set_defaults(run=_bench_serve)
@@ -74,7 +75,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     routing = benches.add_parser(
         "routing", help="one seeded multi-turn workload against each routing policy"
     )
-    routing.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
+    routing.add_argument("--model", help=MODEL_HELP)
     routing.add_argument("--replicas", type=int, default=2)
     routing.add_argument(
         "--policies",
@@ -99,7 +100,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     soak = benches.add_parser(
         "soak", help="a mixed locust workload for N minutes: failures, TTFT and RSS over time"
     )
-    soak.add_argument("--model", help="GGUF path or tiny:ARCH (default: SmolLM2-135M-Instruct)")
+    soak.add_argument("--model", help=MODEL_HELP)
     soak.add_argument("--minutes", type=float, default=10.0)
     soak.add_argument("--users", type=int, default=6, help="locust users, spread over 3 classes")
     soak.add_argument("--replicas", type=int, default=2)
