@@ -40,7 +40,7 @@ HELM = Path(sys.executable).parent / "helm"
 GOOD_VALUES: list[Path | None] = [None, *sorted((CHART / "ci").glob("*-values.yaml"))]
 BAD_VALUES = sorted((ROOT / "tests" / "helm_values").glob("bad-*.yaml"))
 KUBERAY_SCHEMAS = ROOT.parent / "shared" / "schemas" / "kuberay"
-KUBERNETES_VERSIONS = ("1.25.0", "1.34.0")  # the chart's kubeVersion floor, and a recent one
+KUBERNETES_VERSIONS = ("1.27.0", "1.34.0")  # the chart's kubeVersion floor, and a recent one
 CUSTOM_KINDS = {"RayService", "ServiceMonitor"}  # no built-in schema: RayService is checked below
 RELEASE, NAMESPACE = "baton", "llm"
 
@@ -246,6 +246,18 @@ def test_autoscaling_values_are_serve_settings() -> None:
     assert set(schema["properties"]["config"]["properties"]) <= set(AutoscalingConfig.model_fields)
 
 
+def values_of(values: Path | None) -> dict[str, Any]:
+    """The chart's values with a values file's on top (maps merged, as helm does)."""
+
+    def merged(base: Any, override: Any) -> Any:
+        if not (isinstance(base, dict) and isinstance(override, dict)):
+            return override
+        return {**base, **{k: merged(base.get(k), v) for k, v in override.items()}}
+
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    return merged(defaults, yaml.safe_load(values.read_text()) if values else {})
+
+
 def json_schema() -> dict[str, Any]:
     return yaml.safe_load((CHART / "values.schema.json").read_text())
 
@@ -253,48 +265,30 @@ def json_schema() -> dict[str, Any]:
 # --- the objects ---------------------------------------------------------------------------
 
 
+# The objects of every values file; each also has the RayService "baton".
+COMMON_OBJECTS = [("RayService", "baton")]
+LOCKED_DOWN = [("NetworkPolicy", "baton-ray"), ("PodDisruptionBudget", "baton-workers")]
+CHART_REDIS = [
+    ("NetworkPolicy", "baton-redis"),
+    ("Secret", "baton-redis"),
+    ("Service", "baton-redis"),
+    ("StatefulSet", "baton-redis"),
+]
+AUTH = [("Secret", "baton-auth"), ("Secret", "baton-ray-auth")]
+ACCOUNT = [("ServiceAccount", "baton")]
 EXPECTED_OBJECTS = {
-    "default": [
-        ("NetworkPolicy", "baton-redis"),
-        ("PodDisruptionBudget", "baton-workers"),
-        ("RayService", "baton"),
-        ("Secret", "baton-auth"),
-        ("Secret", "baton-redis"),
-        ("Service", "baton-redis"),
-        ("StatefulSet", "baton-redis"),
-    ],
-    "autoscaling-4gpu": [
-        ("NetworkPolicy", "baton-redis"),
-        ("PodDisruptionBudget", "baton-workers"),
-        ("RayService", "baton"),
-        ("Secret", "baton-auth"),
-        ("Secret", "baton-redis"),
+    "default": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT,
+    "autoscaling-4gpu": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT + [
+        ("ConfigMap", "baton-dashboard"),
         ("Service", "baton-metrics"),
-        ("Service", "baton-redis"),
         ("ServiceMonitor", "baton"),
-        ("StatefulSet", "baton-redis"),
     ],
-    "download-model": [
-        ("PodDisruptionBudget", "baton-workers"),
-        ("RayService", "baton"),
-        ("Secret", "baton-auth"),
-    ],
-    "external-redis": [("PodDisruptionBudget", "baton-workers"), ("RayService", "baton")],
-    "external-redis-url": [
-        ("PodDisruptionBudget", "baton-workers"),
-        ("RayService", "baton"),
-        ("Secret", "baton-auth"),
-    ],
-    "ingress-pvc": [
-        ("Ingress", "baton"),
-        ("NetworkPolicy", "baton-redis"),
-        ("PodDisruptionBudget", "baton-workers"),
-        ("RayService", "baton"),
-        ("Secret", "baton-auth"),
-        ("Secret", "baton-redis"),
-        ("Service", "baton-redis"),
-        ("StatefulSet", "baton-redis"),
-    ],
+    "download-model": LOCKED_DOWN + AUTH + ACCOUNT,
+    "external-redis": LOCKED_DOWN + ACCOUNT + [("Secret", "baton-ray-auth")],
+    "external-redis-url": LOCKED_DOWN + AUTH + ACCOUNT,
+    "extra-env-tracing": LOCKED_DOWN + CHART_REDIS + AUTH,
+    "ingress-pvc": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT + [("Ingress", "baton")],
+    "lockdown-off": [o for o in CHART_REDIS if o[0] != "NetworkPolicy"] + [("Secret", "baton-auth")],
 }
 
 
@@ -303,7 +297,7 @@ def test_built_in_objects_are_valid_kubernetes(
     render: Callable[[Path | None], Docs], values: Path | None
 ) -> None:
     docs = render(values)
-    assert kinds(docs) == EXPECTED_OBJECTS[values_id(values)]
+    assert kinds(docs) == sorted(COMMON_OBJECTS + EXPECTED_OBJECTS[values_id(values)])
     for doc in docs:
         if doc["kind"] in CUSTOM_KINDS:
             continue
@@ -344,8 +338,9 @@ def test_the_crd_check_rejects_unknown_and_missing_fields(
 
 @pytest.mark.parametrize("values", GOOD_VALUES, ids=values_id)
 def test_ray_pods(render: Callable[[Path | None], Docs], values: Path | None) -> None:
-    """The head has no GPU resource; workers ask for GPUs and are ready once /health answers;
-    both get the same BATON_* settings and the model at the same path."""
+    """The head has no GPU resource; workers ask for GPUs and are ready once their Serve proxy
+    answers, the head once its Ray node does (KubeRay deploys the app then); both get the same
+    environment, probe timings and the model at the same path."""
     docs = render(values)
     cluster = one(docs, "RayService")["spec"]["rayClusterConfig"]
     head_params = cluster["headGroupSpec"]["rayStartParams"]
@@ -359,9 +354,15 @@ def test_ray_pods(render: Callable[[Path | None], Docs], values: Path | None) ->
     gpus = worker["resources"]["limits"]["nvidia.com/gpu"]
     assert workers["rayStartParams"]["num-gpus"] == str(gpus) and gpus >= 1
     assert "nvidia.com/gpu" not in head["resources"].get("limits", {})
-    assert worker["readinessProbe"]["httpGet"] == {"path": "/health", "port": "serve"}
-    assert "readinessProbe" not in head  # KubeRay deploys the app only once the head is ready
-    assert [e["name"] for e in head["env"]] == [e["name"] for e in worker["env"]]
+    node_health = {"path": "/api/healthz", "port": 52365}  # the dashboard agent's
+    assert worker["readinessProbe"]["httpGet"] == {"path": "/-/healthz", "port": "serve"}
+    assert head["readinessProbe"]["httpGet"] == node_health
+    for container in (head, worker):
+        assert container["livenessProbe"]["httpGet"] == node_health
+        for probe in ("readinessProbe", "livenessProbe"):
+            timings = {k: v for k, v in container[probe].items() if k != "httpGet"}
+            assert timings == values_of(values)["probes"][probe.removesuffix("Probe")]
+    assert (head["env"], head.get("envFrom")) == (worker["env"], worker.get("envFrom"))
     assert head.get("volumeMounts") == worker.get("volumeMounts")
     args = serve_config_v2(docs)["applications"][0]["args"]
     if "model" in args:
@@ -502,9 +503,14 @@ def labels_match(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     return matched
 
 
+def named(docs: Docs, kind: str, name: str) -> dict[str, Any]:
+    (doc,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
 def test_only_ray_pods_may_reach_redis(render: Callable[[Path | None], Docs]) -> None:
     docs = render(None)
-    policy = one(docs, "NetworkPolicy")["spec"]
+    policy = named(docs, "NetworkPolicy", "baton-redis")["spec"]
     redis_labels = one(docs, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
     assert labels_match(policy["podSelector"], redis_labels)
     (rule,) = policy["ingress"]
@@ -591,7 +597,7 @@ def notes(
 
 def test_notes_tell_how_to_reach_the_api(notes: Callable[[Path | None], str]) -> None:
     default = notes(None)
-    assert "kubectl -n llm get svc baton-serve -o jsonpath='{.status.loadBalancer" in default
+    assert "port-forward svc/baton-serve 8000:8000" in default  # ClusterIP by default
     assert "secret baton-auth -o jsonpath='{.data.api-keys}'" in default
     assert "$BATON_URL/v1/chat/completions" in default
     assert f'"model": "{BatonConfig().served_model_name}"' in default  # the image's model
@@ -599,5 +605,6 @@ def test_notes_tell_how_to_reach_the_api(notes: Callable[[Path | None], str]) ->
     assert "export BATON_URL=https://llm.example.com" in ingress
     assert '"model": "granite-4-h-tiny"' in ingress
     local = notes(CHART / "ci" / "external-redis-values.yaml")
-    assert "port-forward svc/baton-serve 8000:8000" in local
     assert '"model": "Qwen3.5-4B-Q4_K_M"' in local
+    balanced = notes(CHART / "ci" / "lockdown-off-values.yaml")
+    assert "kubectl -n llm get svc baton-serve -o jsonpath='{.status.loadBalancer" in balanced
