@@ -13,6 +13,7 @@ import copy
 import functools
 import hashlib
 import io
+import json
 import os
 import re
 import shutil
@@ -40,7 +41,7 @@ HELM = Path(sys.executable).parent / "helm"
 GOOD_VALUES: list[Path | None] = [None, *sorted((CHART / "ci").glob("*-values.yaml"))]
 BAD_VALUES = sorted((ROOT / "tests" / "helm_values").glob("bad-*.yaml"))
 KUBERAY_SCHEMAS = ROOT.parent / "shared" / "schemas" / "kuberay"
-KUBERNETES_VERSIONS = ("1.25.0", "1.34.0")  # the chart's kubeVersion floor, and a recent one
+KUBERNETES_VERSIONS = ("1.27.0", "1.34.0")  # the chart's kubeVersion floor, and a recent one
 CUSTOM_KINDS = {"RayService", "ServiceMonitor"}  # no built-in schema: RayService is checked below
 RELEASE, NAMESPACE = "baton", "llm"
 
@@ -89,6 +90,21 @@ def render(helm: Callable[..., subprocess.CompletedProcess]) -> Callable[[Path |
         result = helm(*args, *(["-f", str(values)] if values else []))
         assert result.returncode == 0, result.stderr
         return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+    return rendered
+
+
+@pytest.fixture(scope="module")
+def render_with(
+    render: Callable[[Path | None], Docs], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[dict[str, Any]], Docs]:
+    """`render_with(values)`: the objects `helm template` makes with these values."""
+    folder = tmp_path_factory.mktemp("values")
+
+    def rendered(values: dict[str, Any]) -> Docs:
+        path = folder / f"{len(list(folder.iterdir()))}-values.yaml"
+        path.write_text(yaml.safe_dump(values))
+        return render(path)
 
     return rendered
 
@@ -248,6 +264,18 @@ def test_autoscaling_values_are_serve_settings() -> None:
     assert set(schema["properties"]["config"]["properties"]) <= set(AutoscalingConfig.model_fields)
 
 
+def values_of(values: Path | None) -> dict[str, Any]:
+    """The chart's values with a values file's on top (maps merged, as helm does)."""
+
+    def merged(base: Any, override: Any) -> Any:
+        if not (isinstance(base, dict) and isinstance(override, dict)):
+            return override
+        return {**base, **{k: merged(base.get(k), v) for k, v in override.items()}}
+
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    return merged(defaults, yaml.safe_load(values.read_text()) if values else {})
+
+
 def json_schema() -> dict[str, Any]:
     return yaml.safe_load((CHART / "values.schema.json").read_text())
 
@@ -255,48 +283,30 @@ def json_schema() -> dict[str, Any]:
 # --- the objects ---------------------------------------------------------------------------
 
 
+# The objects of every values file; each also has the RayService "baton".
+COMMON_OBJECTS = [("RayService", "baton")]
+LOCKED_DOWN = [("NetworkPolicy", "baton-ray"), ("PodDisruptionBudget", "baton-workers")]
+CHART_REDIS = [
+    ("NetworkPolicy", "baton-redis"),
+    ("Secret", "baton-redis"),
+    ("Service", "baton-redis"),
+    ("StatefulSet", "baton-redis"),
+]
+AUTH = [("Secret", "baton-auth"), ("Secret", "baton-ray-auth")]
+ACCOUNT = [("ServiceAccount", "baton")]
 EXPECTED_OBJECTS = {
-    "default": [
-        ("NetworkPolicy", "baton-redis"),
-        ("PodDisruptionBudget", "baton-workers"),
-        ("RayService", "baton"),
-        ("Secret", "baton-auth"),
-        ("Secret", "baton-redis"),
-        ("Service", "baton-redis"),
-        ("StatefulSet", "baton-redis"),
-    ],
-    "autoscaling-4gpu": [
-        ("NetworkPolicy", "baton-redis"),
-        ("PodDisruptionBudget", "baton-workers"),
-        ("RayService", "baton"),
-        ("Secret", "baton-auth"),
-        ("Secret", "baton-redis"),
+    "default": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT,
+    "autoscaling-4gpu": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT + [
+        ("ConfigMap", "baton-dashboard"),
         ("Service", "baton-metrics"),
-        ("Service", "baton-redis"),
         ("ServiceMonitor", "baton"),
-        ("StatefulSet", "baton-redis"),
     ],
-    "download-model": [
-        ("PodDisruptionBudget", "baton-workers"),
-        ("RayService", "baton"),
-        ("Secret", "baton-auth"),
-    ],
-    "external-redis": [("PodDisruptionBudget", "baton-workers"), ("RayService", "baton")],
-    "external-redis-url": [
-        ("PodDisruptionBudget", "baton-workers"),
-        ("RayService", "baton"),
-        ("Secret", "baton-auth"),
-    ],
-    "ingress-pvc": [
-        ("Ingress", "baton"),
-        ("NetworkPolicy", "baton-redis"),
-        ("PodDisruptionBudget", "baton-workers"),
-        ("RayService", "baton"),
-        ("Secret", "baton-auth"),
-        ("Secret", "baton-redis"),
-        ("Service", "baton-redis"),
-        ("StatefulSet", "baton-redis"),
-    ],
+    "download-model": LOCKED_DOWN + AUTH + ACCOUNT,
+    "external-redis": LOCKED_DOWN + ACCOUNT + [("Secret", "baton-ray-auth")],
+    "external-redis-url": LOCKED_DOWN + AUTH + ACCOUNT,
+    "extra-env-tracing": LOCKED_DOWN + CHART_REDIS + AUTH,
+    "ingress-pvc": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT + [("Ingress", "baton")],
+    "lockdown-off": CHART_REDIS[1:] + [("Secret", "baton-auth")],  # no NetworkPolicy
 }
 
 
@@ -305,7 +315,7 @@ def test_built_in_objects_are_valid_kubernetes(
     render: Callable[[Path | None], Docs], values: Path | None
 ) -> None:
     docs = render(values)
-    assert kinds(docs) == EXPECTED_OBJECTS[values_id(values)]
+    assert kinds(docs) == sorted(COMMON_OBJECTS + EXPECTED_OBJECTS[values_id(values)])
     for doc in docs:
         if doc["kind"] in CUSTOM_KINDS:
             continue
@@ -346,8 +356,9 @@ def test_the_crd_check_rejects_unknown_and_missing_fields(
 
 @pytest.mark.parametrize("values", GOOD_VALUES, ids=values_id)
 def test_ray_pods(render: Callable[[Path | None], Docs], values: Path | None) -> None:
-    """The head has no GPU resource; workers ask for GPUs and are ready once /health answers;
-    both get the same BATON_* settings and the model at the same path."""
+    """The head has no GPU resource; workers ask for GPUs and are ready once their Serve proxy
+    answers, the head once its Ray node does (KubeRay deploys the app then); both get the same
+    environment, probe timings and the model at the same path."""
     docs = render(values)
     cluster = one(docs, "RayService")["spec"]["rayClusterConfig"]
     head_params = cluster["headGroupSpec"]["rayStartParams"]
@@ -361,9 +372,15 @@ def test_ray_pods(render: Callable[[Path | None], Docs], values: Path | None) ->
     gpus = worker["resources"]["limits"]["nvidia.com/gpu"]
     assert workers["rayStartParams"]["num-gpus"] == str(gpus) and gpus >= 1
     assert "nvidia.com/gpu" not in head["resources"].get("limits", {})
-    assert worker["readinessProbe"]["httpGet"] == {"path": "/health", "port": "serve"}
-    assert "readinessProbe" not in head  # KubeRay deploys the app only once the head is ready
-    assert [e["name"] for e in head["env"]] == [e["name"] for e in worker["env"]]
+    node_health = {"path": "/api/healthz", "port": 52365}  # the dashboard agent's
+    assert worker["readinessProbe"]["httpGet"] == {"path": "/-/healthz", "port": "serve"}
+    assert head["readinessProbe"]["httpGet"] == node_health
+    for container in (head, worker):
+        assert container["livenessProbe"]["httpGet"] == node_health
+        for probe in ("readinessProbe", "livenessProbe"):
+            timings = {k: v for k, v in container[probe].items() if k != "httpGet"}
+            assert timings == values_of(values)["probes"][probe.removesuffix("Probe")]
+    assert (head["env"], head.get("envFrom")) == (worker["env"], worker.get("envFrom"))
     assert head.get("volumeMounts") == worker.get("volumeMounts")
     args = serve_config_v2(docs)["applications"][0]["args"]
     if "model" in args:
@@ -371,6 +388,141 @@ def test_ray_pods(render: Callable[[Path | None], Docs], values: Path | None) ->
         assert args["model"].startswith(mount["mountPath"] + "/") and mount["readOnly"]
         for pod in ray_pods(docs).values():
             assert [v["name"] for v in pod["spec"]["volumes"]] == [mount["name"]]
+
+
+# --- the restricted Pod Security Standard --------------------------------------------------
+
+# https://kubernetes.io/docs/concepts/security/pod-security-standards/ (Kubernetes 1.34), the
+# rules of "baseline" and "restricted" that a pod spec can break.
+RESTRICTED_VOLUME_TYPES = {
+    "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+    "projected", "secret",
+}
+SAFE_SYSCTLS = {
+    "kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+    "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+    "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+    "net.ipv4.tcp_keepalive_probes",
+}
+SELINUX_TYPES = {
+    None, "", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"
+}
+SECCOMP_TYPES = {"RuntimeDefault", "Localhost"}
+# The documented exception: a model in a directory of the nodes is a hostPath volume, which
+# even "baseline" forbids (the namespace must allow privileged pods: see values.yaml).
+HOST_PATH_EXCEPTIONS = {"external-redis": {"model"}}
+
+
+def restricted_violations(
+    spec: dict[str, Any], extra: list[dict[str, Any]] = (), host_paths: set[str] = frozenset()
+) -> list[str]:
+    """The restricted profile's rules that a pod spec breaks; `extra`: containers that KubeRay
+    adds to it (named in their `name`), `host_paths`: hostPath volumes let through."""
+    found: list[str] = []
+    pod = spec.get("securityContext", {})
+    for field in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(field):
+            found.append(f"{field} is on")
+    for volume in spec.get("volumes", []):
+        (kind,) = set(volume) - {"name"}
+        if kind not in RESTRICTED_VOLUME_TYPES and not (
+            kind == "hostPath" and volume["name"] in host_paths
+        ):
+            found.append(f"volume {volume['name']} is a {kind}")
+    for sysctl in pod.get("sysctls", []):
+        if sysctl["name"] not in SAFE_SYSCTLS:
+            found.append(f"sysctl {sysctl['name']} is not a safe one")
+    containers = [
+        *spec.get("initContainers", []), *spec["containers"], *spec.get("ephemeralContainers", []),
+        *extra,
+    ]
+    for container in containers:
+        name, context = container["name"], container.get("securityContext", {})
+        settings = {**pod, **context}  # a container's setting overrides the pod's
+        if context.get("privileged"):
+            found.append(f"{name} is privileged")
+        if context.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{name} does not set allowPrivilegeEscalation false")
+        if settings.get("runAsNonRoot") is not True:
+            found.append(f"{name} does not run as non-root")
+        if settings.get("runAsUser") == 0:
+            found.append(f"{name} runs as uid 0")
+        if settings.get("seccompProfile", {}).get("type") not in SECCOMP_TYPES:
+            found.append(f"{name} has no RuntimeDefault or Localhost seccomp profile")
+        capabilities = context.get("capabilities", {})
+        if "ALL" not in capabilities.get("drop", []):
+            found.append(f"{name} does not drop ALL capabilities")
+        if set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            found.append(f"{name} adds capabilities {capabilities['add']}")
+        if context.get("procMount", "Default") != "Default":
+            found.append(f"{name} has procMount {context['procMount']}")
+        if settings.get("windowsOptions", {}).get("hostProcess"):
+            found.append(f"{name} is a Windows host process")
+        if settings.get("appArmorProfile", {}).get("type", "RuntimeDefault") not in SECCOMP_TYPES:
+            found.append(f"{name} has AppArmor profile {settings['appArmorProfile']}")
+        selinux = settings.get("seLinuxOptions", {})
+        if selinux.get("type") not in SELINUX_TYPES or selinux.get("user") or selinux.get("role"):
+            found.append(f"{name} has SELinux options {selinux}")
+        for port in container.get("ports", []):
+            if port.get("hostPort"):
+                found.append(f"{name} uses hostPort {port['hostPort']}")
+    return found
+
+
+def pod_specs(docs: Docs) -> dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """Every pod spec the chart renders, with the containers KubeRay adds from the chart's
+    settings (the autoscaler sidecar; its wait-gcs-ready init container copies the Ray
+    container's securityContext)."""
+    specs = {}
+    for doc in docs:
+        if doc["kind"] == "RayService":
+            cluster = doc["spec"]["rayClusterConfig"]
+            sidecar = []
+            if cluster["enableInTreeAutoscaling"]:
+                options = cluster["autoscalerOptions"]
+                context = options.get("securityContext", {})
+                sidecar = [{"name": "autoscaler", "securityContext": context}]
+            specs["ray-head"] = (cluster["headGroupSpec"]["template"]["spec"], sidecar)
+            for group in cluster["workerGroupSpecs"]:
+                specs[f"ray-worker {group['groupName']}"] = (group["template"]["spec"], [])
+        elif "template" in doc.get("spec", {}):
+            name = f"{doc['kind']} {doc['metadata']['name']}"
+            specs[name] = (doc["spec"]["template"]["spec"], [])
+    return specs
+
+
+@pytest.mark.parametrize("values", GOOD_VALUES, ids=values_id)
+def test_every_pod_meets_the_restricted_pod_security_standard(
+    render: Callable[[Path | None], Docs], values: Path | None
+) -> None:
+    specs = pod_specs(render(values))
+    assert {"ray-head", "ray-worker gpu"} <= set(specs)
+    host_paths = HOST_PATH_EXCEPTIONS.get(values_id(values), set())
+    for name, (spec, extra) in specs.items():
+        assert not restricted_violations(spec, extra, host_paths), name
+
+
+def test_the_restricted_check_finds_each_breach(render: Callable[[Path | None], Docs]) -> None:
+    spec, extra = pod_specs(render(None))["ray-head"]
+    assert not restricted_violations(spec, extra)
+    broken = copy.deepcopy(spec)
+    broken.update(hostNetwork=True, volumes=[{"name": "data", "hostPath": {"path": "/"}}])
+    broken["securityContext"] = {
+        "runAsUser": 0, "sysctls": [{"name": "kernel.msgmax", "value": "1"}]
+    }
+    (container,) = broken["containers"]
+    container["securityContext"] = {"privileged": True, "capabilities": {"add": ["SYS_ADMIN"]}}
+    container["ports"] = [{"containerPort": 80, "hostPort": 80}]
+    found = restricted_violations(broken, [{"name": "autoscaler"}])
+    for breach in (
+        "hostNetwork is on", "volume data is a hostPath", "sysctl kernel.msgmax",
+        "ray-head is privileged", "ray-head does not set allowPrivilegeEscalation false",
+        "ray-head does not run as non-root", "ray-head runs as uid 0",
+        "ray-head has no RuntimeDefault", "ray-head does not drop ALL",
+        "ray-head adds capabilities", "ray-head uses hostPort 80",
+        "autoscaler does not drop ALL",
+    ):
+        assert any(f.startswith(breach) for f in found), (breach, found)
 
 
 # --- serveConfigV2 -------------------------------------------------------------------------
@@ -504,9 +656,14 @@ def labels_match(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     return matched
 
 
+def named(docs: Docs, kind: str, name: str) -> dict[str, Any]:
+    (doc,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
 def test_only_ray_pods_may_reach_redis(render: Callable[[Path | None], Docs]) -> None:
     docs = render(None)
-    policy = one(docs, "NetworkPolicy")["spec"]
+    policy = named(docs, "NetworkPolicy", "baton-redis")["spec"]
     redis_labels = one(docs, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
     assert labels_match(policy["podSelector"], redis_labels)
     (rule,) = policy["ingress"]
@@ -518,10 +675,211 @@ def test_only_ray_pods_may_reach_redis(render: Callable[[Path | None], Docs]) ->
 
 
 def test_pod_disruption_budget_covers_the_workers(render: Callable[[Path | None], Docs]) -> None:
+    """An integer minAvailable: RayCluster has no scale subresource, so the disruption
+    controller cannot count a maxUnavailable or a percentage and would allow no eviction; idle
+    workers (no replica, no Serve proxy: unready) may always be evicted."""
     docs = render(None)
-    selector = one(docs, "PodDisruptionBudget")["spec"]["selector"]
+    budget = one(docs, "PodDisruptionBudget")["spec"]
+    assert set(budget) == {"minAvailable", "unhealthyPodEvictionPolicy", "selector"}
+    assert isinstance(budget["minAvailable"], int)
+    assert budget["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    selector = budget["selector"]
     assert labels_match(selector, ray_pods(docs)["worker"]["metadata"]["labels"])
     assert not labels_match(selector, ray_pods(docs)["head"]["metadata"]["labels"])
+    crd = yaml.safe_load((KUBERAY_SCHEMAS / "ray.io_rayclusters.yaml").read_text())
+    assert all("scale" not in v.get("subresources", {}) for v in crd["spec"]["versions"])
+
+
+def test_ray_token_auth(render: Callable[[Path | None], Docs]) -> None:
+    """KubeRay's authOptions name the chart's Secret, under KubeRay's key `auth_token`; the
+    token never appears in the RayService; lockdown-off turns it off."""
+    docs = render(None)
+    cluster = one(docs, "RayService")["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token", "secretName": "baton-ray-auth"}
+    token = secret_values(docs)[("baton-ray-auth", "auth_token")]
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", token)
+    assert token not in yaml.safe_dump(one(docs, "RayService"))
+    head = ray_pods(docs)["head"]["spec"]["containers"][0]
+    assert not {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} & {e["name"] for e in head["env"]}  # KubeRay's
+    assert "dashboard-host" not in cluster["headGroupSpec"]["rayStartParams"]
+    off = one(render(CHART / "ci" / "lockdown-off-values.yaml"), "RayService")
+    assert "authOptions" not in off["spec"]["rayClusterConfig"]
+
+
+def test_ray_network_policy(render: Callable[[Path | None], Docs]) -> None:
+    """The API port from anywhere; every port among the release's Ray pods; the dashboard from
+    the KubeRay operator; metrics from the monitoring namespace; nothing else."""
+    docs = render(CHART / "ci" / "autoscaling-4gpu-values.yaml")
+    policy = named(docs, "NetworkPolicy", "baton-ray")["spec"]
+    pods = ray_pods(docs)
+    redis_labels = one(docs, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
+    for pod in pods.values():
+        assert labels_match(policy["podSelector"], pod["metadata"]["labels"])
+    assert not labels_match(policy["podSelector"], redis_labels)
+    assert policy["policyTypes"] == ["Ingress"]
+    api, ray, operator, metrics = policy["ingress"]
+    assert api == {"ports": [{"protocol": "TCP", "port": 8000}]}
+    (peer,) = ray["from"]
+    assert set(ray) == {"from"} and set(peer) == {"podSelector"}
+    for pod in pods.values():
+        assert labels_match(peer["podSelector"], pod["metadata"]["labels"])
+    assert not labels_match(peer["podSelector"], redis_labels)
+    assert operator == {
+        "from": [
+            {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "default"}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
+            }
+        ],
+        "ports": [{"protocol": "TCP", "port": 8265}],
+    }
+    assert metrics == {
+        "from": [
+            {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+            }
+        ],
+        "ports": [{"protocol": "TCP", "port": 8080}],
+    }
+    quiet = named(render(CHART / "ci" / "download-model-values.yaml"), "NetworkPolicy", "baton-ray")
+    assert len(quiet["spec"]["ingress"]) == 3  # no metrics port
+    extra = render(CHART / "ci" / "extra-env-tracing-values.yaml")
+    (_, _, dashboard) = named(extra, "NetworkPolicy", "baton-ray")["spec"]["ingress"][:3]
+    assert dashboard["from"][1] == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ray-dashboard"}}
+    }
+
+
+def test_gcs_fault_tolerance(render: Callable[[Path | None], Docs]) -> None:
+    """The chart's Redis with its generated password, or an external one; the head keeps
+    neither REDIS_PASSWORD nor RAY_REDIS_ADDRESS (KubeRay refuses a head that sets them); the
+    chart's Redis evicts only keys with a TTL (the index's), never the GCS tables."""
+    docs = render(None)
+    options = one(docs, "RayService")["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    redis_service = named(docs, "Service", "baton-redis")["spec"]
+    assert options == {
+        "redisAddress": f"baton-redis:{redis_service['ports'][0]['port']}",
+        "redisPassword": {
+            "valueFrom": {"secretKeyRef": {"name": "baton-redis", "key": "redis-password"}}
+        },
+    }
+    assert "externalStorageNamespace" not in options  # KubeRay's: one per RayCluster
+    head = ray_pods(docs)["head"]["spec"]["containers"][0]
+    assert not {"REDIS_PASSWORD", "RAY_REDIS_ADDRESS"} & {e["name"] for e in head["env"]}
+    (redis,) = one(docs, "StatefulSet")["spec"]["template"]["spec"]["containers"]
+    assert redis["args"][redis["args"].index("--maxmemory-policy") + 1] == "volatile-lru"
+
+    external = one(render(CHART / "ci" / "external-redis-url-values.yaml"), "RayService")
+    options = external["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    assert options == {"redisAddress": "rediss://redis.internal.example.com:6380"}
+    for values in ("download-model", "external-redis", "lockdown-off"):
+        rayservice = one(render(CHART / "ci" / f"{values}-values.yaml"), "RayService")
+        assert "gcsFaultToleranceOptions" not in rayservice["spec"]["rayClusterConfig"]
+
+
+def test_upgrade_strategy(render: Callable[[Path | None], Docs]) -> None:
+    assert one(render(None), "RayService")["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
+    off = one(render(CHART / "ci" / "lockdown-off-values.yaml"), "RayService")
+    assert off["spec"]["upgradeStrategy"] == {"type": "None"}
+
+
+def test_escape_hatches(
+    render: Callable[[Path | None], Docs], render_with: Callable[[dict[str, Any]], Docs]
+) -> None:
+    """extraEnv and envFrom on every container of the Ray pods; pod labels (the chart's win)
+    and annotations; the runtime class; an existing ServiceAccount, whose token only the head
+    mounts, and only for the Ray autoscaler."""
+    docs = render(CHART / "ci" / "extra-env-tracing-values.yaml")
+    for pod in ray_pods(docs).values():
+        (container,) = pod["spec"]["containers"]
+        env = container_env(container, secret_values(docs))
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4318"
+        assert env["BATON_LOG_FORMAT"] == "json" and "BATON_INDEX" in env
+        assert container["envFrom"] == [{"secretRef": {"name": "otel-headers"}}]
+        assert pod["metadata"]["labels"]["team"] == "ml-platform"
+        assert pod["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+        assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+        assert pod["spec"]["runtimeClassName"] == "nvidia"
+        assert pod["spec"]["serviceAccountName"] == "baton-inference"
+    pods = ray_pods(docs)
+    assert pods["head"]["spec"]["automountServiceAccountToken"] is True  # the autoscaler's
+    assert pods["worker"]["spec"]["automountServiceAccountToken"] is False
+
+    labelled = render_with({"podLabels": {"app.kubernetes.io/component": "mine"}})
+    assert ray_pods(labelled)["head"]["metadata"]["labels"]["app.kubernetes.io/component"] == (
+        "ray-head"
+    )
+    download = render(CHART / "ci" / "download-model-values.yaml")
+    for pod in ray_pods(download).values():
+        assert pod["spec"]["automountServiceAccountToken"] is False  # no Ray autoscaler
+        assert pod["spec"]["serviceAccountName"] == "baton"
+    account = one(download, "ServiceAccount")
+    assert account["automountServiceAccountToken"] is False
+    off = ray_pods(render(CHART / "ci" / "lockdown-off-values.yaml"))["head"]["spec"]
+    assert "serviceAccountName" not in off  # KubeRay's own
+
+
+def test_the_ingress_keeps_streams_open(render_with: Callable[[dict[str, Any]], Docs]) -> None:
+    ingress = one(render_with({"ingress": {"enabled": True}}), "Ingress")
+    annotations = ingress["metadata"]["annotations"]
+    assert annotations == {
+        "nginx.ingress.kubernetes.io/proxy-buffering": "off",
+        "nginx.ingress.kubernetes.io/proxy-read-timeout": "3600",
+        "nginx.ingress.kubernetes.io/proxy-send-timeout": "3600",
+    }
+
+
+def baton_metric_series() -> set[str]:
+    """The Prometheus series of Baton's metrics, as Ray exports them: `ray_` first, counters
+    with `_total`, histograms as `_bucket`, `_sum` and `_count`."""
+    from baton_serve.replicas.telemetry import metrics
+    from baton_serve.router import http_telemetry, routing_metrics
+
+    series = set()
+    for module in (metrics, routing_metrics, http_telemetry):
+        for metric in vars(module).values():
+            if isinstance(metric, metrics.Counter):
+                series.add(f"ray_{metric.name}_total")
+            elif isinstance(metric, metrics.Histogram):
+                series |= {f"ray_{metric.name}_{s}" for s in ("bucket", "sum", "count")}
+            elif isinstance(metric, metrics.Gauge):
+                series.add(f"ray_{metric.name}")
+    return series
+
+
+def test_grafana_dashboard(render: Callable[[Path | None], Docs]) -> None:
+    """A ConfigMap for Grafana's sidecar, holding files/grafana-dashboard.json, whose queries
+    name only series that Baton exports, and cover what operators watch."""
+    docs = render(CHART / "ci" / "autoscaling-4gpu-values.yaml")
+    config_map = one(docs, "ConfigMap")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+    text = (CHART / "files" / "grafana-dashboard.json").read_text()
+    assert json.loads(config_map["data"]["baton.json"]) == json.loads(text)
+    dashboard = json.loads(text)
+    exprs = [
+        target["expr"]
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+    ]
+    used = {name for expr in exprs for name in re.findall(r"\bray_baton_\w+", expr)}
+    assert used <= baton_metric_series(), used - baton_metric_series()
+    for wanted in (
+        "ray_baton_time_to_first_token_seconds_bucket",
+        "ray_baton_prompt_tokens_cached_total",
+        "ray_baton_prompt_tokens_computed_total",
+        "ray_baton_checkpoints_taken_total",
+        "ray_baton_checkpoints_shipped_total",
+        "ray_baton_checkpoints_evicted_total",
+        "ray_baton_shipped_bytes_total",
+        "ray_baton_queue_length",
+        "ray_baton_routing_decisions_total",
+    ):
+        assert wanted in used, wanted
+    quantiles = {e.split(",")[0] for e in exprs if "time_to_first_token" in e}
+    assert quantiles == {f"histogram_quantile({q}" for q in ("0.5", "0.95", "0.99")}
+    assert "ConfigMap" not in {d["kind"] for d in render(None)}
 
 
 def test_ingress_routes_to_the_serve_service(render: Callable[[Path | None], Docs]) -> None:
@@ -593,7 +951,7 @@ def notes(
 
 def test_notes_tell_how_to_reach_the_api(notes: Callable[[Path | None], str]) -> None:
     default = notes(None)
-    assert "kubectl -n llm get svc baton-serve -o jsonpath='{.status.loadBalancer" in default
+    assert "port-forward svc/baton-serve 8000:8000" in default  # ClusterIP by default
     assert "secret baton-auth -o jsonpath='{.data.api-keys}'" in default
     assert "$BATON_URL/v1/chat/completions" in default
     assert f'"model": "{BatonConfig().served_model_name}"' in default  # the image's model
@@ -601,5 +959,6 @@ def test_notes_tell_how_to_reach_the_api(notes: Callable[[Path | None], str]) ->
     assert "export BATON_URL=https://llm.example.com" in ingress
     assert '"model": "granite-4-h-tiny"' in ingress
     local = notes(CHART / "ci" / "external-redis-values.yaml")
-    assert "port-forward svc/baton-serve 8000:8000" in local
     assert '"model": "Qwen3.5-4B-Q4_K_M"' in local
+    balanced = notes(CHART / "ci" / "lockdown-off-values.yaml")
+    assert "kubectl -n llm get svc baton-serve -o jsonpath='{.status.loadBalancer" in balanced

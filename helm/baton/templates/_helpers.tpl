@@ -46,6 +46,26 @@ app.kubernetes.io/component: {{ .component }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
+{{/* A label selector of the release's Ray pods (heads and workers). */}}
+{{- define "baton.rayPodSelector" -}}
+matchLabels:
+  {{- include "baton.selectorLabels" . | nindent 2 }}
+matchExpressions:
+  - {key: app.kubernetes.io/component, operator: In, values: [ray-head, ray-worker]}
+{{- end }}
+
+{{/* A NetworkPolicy peer: pass a {namespace, podLabels} value. */}}
+{{- define "baton.namespacePeer" -}}
+namespaceSelector:
+  matchLabels: {kubernetes.io/metadata.name: {{ .namespace }}}
+podSelector:
+  {{- with .podLabels }}
+  matchLabels:
+    {{- toYaml . | nindent 4 }}
+  {{- else }} {}
+  {{- end }}
+{{- end }}
+
 {{- define "baton.image" -}}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
 {{- end }}
@@ -56,6 +76,24 @@ app.kubernetes.io/component: {{ .component }}
 
 {{- define "baton.authSecretName" -}}
 {{- .Values.auth.existingSecret | default (printf "%s-auth" (include "baton.fullname" .)) }}
+{{- end }}
+
+{{- define "baton.rayAuthSecretName" -}}
+{{- .Values.rayAuth.existingSecret | default (printf "%s-ray-auth" (include "baton.fullname" .)) }}
+{{- end }}
+
+{{/* The Ray pods' ServiceAccount; empty: KubeRay's own (the head's autoscaler account). */}}
+{{- define "baton.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- .Values.serviceAccount.name | default (include "baton.fullname" .) }}
+{{- else }}
+{{- .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Whether the Ray autoscaler runs (KubeRay's in-tree autoscaler, a sidecar of the head). */}}
+{{- define "baton.autoscaling" -}}
+{{- if lt (int .Values.workers.minReplicas) (int .Values.workers.maxReplicas) }}true{{ end }}
 {{- end }}
 
 {{- define "baton.redisName" -}}
@@ -94,9 +132,29 @@ app.kubernetes.io/component: {{ .component }}
 {{- if or (gt (int $w.minReplicas) (int $w.replicas)) (gt (int $w.replicas) (int $w.maxReplicas)) }}
 {{- fail (printf "workers: need minReplicas (%d) <= replicas (%d) <= maxReplicas (%d)" (int $w.minReplicas) (int $w.replicas) (int $w.maxReplicas)) }}
 {{- end }}
-{{- $taken := list 6379 8265 10001 (int .Values.metrics.port) }}
+{{- $taken := list 6379 8265 10001 52365 (int .Values.metrics.port) }}
 {{- if has (int .Values.serve.port) $taken }}
-{{- fail (printf "serve.port %d is taken by Ray (GCS 6379, dashboard 8265, client 10001) or metrics.port" (int .Values.serve.port)) }}
+{{- fail (printf "serve.port %d is taken by Ray (GCS 6379, dashboard 8265, client 10001, dashboard agent 52365) or metrics.port" (int .Values.serve.port)) }}
+{{- end }}
+{{- if semverCompare "<2.53.0" .Values.rayVersion }}
+{{- fail (printf "rayVersion %s: the chart needs Ray 2.53.0 or later (token auth, the Ray node's /api/healthz)" .Values.rayVersion) }}
+{{- end }}
+{{- $gcs := .Values.gcsFaultTolerance }}
+{{- if and $gcs.enabled (eq $gcs.redis "chart") (ne .Values.redis.mode "chart") }}
+{{- fail (printf "gcsFaultTolerance.redis is chart but redis.mode is %s: set gcsFaultTolerance.redis external (and external.address), or gcsFaultTolerance.enabled false" .Values.redis.mode) }}
+{{- end }}
+{{- $chartEnv := list "RAY_AUTH_MODE" "RAY_AUTH_TOKEN" "RAY_REDIS_ADDRESS" "REDIS_PASSWORD" "REDIS_USERNAME" }}
+{{- range include "baton.rayEnv" . | fromYamlArray }}
+{{- $chartEnv = append $chartEnv .name }}
+{{- end }}
+{{- range .Values.extraEnv }}
+{{- if has .name $chartEnv }}
+{{- fail (printf "extraEnv: %s is set by the chart (or KubeRay); use its value instead" .name) }}
+{{- end }}
+{{- end }}
+{{- $pdb := .Values.podDisruptionBudget }}
+{{- if and $pdb.enabled (ge (int $pdb.minAvailable) (int $w.maxReplicas)) }}
+{{- fail (printf "podDisruptionBudget.minAvailable (%d) must be below workers.maxReplicas (%d), or no ready worker could ever be evicted" (int $pdb.minAvailable) (int $w.maxReplicas)) }}
 {{- end }}
 {{- $r := .Values.replicas }}
 {{- $most := int $r.count }}

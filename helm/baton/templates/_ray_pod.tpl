@@ -1,7 +1,8 @@
 {{/* Pieces shared by the Ray head and worker pod templates. */}}
 
-{{/* BATON_* settings from Secrets: baton_serve.deploy.app.app_builder reads them (load_config) under the
-Serve config's args, wherever Serve builds the app. */}}
+{{/* BATON_* settings from Secrets: baton_serve.deploy.app.app_builder reads them (load_config)
+under the Serve config's args, wherever Serve builds the app. The index's password is not in
+REDIS_PASSWORD: KubeRay sets that one for GCS fault tolerance, and refuses a head that has it. */}}
 {{- define "baton.rayEnv" -}}
 - name: BATON_HMAC_KEY
   valueFrom:
@@ -12,15 +13,35 @@ Serve config's args, wherever Serve builds the app. */}}
     secretKeyRef: {name: {{ include "baton.authSecretName" . }}, key: api-keys}
 {{- end }}
 {{- if eq .Values.redis.mode "chart" }}
-- name: REDIS_PASSWORD
+- name: REDIS_INDEX_PASSWORD
   valueFrom:
     secretKeyRef: {name: {{ include "baton.redisSecretName" . }}, key: redis-password}
 - name: BATON_INDEX
-  value: "redis://:$(REDIS_PASSWORD)@{{ include "baton.redisName" . }}:6379/0"
+  value: "redis://:$(REDIS_INDEX_PASSWORD)@{{ include "baton.redisName" . }}:6379/0"
 {{- else if and (eq .Values.redis.mode "external") .Values.redis.external.existingSecret }}
 - name: BATON_INDEX
   valueFrom:
     secretKeyRef: {name: {{ .Values.redis.external.existingSecret }}, key: {{ .Values.redis.external.existingSecretKey }}}
+{{- end }}
+{{- end }}
+
+{{/* The Ray containers' environment: the BATON_* settings, then extraEnv. */}}
+{{- define "baton.rayContainerEnv" -}}
+{{ include "baton.rayEnv" . | trim }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* extraEnv and envFrom of a container of the Ray pods, as container fields. */}}
+{{- define "baton.extraEnvFields" -}}
+{{- with .Values.extraEnv }}
+env:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.envFrom }}
+envFrom:
+  {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end }}
 
@@ -54,6 +75,9 @@ Serve config's args, wherever Serve builds the app. */}}
     - {{ .Values.model.download.url | quote }}
     - {{ .Values.model.download.sha256 | lower | quote }}
     - {{ include "baton.modelPath" . | quote }}
+  {{- with include "baton.extraEnvFields" . }}
+  {{- . | nindent 2 }}
+  {{- end }}
   volumeMounts:
     - {name: model, mountPath: {{ .Values.model.mountPath }}}
   resources:
@@ -75,19 +99,61 @@ prometheus.io/path: /metrics
 {{- end }}
 {{- end }}
 
-{{/* Settings common to both pod specs. */}}
+{{/* A Ray pod template's metadata: pass (dict "root" $ "component" "ray-head"). The
+chart's labels win over podLabels (selectors rely on them); podAnnotations win over the
+chart's. */}}
+{{- define "baton.rayPodMetadata" -}}
+{{- $values := .root.Values }}
+{{- $labels := merge (include "baton.componentSelectorLabels" . | fromYaml) $values.podLabels }}
+{{- $annotations := merge (deepCopy $values.podAnnotations) (include "baton.metricsAnnotations" .root | fromYaml) }}
+labels:
+  {{- toYaml $labels | nindent 2 }}
+{{- with $annotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Settings common to both pod specs: pass (dict "root" $ "head" true|false). Only the
+head mounts a ServiceAccount token, and only for the Ray autoscaler (its sidecar). */}}
 {{- define "baton.rayPodSpec" -}}
-{{- with .Values.image.pullSecrets }}
+{{- $values := .root.Values }}
+{{- with include "baton.serviceAccountName" .root }}
+serviceAccountName: {{ . }}
+{{- end }}
+automountServiceAccountToken: {{ and .head (eq (include "baton.autoscaling" .root) "true") }}
+{{- with $values.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with $values.image.pullSecrets }}
 imagePullSecrets:
   {{- range . }}
   - name: {{ . }}
   {{- end }}
 {{- end }}
-{{- with .Values.priorityClassName }}
+{{- with $values.priorityClassName }}
 priorityClassName: {{ . }}
 {{- end }}
-{{- with .Values.podSecurityContext }}
+{{- with $values.podSecurityContext }}
 securityContext:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- end }}
+
+{{/* Probes of a Ray container: pass (dict "root" $ "head" true|false). Readiness: the head's
+Ray node (KubeRay deploys the app once the head is ready), a worker's Serve proxy (a ready
+worker takes API traffic). Liveness: the Ray node. The dashboard agent (port 52365) answers
+/api/healthz without the Ray token. */}}
+{{- define "baton.rayProbes" -}}
+{{- $probes := .root.Values.probes }}
+readinessProbe:
+  {{- if .head }}
+  httpGet: {path: /api/healthz, port: 52365}
+  {{- else }}
+  httpGet: {path: /-/healthz, port: serve}
+  {{- end }}
+  {{- toYaml $probes.readiness | nindent 2 }}
+livenessProbe:
+  httpGet: {path: /api/healthz, port: 52365}
+  {{- toYaml $probes.liveness | nindent 2 }}
 {{- end }}
