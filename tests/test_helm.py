@@ -296,13 +296,18 @@ AUTH = [("Secret", "baton-auth"), ("Secret", "baton-ray-auth")]
 ACCOUNT = [("ServiceAccount", "baton")]
 EXPECTED_OBJECTS = {
     "default": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT,
-    "autoscaling-4gpu": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT + [
+    "autoscaling-4gpu": LOCKED_DOWN
+    + CHART_REDIS
+    + AUTH
+    + ACCOUNT
+    + [
         ("ConfigMap", "baton-dashboard"),
         ("Service", "baton-metrics"),
         ("ServiceMonitor", "baton"),
     ],
     "download-model": LOCKED_DOWN + AUTH + ACCOUNT,
     "external-redis": LOCKED_DOWN + ACCOUNT + [("Secret", "baton-ray-auth")],
+    "hf-model": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT,
     "external-redis-url": LOCKED_DOWN + AUTH + ACCOUNT,
     "extra-env-tracing": LOCKED_DOWN + CHART_REDIS + AUTH,
     "ingress-pvc": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT + [("Ingress", "baton")],
@@ -384,10 +389,12 @@ def test_ray_pods(render: Callable[[Path | None], Docs], values: Path | None) ->
     assert head.get("volumeMounts") == worker.get("volumeMounts")
     args = serve_config_v2(docs)["applications"][0]["args"]
     if "model" in args:
-        (mount,) = head["volumeMounts"]
-        assert args["model"].startswith(mount["mountPath"] + "/") and mount["readOnly"]
+        mounts = {m["name"]: m for m in head["volumeMounts"]}
+        assert args["model"].startswith(mounts["model"]["mountPath"] + "/")
+        assert all(m["readOnly"] for m in mounts.values())  # Ray containers only read models
         for pod in ray_pods(docs).values():
-            assert [v["name"] for v in pod["spec"]["volumes"]] == [mount["name"]]
+            volumes = {v["name"] for v in pod["spec"]["volumes"]}
+            assert set(mounts) <= volumes and volumes - set(mounts) <= {"hf-token"}
 
 
 # --- the restricted Pod Security Standard --------------------------------------------------
@@ -395,17 +402,34 @@ def test_ray_pods(render: Callable[[Path | None], Docs], values: Path | None) ->
 # https://kubernetes.io/docs/concepts/security/pod-security-standards/ (Kubernetes 1.34), the
 # rules of "baseline" and "restricted" that a pod spec can break.
 RESTRICTED_VOLUME_TYPES = {
-    "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
-    "projected", "secret",
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
 }
 SAFE_SYSCTLS = {
-    "kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
-    "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
-    "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+    "kernel.shm_rmid_forced",
+    "net.ipv4.ip_local_port_range",
+    "net.ipv4.ip_unprivileged_port_start",
+    "net.ipv4.tcp_syncookies",
+    "net.ipv4.ping_group_range",
+    "net.ipv4.ip_local_reserved_ports",
+    "net.ipv4.tcp_keepalive_time",
+    "net.ipv4.tcp_fin_timeout",
+    "net.ipv4.tcp_keepalive_intvl",
     "net.ipv4.tcp_keepalive_probes",
 }
 SELINUX_TYPES = {
-    None, "", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"
+    None,
+    "",
+    "container_t",
+    "container_init_t",
+    "container_kvm_t",
+    "container_engine_t",
 }
 SECCOMP_TYPES = {"RuntimeDefault", "Localhost"}
 # The documented exception: a model in a directory of the nodes is a hostPath volume, which
@@ -433,7 +457,9 @@ def restricted_violations(
         if sysctl["name"] not in SAFE_SYSCTLS:
             found.append(f"sysctl {sysctl['name']} is not a safe one")
     containers = [
-        *spec.get("initContainers", []), *spec["containers"], *spec.get("ephemeralContainers", []),
+        *spec.get("initContainers", []),
+        *spec["containers"],
+        *spec.get("ephemeralContainers", []),
         *extra,
     ]
     for container in containers:
@@ -508,18 +534,25 @@ def test_the_restricted_check_finds_each_breach(render: Callable[[Path | None], 
     broken = copy.deepcopy(spec)
     broken.update(hostNetwork=True, volumes=[{"name": "data", "hostPath": {"path": "/"}}])
     broken["securityContext"] = {
-        "runAsUser": 0, "sysctls": [{"name": "kernel.msgmax", "value": "1"}]
+        "runAsUser": 0,
+        "sysctls": [{"name": "kernel.msgmax", "value": "1"}],
     }
     (container,) = broken["containers"]
     container["securityContext"] = {"privileged": True, "capabilities": {"add": ["SYS_ADMIN"]}}
     container["ports"] = [{"containerPort": 80, "hostPort": 80}]
     found = restricted_violations(broken, [{"name": "autoscaler"}])
     for breach in (
-        "hostNetwork is on", "volume data is a hostPath", "sysctl kernel.msgmax",
-        "ray-head is privileged", "ray-head does not set allowPrivilegeEscalation false",
-        "ray-head does not run as non-root", "ray-head runs as uid 0",
-        "ray-head has no RuntimeDefault", "ray-head does not drop ALL",
-        "ray-head adds capabilities", "ray-head uses hostPort 80",
+        "hostNetwork is on",
+        "volume data is a hostPath",
+        "sysctl kernel.msgmax",
+        "ray-head is privileged",
+        "ray-head does not set allowPrivilegeEscalation false",
+        "ray-head does not run as non-root",
+        "ray-head runs as uid 0",
+        "ray-head has no RuntimeDefault",
+        "ray-head does not drop ALL",
+        "ray-head adds capabilities",
+        "ray-head uses hostPort 80",
         "autoscaler does not drop ALL",
     ):
         assert any(f.startswith(breach) for f in found), (breach, found)
@@ -858,11 +891,7 @@ def test_grafana_dashboard(render: Callable[[Path | None], Docs]) -> None:
     text = (CHART / "files" / "grafana-dashboard.json").read_text()
     assert json.loads(config_map["data"]["baton.json"]) == json.loads(text)
     dashboard = json.loads(text)
-    exprs = [
-        target["expr"]
-        for panel in dashboard["panels"]
-        for target in panel.get("targets", [])
-    ]
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
     used = {name for expr in exprs for name in re.findall(r"\bray_baton_\w+", expr)}
     assert used <= baton_metric_series(), used - baton_metric_series()
     for wanted in (
@@ -962,3 +991,34 @@ def test_notes_tell_how_to_reach_the_api(notes: Callable[[Path | None], str]) ->
     assert '"model": "Qwen3.5-4B-Q4_K_M"' in local
     balanced = notes(CHART / "ci" / "lockdown-off-values.yaml")
     assert "kubectl -n llm get svc baton-serve -o jsonpath='{.status.loadBalancer" in balanced
+
+
+def test_a_hugging_face_model_is_downloaded_once_into_the_shared_cache(
+    render: Callable[[Path | None], Docs],
+) -> None:
+    """Every Ray pod's init container fetches the hub file into the shared claim (or finds it
+    there) and links it where the replicas load the model; the token comes from a Secret."""
+    for pod in ray_pods(render(CHART / "ci" / "hf-model-values.yaml")).values():
+        spec = pod["spec"]
+        (init,) = [c for c in spec["initContainers"] if c["name"] == "model-download"]
+        assert init["command"] == ["python", "-m", "baton_serve.deploy.model_download"]
+        assert init["args"][0] == "hf://example-org/qwen3.5-gguf/qwen3.5-4b/Qwen3.5-4B-Q4_K_M.gguf"
+        assert init["args"][-4:] == [
+            "--cache",
+            "/models-cache",
+            "--link",
+            "/models/qwen3.5-4b/Qwen3.5-4B-Q4_K_M.gguf",
+        ]
+        env = {e["name"]: e.get("value") for e in init["env"]}
+        assert env["HF_TOKEN_PATH"] == "/var/run/secrets/hf/token"
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["model-cache"]["persistentVolumeClaim"]["claimName"] == "gguf-cache"
+        assert volumes["hf-token"]["secret"]["secretName"] == "hf-token"
+        ray = spec["containers"][0]
+        mounts = {m["name"]: m for m in ray["volumeMounts"]}
+        assert mounts["model-cache"] == {
+            "name": "model-cache",
+            "mountPath": "/models-cache",
+            "readOnly": True,
+        }
+        assert "hf-token" not in mounts  # only the init container reads the token

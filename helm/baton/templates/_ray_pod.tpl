@@ -55,12 +55,24 @@ envFrom:
 {{- else if eq .Values.model.source "download" }}
 - name: model
   emptyDir: {sizeLimit: {{ .Values.model.download.sizeLimit }}}
+{{- else if eq .Values.model.source "hf" }}
+- name: model
+  emptyDir: {sizeLimit: 1Mi}
+- name: model-cache
+  persistentVolumeClaim: {claimName: {{ .Values.model.hf.cache.claimName }}}
+{{- with .Values.model.hf.tokenSecret }}
+- name: hf-token
+  secret: {secretName: {{ . }}, items: [{key: token, path: token}]}
+{{- end }}
 {{- end }}
 {{- end }}
 
 {{- define "baton.modelVolumeMounts" -}}
 {{- if ne .Values.model.source "image" }}
 - {name: model, mountPath: {{ .Values.model.mountPath }}, readOnly: true}
+{{- end }}
+{{- if eq .Values.model.source "hf" }}
+- {name: model-cache, mountPath: {{ .Values.model.hf.cache.mountPath }}, readOnly: true}
 {{- end }}
 {{- end }}
 
@@ -80,6 +92,52 @@ envFrom:
   {{- end }}
   volumeMounts:
     - {name: model, mountPath: {{ .Values.model.mountPath }}}
+  resources:
+    requests: {cpu: 250m, memory: 256Mi}
+    limits: {cpu: "1", memory: 512Mi}
+  {{- with .Values.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- else if eq .Values.model.source "hf" }}
+{{- $hf := .Values.model.hf }}
+- name: model-download
+  image: {{ include "baton.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: [python, -m, baton_serve.deploy.model_download]
+  args:
+    - {{ printf "hf://%s/%s" $hf.repo .Values.model.file | quote }}
+    - --revision
+    - {{ $hf.revision | quote }}
+    {{- with $hf.sha256 }}
+    - --sha256
+    - {{ . | lower | quote }}
+    {{- end }}
+    - --cache
+    - {{ $hf.cache.mountPath | quote }}
+    - --link
+    - {{ include "baton.modelPath" . | quote }}
+  env:
+    - {name: BATON_CACHE_DIR, value: {{ $hf.cache.mountPath | quote }}}
+    {{- with $hf.tokenSecret }}
+    - {name: HF_TOKEN_PATH, value: /var/run/secrets/hf/token}
+    {{- end }}
+    {{- with $hf.endpoint }}
+    - {name: HF_ENDPOINT, value: {{ . | quote }}}
+    {{- end }}
+    {{- with .Values.extraEnv }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with .Values.envFrom }}
+  envFrom:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - {name: model, mountPath: {{ .Values.model.mountPath }}}
+    - {name: model-cache, mountPath: {{ $hf.cache.mountPath }}}
+    {{- if $hf.tokenSecret }}
+    - {name: hf-token, mountPath: /var/run/secrets/hf, readOnly: true}
+    {{- end }}
   resources:
     requests: {cpu: 250m, memory: 256Mi}
     limits: {cpu: "1", memory: 512Mi}
