@@ -208,14 +208,22 @@ class IndexActor:
 
 
 async def _await_ref(what: str, method: ActorMethod, args: tuple[Any, ...], timeout: float) -> Any:
+    """The call's result, or `IndexUnavailable` after `timeout`. `asyncio.wait`, not
+    `wait_for`: the future of a call to an actor whose owner died may never settle, not even
+    when cancelled, and `wait_for` waits for the cancellation."""
+    future = asyncio.ensure_future(method.remote(*args))
     try:
-        return await asyncio.wait_for(method.remote(*args), timeout)
-    except (RayError, asyncio.TimeoutError) as exc:
-        if isinstance(exc, asyncio.TimeoutError):
-            reason = f"no answer within {timeout:g} s"
-        else:
-            reason = repr(exc)
-        raise IndexUnavailable(f"embedded index: {what} failed: {reason}") from exc
+        done, _ = await asyncio.wait({future}, timeout=timeout)
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
+    if not done:
+        future.cancel()
+        raise IndexUnavailable(f"embedded index: {what} failed: no answer within {timeout:g} s")
+    try:
+        return future.result()
+    except RayError as exc:
+        raise IndexUnavailable(f"embedded index: {what} failed: {exc!r}") from exc
 
 
 class EmbeddedIndex:

@@ -11,7 +11,6 @@ a deadline passes, the request simply computes what it must: it never fails for 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -39,6 +38,7 @@ from baton_serve.replicas.telemetry import metrics, tracing
 from baton_serve.replicas.telemetry.logs import request_fields
 
 logger = logging.getLogger("baton.replica")
+CLOSE_TIMEOUT_S = 5.0
 
 GAUGE_PERIOD_S = 1.0  # how often the queue, slot and store gauges are sampled
 
@@ -101,15 +101,19 @@ class Replica:
             self._tasks.append(asyncio.create_task(self._gauge_loop()))
 
     async def close(self) -> None:
-        """Stop, and remove this replica's entries from the index (best effort)."""
+        """Stop, and remove this replica's entries from the index (best effort, bounded:
+        an index that stopped answering must not keep a replica from closing)."""
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=CLOSE_TIMEOUT_S)
         if self.index is not None:
-            with contextlib.suppress(IndexUnavailable):
-                await self.index.forget(self.replica_id)
+            forget = asyncio.ensure_future(self.index.forget(self.replica_id))
+            done, _ = await asyncio.wait({forget}, timeout=CLOSE_TIMEOUT_S)
+            if not done:
+                forget.cancel()
+            elif (error := forget.exception()) and not isinstance(error, IndexUnavailable):
+                raise error
 
     # ---- requests ------------------------------------------------------------------------
 
