@@ -17,7 +17,12 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException
 
 from baton_serve.replicas.engine.prompt import PromptError
-from baton_serve.replicas.engine.protocol import EngineClosed, EngineError, PromptTooLong
+from baton_serve.replicas.engine.protocol import (
+    EngineClosed,
+    EngineError,
+    InvalidGeneration,
+    PromptTooLong,
+)
 
 logger = logging.getLogger("baton.gateway")
 
@@ -132,7 +137,7 @@ def from_exception(exc: Exception) -> APIError:
         return exc
     if isinstance(exc, PromptTooLong):
         return context_length_exceeded(exc.prompt_tokens, exc.n_ctx)
-    if isinstance(exc, PromptError):
+    if isinstance(exc, PromptError | InvalidGeneration):
         return invalid_request(str(exc))
     if isinstance(exc, EngineClosed):
         return no_capacity("The replica is shutting down; retry shortly.")

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from baton_serve.replicas.engine.protocol import Admitted, Completion, TokenEvent
+from baton_serve.replicas.engine.sampling import TokenLogprob
 from baton_serve.router import openai_types as api
 from baton_serve.router.errors import from_exception
 
@@ -26,7 +27,7 @@ class ChunkFormat(Protocol):
 
     def opening(self) -> list[BaseModel]: ...
 
-    def text(self, text: str) -> BaseModel: ...
+    def text(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> BaseModel: ...
 
     def finish(self, reason: api.FinishReason) -> BaseModel: ...
 
@@ -71,15 +72,22 @@ async def _events(
     items: AsyncGenerator[object, None], chunks: ChunkFormat, include_usage: bool
 ) -> AsyncGenerator[str, None]:
     """OpenAI's chunks, then `[DONE]`; a failure mid-stream is sent as an error event."""
+    logprobs: list[TokenLogprob] = []  # of tokens whose text has not been sent yet
     try:
         for chunk in chunks.opening():
             yield _sse(chunk.model_dump_json())
         async for item in items:
             if item is _PING:
                 yield ": ping\n\n"
-            elif isinstance(item, TokenEvent) and item.text:
-                yield _sse(chunks.text(item.text).model_dump_json())
+            elif isinstance(item, TokenEvent):
+                if item.logprob is not None:
+                    logprobs.append(item.logprob)
+                if item.text:
+                    yield _sse(chunks.text(item.text, logprobs).model_dump_json())
+                    logprobs = []
             elif isinstance(item, Completion):
+                if logprobs:  # tokens that showed no text (e.g. held back by a stop string)
+                    yield _sse(chunks.text("", logprobs).model_dump_json())
                 yield _sse(chunks.finish(finish_reason(item)).model_dump_json())
                 if include_usage:
                     yield _sse(chunks.usage(usage_of([item])).model_dump_json())

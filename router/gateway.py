@@ -27,7 +27,7 @@ from baton_serve.replicas.engine.protocol import (
     GenerationRequest,
     ReplicaRequest,
 )
-from baton_serve.replicas.engine.sampling import SamplingParams
+from baton_serve.replicas.engine.sampling import SamplingParams, TokenLogprob
 from baton_serve.replicas.telemetry import tracing
 from baton_serve.replicas.telemetry.logs import bound_request
 from baton_serve.router import openai_types as api
@@ -43,6 +43,7 @@ from baton_serve.router.event_stream import (
     usage_of,
 )
 from baton_serve.router.http_telemetry import HTTPTelemetry
+from baton_serve.router.logprobs import LogprobFormat
 from baton_serve.router.middleware import APIKeyAuth, BodySizeLimit
 from baton_serve.router.prompt_builder import PromptBuilder
 
@@ -128,6 +129,7 @@ class _Gateway:
         self._builder = builder
         self._ready = ready
         self._started = int(time.time())
+        self._logprobs = LogprobFormat(builder.token_bytes)
 
     async def chat(self, body: api.ChatCompletionRequest) -> Response:
         self._check_model(body.model)
@@ -141,7 +143,7 @@ class _Gateway:
         )
         reply = _Reply(f"chatcmpl-{request_id}", int(time.time()), self._settings.model_name)
         if body.stream:
-            chunks = _ChatChunks(reply)
+            chunks = _ChatChunks(reply, self._logprobs)
             return await event_stream(
                 self._replicas.stream(call),
                 chunks,
@@ -150,7 +152,12 @@ class _Gateway:
             )
         done = await self._replicas.generate(call)
         message = api.AssistantMessage(content=done.text)
-        choice = api.ChatChoice(index=0, message=message, finish_reason=finish_reason(done))
+        choice = api.ChatChoice(
+            index=0,
+            message=message,
+            finish_reason=finish_reason(done),
+            logprobs=None if done.logprobs is None else self._logprobs.chat(done.logprobs),
+        )
         return _json(
             api.ChatCompletion(**asdict(reply), choices=[choice], usage=usage_of([done])), [done]
         )
@@ -171,7 +178,7 @@ class _Gateway:
             calls.append(self._replica_request(prompt, body, call_id, text=text))
         reply = _Reply(f"cmpl-{request_id}", int(time.time()), self._settings.model_name)
         if body.stream:
-            chunks = _TextChunks(reply)
+            chunks = _TextChunks(reply, self._logprobs)
             return await event_stream(
                 self._replicas.stream(calls[0]),
                 chunks,
@@ -180,7 +187,12 @@ class _Gateway:
             )
         done = await asyncio.gather(*(self._replicas.generate(call) for call in calls))
         choices = [
-            api.CompletionChoice(index=i, text=d.text, finish_reason=finish_reason(d))
+            api.CompletionChoice(
+                index=i,
+                text=d.text,
+                finish_reason=finish_reason(d),
+                logprobs=None if d.logprobs is None else self._logprobs.completion(d.logprobs),
+            )
             for i, d in enumerate(done)
         ]
         return _json(
@@ -222,9 +234,15 @@ class _Gateway:
             top_k=max(body.top_k, 0),
             top_p=body.top_p,
             min_p=body.min_p,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=self._logit_bias(body.logit_bias),
             seed=body.seed,
             stop=tuple(body.stop),
+            stop_token_ids=tuple(self._token_ids(body.stop_token_ids, "stop_token_ids")),
             ignore_eos=body.ignore_eos,
+            logprobs=body.logprobs_count,
         )
         with tracing.span("hash") as span:
             hashes = self._builder.hashes(prompt)
@@ -236,6 +254,25 @@ class _Gateway:
             chat_messages=messages,
             trace_context=tracing.inject(),
         )
+
+    def _logit_bias(self, biases: dict[str, float]) -> tuple[tuple[int, float], ...]:
+        """OpenAI's `logit_bias` (token ids as JSON object keys) as (id, bias) pairs."""
+        try:
+            ids = [int(key) for key in biases]
+        except ValueError:
+            raise invalid_request(
+                "logit_bias keys must be token ids (integers as strings).", param="logit_bias"
+            ) from None
+        return tuple(zip(self._token_ids(ids, "logit_bias"), biases.values(), strict=True))
+
+    def _token_ids(self, ids: Sequence[int], param: str) -> list[int]:
+        n_vocab = self._builder.n_vocab
+        bad = [token for token in ids if not 0 <= token < n_vocab]
+        if bad:
+            raise invalid_request(
+                f"{param}: token id {bad[0]} is not in the vocabulary [0, {n_vocab}).", param=param
+            )
+        return list(ids)
 
     def _max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
         """The client's limit within the server's cap; by default, the rest of the context."""
@@ -264,14 +301,19 @@ class _Reply:
 
 
 class _ChatChunks:
-    def __init__(self, reply: _Reply) -> None:
+    def __init__(self, reply: _Reply, logprobs: LogprobFormat) -> None:
         self._reply = reply
+        self._logprobs = logprobs
 
     def opening(self) -> list[BaseModel]:
         return [self._chunk(api.ChatDelta(role="assistant", content=""))]
 
-    def text(self, text: str) -> BaseModel:
-        return self._chunk(api.ChatDelta(content=text))
+    def text(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> BaseModel:
+        choice = api.ChatChunkChoice(
+            delta=api.ChatDelta(content=text),
+            logprobs=self._logprobs.chat(logprobs) if logprobs else None,
+        )
+        return api.ChatCompletionChunk(**asdict(self._reply), choices=[choice])
 
     def finish(self, reason: api.FinishReason) -> BaseModel:
         return self._chunk(api.ChatDelta(), reason)
@@ -285,14 +327,18 @@ class _ChatChunks:
 
 
 class _TextChunks:
-    def __init__(self, reply: _Reply) -> None:
+    def __init__(self, reply: _Reply, logprobs: LogprobFormat) -> None:
         self._reply = reply
+        self._logprobs = logprobs
+        self._sent = 0  # characters of text sent so far (logprobs' text offsets)
 
     def opening(self) -> list[BaseModel]:
         return []
 
-    def text(self, text: str) -> BaseModel:
-        return self._chunk(api.CompletionChoice(index=0, text=text))
+    def text(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> BaseModel:
+        formatted = self._logprobs.completion(logprobs, self._sent) if logprobs else None
+        self._sent += len(text)
+        return self._chunk(api.CompletionChoice(index=0, text=text, logprobs=formatted))
 
     def finish(self, reason: api.FinishReason) -> BaseModel:
         return self._chunk(api.CompletionChoice(index=0, text="", finish_reason=reason))

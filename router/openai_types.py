@@ -1,8 +1,8 @@
 """OpenAI API bodies: the requests Baton accepts and the responses it sends.
 
 Requests ignore fields they do not know, treat an explicit `null` as "not set", and reject
-features Baton does not serve (n > 1, logprobs, penalties, echo) instead of ignoring them.
-`top_k`, `min_p` and `ignore_eos` are extensions (as in vLLM).
+features Baton does not serve (n > 1, echo) instead of ignoring them. `top_k`, `min_p`,
+`repetition_penalty`, `stop_token_ids` and `ignore_eos` are extensions (as in vLLM).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pydantic import (
 
 MAX_STOP_SEQUENCES = 4
 MAX_SEED = 2**63 - 1
+MAX_TOP_LOGPROBS = 20
 
 FinishReason = Literal["stop", "length"]
 
@@ -108,9 +109,18 @@ class _GenerationRequest(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: StopSequences = []
     ignore_eos: bool = Field(default=False, description="extension")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
+        default=[], description="extension: token ids that end the reply (not returned)"
+    )
     n: Literal[1] = 1
-    presence_penalty: Literal[0] = 0
-    frequency_penalty: Literal[0] = 0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(
+        default=1.0, gt=0.0, le=10.0, description="extension; counts prompt and reply tokens"
+    )
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(
+        default={}, description="token id (as a string) → a bias added to its logit"
+    )
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -147,7 +157,20 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[InputMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, description="deprecated by OpenAI")
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: Literal[False] = False
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs is only allowed when logprobs is true")
+        return value
+
+    @property
+    def logprobs_count(self) -> int | None:
+        """How many alternatives to report per token (None: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_tokens(self) -> int | None:
@@ -163,11 +186,15 @@ class CompletionRequest(_GenerationRequest):
     prompt: Prompts
     max_tokens: int = Field(default=16, ge=1)
     echo: Literal[False] = False
-    logprobs: None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @property
     def requested_tokens(self) -> int:
         return self.max_tokens
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
 
 # ---- responses -----------------------------------------------------------------------------
@@ -184,6 +211,28 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -193,7 +242,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -214,7 +263,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -230,7 +279,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class TextCompletion(BaseModel):

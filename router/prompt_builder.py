@@ -62,6 +62,14 @@ class PromptBuilder:
             raise invalid_request(f"token ids must be in [0, {n_vocab})", param="prompt")
         return self.check_length(Prompt(tokens=tuple(ids)))
 
+    @property
+    def n_vocab(self) -> int:
+        return self._model.n_vocab
+
+    def token_bytes(self, token: int) -> bytes:
+        """The text bytes of one token (empty for a vocabulary without text)."""
+        return self._model.token_bytes(token)
+
     def hashes(self, prompt: Prompt) -> tuple[bytes, ...]:
         """The prompt's block hash chain (what the router looks up in the index)."""
         return tuple(self._hasher.chain(prompt.tokens))

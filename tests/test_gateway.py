@@ -23,6 +23,7 @@ from ray.serve.exceptions import BackPressureError
 
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.prompt import Prompt
 from baton_serve.replicas.engine.protocol import (
     Completion,
     EngineClosed,
@@ -30,6 +31,7 @@ from baton_serve.replicas.engine.protocol import (
     ReplicaRequest,
     TokenEvent,
 )
+from baton_serve.replicas.engine.sampling import SamplingParams
 from baton_serve.replicas.replica import Replica
 from baton_serve.router.gateway import GatewaySettings, create_app
 
@@ -355,8 +357,24 @@ BAD_REQUESTS = [  # path, body (JSON, or raw bytes), then (status, param, code)
     pytest.param(CHAT, _chat(stop=["a", "b", "c", "d", "e"]), (400, "stop", None), id="five stops"),
     pytest.param(CHAT, _chat(stop=[""]), (400, "stop[0]", None), id="empty stop"),
     pytest.param(CHAT, _chat(seed=-1), (400, "seed", None), id="negative seed"),
-    pytest.param(CHAT, _chat(logprobs=True), (400, "logprobs", None), id="logprobs"),
-    pytest.param(CHAT, _chat(presence_penalty=0.5), (400, "presence_penalty", None), id="penalty"),
+    pytest.param(CHAT, _chat(top_logprobs=2), (400, "top_logprobs", None), id="top_logprobs alone"),
+    pytest.param(
+        CHAT, _chat(logprobs=True, top_logprobs=21), (400, "top_logprobs", None), id="top 21"
+    ),
+    pytest.param(CHAT, _chat(presence_penalty=2.5), (400, "presence_penalty", None), id="penalty"),
+    pytest.param(
+        CHAT, _chat(repetition_penalty=0), (400, "repetition_penalty", None), id="repetition 0"
+    ),
+    pytest.param(CHAT, _chat(logit_bias={"x": 1}), (400, "logit_bias", None), id="bias key"),
+    pytest.param(
+        CHAT, _chat(logit_bias={"10": 101}), (400, "logit_bias.10", None), id="bias > 100"
+    ),
+    pytest.param(
+        CHAT, _chat(logit_bias={"99999999": 1}), (400, "logit_bias", None), id="bias id range"
+    ),
+    pytest.param(
+        CHAT, _chat(stop_token_ids=[99999999]), (400, "stop_token_ids", None), id="stop id range"
+    ),
     pytest.param(
         CHAT,
         _chat(stream_options={"include_usage": True}),
@@ -583,3 +601,95 @@ def test_a_long_prefill_streams_headers_then_pings_then_tokens(
             model=MODEL, prompt=[7] * 6000, max_tokens=3, stream=True
         )
         assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].text) >= 1
+
+
+# ---- sampling fields and log-probabilities ------------------------------------------------
+
+
+def test_openai_client_logprobs(served: Served) -> None:
+    """Chat logprobs through the official client: one entry per token, its text and bytes
+    agree with the reply, the chosen token leads its alternatives (greedy)."""
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=HELLO,
+        max_completion_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    (choice,) = reply.choices
+    entries = choice.logprobs.content
+    assert len(entries) == reply.usage.completion_tokens == 6
+    assert b"".join(bytes(e.bytes) for e in entries).decode() == choice.message.content
+    for entry in entries:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=HELLO,
+        max_completion_tokens=6,
+        temperature=0,
+        logprobs=True,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    streamed = [
+        entry
+        for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+    assert all(e.top_logprobs == [] for e in streamed)
+
+
+def test_completion_logprobs_offsets(client: httpx.Client) -> None:
+    body = _text("Once upon a time", max_tokens=5, temperature=0, ignore_eos=True, logprobs=2)
+    (choice,) = client.post(COMPLETIONS, json=body).json()["choices"]
+    logprobs = choice["logprobs"]
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    assert logprobs["text_offset"][0] == 0
+    for i, token in enumerate(logprobs["tokens"][:-1]):
+        assert logprobs["text_offset"][i + 1] == logprobs["text_offset"][i] + len(token)
+    assert all(len(top) <= 2 for top in logprobs["top_logprobs"])
+    assert all(p <= 0 for p in logprobs["token_logprobs"])
+
+    lines = _stream_lines(client, {**body, "stream": True})
+    chunks = [json.loads(line)["choices"][0] for line in lines if line != "[DONE]"]
+    streamed = [c["logprobs"] for c in chunks if c.get("logprobs")]
+    assert sum((s["tokens"] for s in streamed), []) == logprobs["tokens"]
+    assert sum((s["text_offset"] for s in streamed), []) == logprobs["text_offset"]
+
+
+def _stream_lines(client: httpx.Client, body: dict[str, object]) -> list[str]:
+    with client.stream("POST", COMPLETIONS, json=body) as response:
+        assert response.status_code == 200
+        return _data_lines(response)
+
+
+def test_logit_bias_and_penalties_reach_the_sampler(served: Served, client: httpx.Client) -> None:
+    """-100 bans the greedy reply's first token; +100 forces a token; penalties give what
+    the engine gives with them (their effect is tested in test_sampler_chain)."""
+    prompt = (5, 6, 7)
+    first = served.engine.generate(Prompt(tokens=prompt), SamplingParams(max_tokens=1)).tokens[0]
+
+    def greedy_text(**fields: object) -> str:
+        body = _text(list(prompt), max_tokens=8, temperature=0, ignore_eos=True, **fields)
+        response = client.post(COMPLETIONS, json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    token_text = served.engine.model.token_text
+    plain = greedy_text()
+    assert plain.startswith(token_text(first))
+    assert not greedy_text(logit_bias={str(first): -100}).startswith(token_text(first))
+    assert greedy_text(logit_bias={"42": 100}) == token_text(42) * 8
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 1.5, "repetition_penalty": 1.3}
+    direct = served.engine.generate(
+        Prompt(tokens=prompt), SamplingParams(max_tokens=8, ignore_eos=True, **penalties)
+    )
+    assert greedy_text(**penalties) == direct.text  # the fields reach the sampler unchanged

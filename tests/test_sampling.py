@@ -25,7 +25,7 @@ def known_logits() -> np.ndarray:
 
 
 def draw(params: SamplingParams, logits: np.ndarray, n: int) -> list[int]:
-    sampler = TokenSampler(params)
+    sampler = TokenSampler(params, len(logits))
     return [sampler(logits) for _ in range(n)]
 
 
@@ -46,7 +46,7 @@ def test_greedy_picks_argmax(logits: np.ndarray) -> None:
     """The default (temperature 0) and top_k=1 both pick the highest logit."""
     expected = int(np.argmax(logits))
     assert SamplingParams().greedy
-    assert TokenSampler(SamplingParams())(logits) == expected
+    assert TokenSampler(SamplingParams(), len(logits))(logits) == expected
     top1 = SamplingParams(temperature=1.5, top_k=1, seed=3)
     assert top1.greedy
     assert draw(top1, logits, 20) == [expected] * 20
@@ -77,7 +77,7 @@ def test_different_seeds_different_sequences() -> None:
 
 def test_sampler_state_advances_per_call() -> None:
     """One sampler keeps its own generator: it does not restart at each call."""
-    sampler = TokenSampler(SamplingParams(temperature=1.0, seed=0))
+    sampler = TokenSampler(SamplingParams(temperature=1.0, seed=0), 32)
     draws = [sampler(flat_logits()) for _ in range(50)]
     assert len(set(draws)) > 10
 

@@ -49,11 +49,17 @@ from baton_serve.replicas.engine.protocol import (
     EngineClosed,
     EngineError,
     GenerationRequest,
+    InvalidGeneration,
     PromptTooLong,
     TokenEvent,
 )
 from baton_serve.replicas.engine.request_handle import RequestHandle
-from baton_serve.replicas.engine.sampling import SamplingParams, TokenSampler
+from baton_serve.replicas.engine.sampling import (
+    GrammarError,
+    SamplingParams,
+    TokenSampler,
+    token_logprob,
+)
 from baton_serve.replicas.engine.slots import Phase, Running, Slot
 from baton_serve.replicas.engine.stats import EngineLoad, EngineStats
 from baton_serve.replicas.engine.text_stream import TextStream
@@ -263,6 +269,16 @@ class Engine:
     def _start(self, handle: RequestHandle, free: list[Slot]) -> None:
         prompt = handle.request.prompt
         admitted_at = time.perf_counter()
+        try:
+            sampler = TokenSampler(
+                handle.request.sampling,
+                self.model.n_vocab,
+                vocab=self.model.vocab,
+                prompt=prompt.tokens,
+            )
+        except GrammarError as exc:
+            handle.finish(None, InvalidGeneration(str(exc)))
+            return
         slot, cached = self.cache.place(prompt.tokens, free)
         cuts = self.cache.checkpoints_for(prompt, cached)
         pieces = prefill_pieces(cached, len(prompt), cuts, self.config.prefill_chunk)
@@ -274,7 +290,7 @@ class Engine:
             feed=prompt.tokens,
             pieces=pieces,
             checkpoints=set(cuts) & set(pieces),
-            sampler=TokenSampler(params),
+            sampler=sampler,
             text=TextStream(self.model.token_bytes, params.stop),
             submitted_at=time.perf_counter(),
             admitted_at=admitted_at,
@@ -351,14 +367,22 @@ class Engine:
         if run.handle.request.return_logits:
             run.last_logits = logits
         token = run.sampler(logits)
-        if self.model.is_end_of_generation(token) and not params.ignore_eos:
+        if token is None:  # a complete grammar, and no end-of-generation token to pick
+            self._finish(run, "stop")
+            return
+        ends = self.model.is_end_of_generation(token) and not params.ignore_eos
+        run.sampler.accept(token, end_of_generation=ends)
+        if ends or token in params.stop_token_ids:
             self._finish(run, "stop", end_token=token)
             return
+        logprob = None if params.logprobs is None else token_logprob(logits, token, params.logprobs)
         run.generated.append(token)
         run.pending_token = token
         delta = run.text.push(token)
         if delta or not run.text.stopped:
-            run.handle.emit(TokenEvent(token=token, text=delta))
+            run.handle.emit(TokenEvent(token=token, text=delta, logprob=logprob))
+        if logprob is not None:
+            run.logprobs.append(logprob)
         if run.text.stopped:
             self._finish(run, "stop")
         elif len(run.generated) >= params.max_tokens or len(run.slot.tokens) + 1 >= self.n_ctx:
@@ -391,6 +415,7 @@ class Engine:
 
     def _complete(self, run: Running, reason: str) -> None:
         self.stats.requests += 1
+        run.sampler.close()
         run.handle.finish(run.completion(reason, time.perf_counter()))
 
     def _release(self, slot: Slot) -> None:
@@ -399,6 +424,7 @@ class Engine:
 
     def _fail(self, run: Running, error: EngineError) -> None:
         """Fail one request; its slot's state is unknown, so it is emptied."""
+        run.sampler.close()
         if not run.handle.done:
             run.handle.finish(None, error)
         self._context.clear(run.slot.seq_id)

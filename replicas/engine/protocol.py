@@ -8,7 +8,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from baton_serve.replicas.engine.prompt import Prompt
-from baton_serve.replicas.engine.sampling import SamplingParams
+from baton_serve.replicas.engine.sampling import SamplingParams, TokenLogprob
 
 TARGET_REPLICA_KWARG = "target_replica"  # a replica call carrying it goes to that replica only
 
@@ -56,6 +56,7 @@ class Completion(BaseModel):
     total_s: float
     timings: Timings = Timings()
     logits: np.ndarray | None = None  # logits of the last sampling step, when asked for
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when asked for
     replica_id: str | None = None  # the replica that served it (set by `Replica`)
 
 
@@ -66,6 +67,7 @@ class TokenEvent(BaseModel):
 
     token: int
     text: str
+    logprob: TokenLogprob | None = None
 
 
 class Admitted(BaseModel):
@@ -89,6 +91,11 @@ class PromptTooLong(EngineError, ValueError):
         )
         self.prompt_tokens = prompt_tokens
         self.n_ctx = n_ctx
+
+
+class InvalidGeneration(EngineError, ValueError):
+    """The request asks for something the engine cannot do (e.g. a grammar llama.cpp
+    cannot parse): the client's mistake."""
 
 
 class EngineClosed(EngineError):

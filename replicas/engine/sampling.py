@@ -1,9 +1,25 @@
-"""Token sampling from a row of logits: greedy, temperature, top-k, top-p, min-p, seeded."""
+"""Token sampling on llama.cpp's own sampler chain (`llama_sampler_*`), one chain per request.
+
+The chain runs on a copy of a logits row (the engine may have split the batch, so a row is
+not always still in the context). Its order is llama.cpp's: logit bias, penalties, top-k,
+top-p, min-p, temperature, then a seeded draw (or the highest logit when greedy). A grammar
+is checked the way llama.cpp's `common_sampler` does it: the chain picks a token, and only
+when the grammar rejects that token are the candidates filtered by the grammar and the chain
+run again — filtering a 49k-token vocabulary on every step would cost more than sampling.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import weakref
+
+import llama_cpp
 import numpy as np
 from pydantic import BaseModel, Field
+
+# Same memory layout as llama.cpp's `llama_token_data`.
+TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+LLAMA_SEEDS = 0xFFFFFFFF  # llama.cpp seeds are 32-bit; this value itself means "random"
 
 
 class SamplingParams(BaseModel):
@@ -16,43 +32,182 @@ class SamplingParams(BaseModel):
     top_k: int = Field(default=0, ge=0, description="0 disables top-k")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    grammar: str | None = None  # GBNF text, root rule `root`
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # None: none; k: chosen + top k
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+class GrammarError(ValueError):
+    """llama.cpp could not parse a request's grammar."""
+
+
 class TokenSampler:
-    """Samples one token per call; owns the random generator of one request."""
+    """Samples one token per call for one request; owns its llama.cpp samplers.
 
-    def __init__(self, params: SamplingParams) -> None:
+    `prompt` feeds the repetition penalty (it counts prompt and reply tokens, as in vLLM);
+    presence and frequency penalties count the reply only, as OpenAI defines them.
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        n_vocab: int,
+        *,
+        vocab: llama_cpp.llama_vocab_p | None = None,
+        prompt: tuple[int, ...] = (),
+    ) -> None:
         self.params = params
-        self._rng = np.random.default_rng(params.seed)
+        self._ids = np.arange(n_vocab, dtype=np.int32)
+        self._candidates = np.zeros(n_vocab, dtype=TOKEN_DATA)
+        self._grammar = _grammar(params.grammar, vocab) if params.grammar else None
+        self._chain = _chain(params, n_vocab, prompt)
+        owned = [s for s in (self._chain, self._grammar) if s]
+        self._finalizer = weakref.finalize(self, _free, owned)
 
-    def __call__(self, logits: np.ndarray) -> int:
-        if self.params.greedy:
-            return int(np.argmax(logits))
-        ids, probs = self._candidates(logits)
-        return int(self._rng.choice(ids, p=probs))
+    def __call__(self, logits: np.ndarray) -> int | None:
+        """The next token, or None when a grammar allows no token (it is complete and the
+        model has no end-of-generation token it could pick)."""
+        token = self._pick(logits, with_grammar=False)
+        if self._grammar is not None and not self._grammar_allows(token, logits[token]):
+            if not self._grammar_allows_any(logits):
+                return None
+            token = self._pick(logits, with_grammar=True)
+        return token
 
-    def _candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids that survive top-k / top-p / min-p, with their renormalised probabilities."""
-        p = self.params
-        scaled = logits.astype(np.float64) / p.temperature
-        if 0 < p.top_k < scaled.size:
-            ids = np.argpartition(scaled, -p.top_k)[-p.top_k :]
-        else:
-            ids = np.arange(scaled.size)
-        order = ids[np.argsort(scaled[ids])[::-1]]
-        probs = np.exp(scaled[order] - scaled[order[0]])
-        probs /= probs.sum()
-        keep = probs.size
-        if p.top_p < 1.0:
-            keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
-        if p.min_p > 0.0:
-            keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0]))))
-        probs = probs[:keep] / probs[:keep].sum()
-        return order[:keep], probs
+    def accept(self, token: int, *, end_of_generation: bool = False) -> None:
+        """Record a generated token (penalties count it; the grammar advances over it)."""
+        llama_cpp.llama_sampler_accept(self._chain, token)
+        if self._grammar is not None and not end_of_generation:
+            llama_cpp.llama_sampler_accept(self._grammar, token)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def _pick(self, logits: np.ndarray, *, with_grammar: bool) -> int:
+        candidates, array = self._fill(logits)
+        if with_grammar:
+            llama_cpp.llama_sampler_apply(self._grammar, ctypes.byref(array))
+        llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(array))
+        return int(array.data[array.selected].id)
+
+    def _grammar_allows(self, token: int, logit: float) -> bool:
+        single = np.array([(token, logit, 0.0)], dtype=TOKEN_DATA)
+        llama_cpp.llama_sampler_apply(self._grammar, ctypes.byref(_array_of(single)))
+        return bool(np.isfinite(single["logit"][0]))
+
+    def _grammar_allows_any(self, logits: np.ndarray) -> bool:
+        candidates, array = self._fill(logits)
+        llama_cpp.llama_sampler_apply(self._grammar, ctypes.byref(array))
+        return bool(np.isfinite(candidates["logit"][: array.size]).any())
+
+    def _fill(self, logits: np.ndarray) -> tuple[np.ndarray, llama_cpp.llama_token_data_array]:
+        candidates = self._candidates
+        candidates["id"] = self._ids
+        candidates["logit"] = logits
+        candidates["p"] = 0.0
+        return candidates, _array_of(candidates)
+
+
+class TokenLogprob(BaseModel):
+    """A generated token's log-probability, and the most likely alternatives at its step."""
+
+    model_config = {"frozen": True}
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most likely first
+
+
+def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
+    """`token`'s log-probability under the model's distribution (before temperature,
+    penalties, bias or grammar, as OpenAI and vLLM report it) and the `k` most likely."""
+    shifted = logits.astype(np.float64) - np.max(logits)
+    logprobs = shifted - np.log(np.sum(np.exp(shifted)))
+    if k < logprobs.size:
+        top = np.argpartition(logprobs, -k)[-k:] if k > 0 else np.arange(0)
+    else:
+        top = np.arange(logprobs.size)
+    top = top[np.argsort(logprobs[top])[::-1]]
+    return TokenLogprob(
+        token=token,
+        logprob=float(logprobs[token]),
+        top=tuple((int(t), float(logprobs[t])) for t in top),
+    )
+
+
+def _array_of(candidates: np.ndarray) -> llama_cpp.llama_token_data_array:
+    return llama_cpp.llama_token_data_array(
+        data=candidates.ctypes.data_as(llama_cpp.llama_token_data_p),
+        size=len(candidates),
+        selected=-1,
+        sorted=False,
+    )
+
+
+def _chain(params: SamplingParams, n_vocab: int, prompt: tuple[int, ...]) -> ctypes.c_void_p:
+    chain_params = llama_cpp.llama_sampler_chain_default_params()
+    chain_params.no_perf = True
+    chain = llama_cpp.llama_sampler_chain_init(chain_params)
+
+    def add(sampler: ctypes.c_void_p) -> None:
+        llama_cpp.llama_sampler_chain_add(chain, sampler)
+
+    if params.logit_bias:
+        biases = (llama_cpp.llama_logit_bias * len(params.logit_bias))(*params.logit_bias)
+        add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(biases), biases))
+    if params.repetition_penalty != 1.0:
+        window = len(prompt) + params.max_tokens
+        repetition = llama_cpp.llama_sampler_init_penalties(
+            n_vocab, window, params.repetition_penalty, 0.0, 0.0
+        )
+        for token in prompt:
+            llama_cpp.llama_sampler_accept(repetition, token)
+        add(repetition)
+    if params.presence_penalty or params.frequency_penalty:
+        add(
+            llama_cpp.llama_sampler_init_penalties(
+                n_vocab,
+                max(params.max_tokens, 1),
+                1.0,
+                params.frequency_penalty,
+                params.presence_penalty,
+            )
+        )
+    if params.greedy:
+        add(llama_cpp.llama_sampler_init_greedy())
+        return chain
+    if params.top_k:
+        add(llama_cpp.llama_sampler_init_top_k(params.top_k))
+    if params.top_p < 1.0:
+        add(llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
+    if params.min_p:
+        add(llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
+    add(llama_cpp.llama_sampler_init_temp(params.temperature))
+    seed = LLAMA_SEEDS if params.seed is None else params.seed % LLAMA_SEEDS
+    add(llama_cpp.llama_sampler_init_dist(seed))
+    return chain
+
+
+def _grammar(text: str, vocab: llama_cpp.llama_vocab_p | None) -> ctypes.c_void_p:
+    if vocab is None:
+        raise ValueError("a grammar needs the model's vocabulary")
+    sampler = llama_cpp.llama_sampler_init_grammar(vocab, text.encode(), b"root")
+    if not sampler:
+        raise GrammarError("llama.cpp could not parse the grammar")
+    return sampler
+
+
+def _free(samplers: list[ctypes.c_void_p]) -> None:
+    for sampler in samplers:
+        llama_cpp.llama_sampler_free(sampler)

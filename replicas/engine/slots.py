@@ -9,7 +9,7 @@ import numpy as np
 
 from baton_serve.replicas.engine.protocol import Completion, Timings, Usage
 from baton_serve.replicas.engine.request_handle import RequestHandle
-from baton_serve.replicas.engine.sampling import SamplingParams, TokenSampler
+from baton_serve.replicas.engine.sampling import SamplingParams, TokenLogprob, TokenSampler
 from baton_serve.replicas.engine.text_stream import TextStream
 
 
@@ -49,6 +49,7 @@ class Running:
     first_token_at: float | None = None
     last_token_at: float | None = None
     last_logits: np.ndarray | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -81,4 +82,5 @@ class Running:
                 decode_s=0.0 if first is None else now - first,
             ),
             logits=self.last_logits,
+            logprobs=None if self.params.logprobs is None else list(self.logprobs),
         )
