@@ -127,12 +127,14 @@ def test_json_grammar_output_parses(tiny_model, make_engine) -> None:
         assert set(value) == {"n", "ok"} and 1 <= value["n"] <= 99
 
 
-def test_a_grammar_llama_cpp_cannot_parse_fails_the_request_only(tiny_model, make_engine) -> None:
+def test_unservable_sampling_fails_the_request_only(tiny_model, make_engine) -> None:
     engine = make_engine(tiny_model("llama"))
     prompt = engine.text_prompt("Hello")
     request = GenerationRequest(prompt=prompt, sampling=SamplingParams(grammar="root ::= ("))
     with pytest.raises(InvalidGeneration, match="grammar"):
         engine.submit(request).result(timeout=30)
+    with pytest.raises(InvalidGeneration, match="vocabulary"):
+        engine.generate(prompt, SamplingParams(stop_token_ids=(10**7,)))
     assert engine.generate(prompt, SamplingParams(max_tokens=3, ignore_eos=True)).tokens
 
 

@@ -54,12 +54,7 @@ from baton_serve.replicas.engine.protocol import (
     TokenEvent,
 )
 from baton_serve.replicas.engine.request_handle import RequestHandle
-from baton_serve.replicas.engine.sampling import (
-    GrammarError,
-    SamplingParams,
-    TokenSampler,
-    token_logprob,
-)
+from baton_serve.replicas.engine.sampling import SamplingParams, TokenSampler, sampling_problem
 from baton_serve.replicas.engine.slots import Phase, Running, Slot
 from baton_serve.replicas.engine.stats import EngineLoad, EngineStats
 from baton_serve.replicas.engine.text_stream import TextStream
@@ -130,7 +125,7 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------
 
     def check(self, request: GenerationRequest) -> None:
-        """Raise `PromptError` or `PromptTooLong` for a request this engine cannot serve."""
+        """Raise `PromptError`, `PromptTooLong` or `InvalidGeneration` if it is unservable."""
         n_prompt = len(request.prompt)
         if n_prompt == 0:
             raise PromptError("the prompt is empty")
@@ -138,6 +133,9 @@ class Engine:
             raise PromptTooLong(n_prompt, self.n_ctx)
         if not all(0 <= t < self.model.n_vocab for t in request.prompt.tokens):
             raise PromptError(f"token ids must be in [0, {self.model.n_vocab})")
+        self._check_open()
+        if problem := sampling_problem(request.sampling, self.model):
+            raise InvalidGeneration(problem)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; raises `PromptError`, `PromptTooLong` or `EngineClosed` at once."""
@@ -269,20 +267,13 @@ class Engine:
     def _start(self, handle: RequestHandle, free: list[Slot]) -> None:
         prompt = handle.request.prompt
         admitted_at = time.perf_counter()
-        try:
-            sampler = TokenSampler(
-                handle.request.sampling,
-                self.model.n_vocab,
-                vocab=self.model.vocab,
-                prompt=prompt.tokens,
-            )
-        except GrammarError as exc:
-            handle.finish(None, InvalidGeneration(str(exc)))
-            return
+        params = handle.request.sampling
+        sampler = TokenSampler(
+            params, self.model.n_vocab, vocab=self.model.vocab, prompt=prompt.tokens
+        )
         slot, cached = self.cache.place(prompt.tokens, free)
         cuts = self.cache.checkpoints_for(prompt, cached)
         pieces = prefill_pieces(cached, len(prompt), cuts, self.config.prefill_chunk)
-        params = handle.request.sampling
         slot.running = Running(
             handle=handle,
             slot=slot,
@@ -366,23 +357,16 @@ class Engine:
                 return
         if run.handle.request.return_logits:
             run.last_logits = logits
-        token = run.sampler(logits)
-        if token is None:  # a complete grammar, and no end-of-generation token to pick
-            self._finish(run, "stop")
-            return
-        ends = self.model.is_end_of_generation(token) and not params.ignore_eos
-        run.sampler.accept(token, end_of_generation=ends)
-        if ends or token in params.stop_token_ids:
+        token, ends = run.pick(logits, self.model.is_end_of_generation)
+        if token is None or ends:
             self._finish(run, "stop", end_token=token)
             return
-        logprob = None if params.logprobs is None else token_logprob(logits, token, params.logprobs)
         run.generated.append(token)
         run.pending_token = token
         delta = run.text.push(token)
         if delta or not run.text.stopped:
+            logprob = run.logprobs[-1] if run.logprobs else None
             run.handle.emit(TokenEvent(token=token, text=delta, logprob=logprob))
-        if logprob is not None:
-            run.logprobs.append(logprob)
         if run.text.stopped:
             self._finish(run, "stop")
         elif len(run.generated) >= params.max_tokens or len(run.slot.tokens) + 1 >= self.n_ctx:

@@ -17,6 +17,8 @@ import llama_cpp
 import numpy as np
 from pydantic import BaseModel, Field
 
+from baton_serve.replicas.engine.llama_model import LlamaModel
+
 # Same memory layout as llama.cpp's `llama_token_data`.
 TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 LLAMA_SEEDS = 0xFFFFFFFF  # llama.cpp seeds are 32-bit; this value itself means "random"
@@ -46,10 +48,6 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
-
-
-class GrammarError(ValueError):
-    """llama.cpp could not parse a request's grammar."""
 
 
 class TokenSampler:
@@ -117,6 +115,21 @@ class TokenSampler:
         candidates["logit"] = logits
         candidates["p"] = 0.0
         return candidates, _array_of(candidates)
+
+
+def sampling_problem(params: SamplingParams, model: LlamaModel) -> str | None:
+    """What makes `params` unservable (a token id outside the vocabulary, a grammar
+    llama.cpp cannot parse), if anything: a request's mistake, found before it queues."""
+    ids = [token for token, _ in params.logit_bias] + list(params.stop_token_ids)
+    bad = [token for token in ids if not 0 <= token < model.n_vocab]
+    if bad:
+        return f"token id {bad[0]} is not in the vocabulary [0, {model.n_vocab})"
+    if params.grammar is not None:
+        try:
+            _free([_grammar(params.grammar, model.vocab)])
+        except ValueError as exc:
+            return str(exc)
+    return None
 
 
 class TokenLogprob(BaseModel):
@@ -204,7 +217,7 @@ def _grammar(text: str, vocab: llama_cpp.llama_vocab_p | None) -> ctypes.c_void_
         raise ValueError("a grammar needs the model's vocabulary")
     sampler = llama_cpp.llama_sampler_init_grammar(vocab, text.encode(), b"root")
     if not sampler:
-        raise GrammarError("llama.cpp could not parse the grammar")
+        raise ValueError("llama.cpp could not parse the grammar (its log says where)")
     return sampler
 
 

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from baton_serve.replicas.engine.protocol import Completion, Timings, Usage
 from baton_serve.replicas.engine.request_handle import RequestHandle
-from baton_serve.replicas.engine.sampling import SamplingParams, TokenLogprob, TokenSampler
+from baton_serve.replicas.engine.sampling import (
+    SamplingParams,
+    TokenLogprob,
+    TokenSampler,
+    token_logprob,
+)
 from baton_serve.replicas.engine.text_stream import TextStream
 
 
@@ -58,6 +64,24 @@ class Running:
     @property
     def params(self) -> SamplingParams:
         return self.handle.request.sampling
+
+    def pick(
+        self, logits: np.ndarray, is_end_of_generation: Callable[[int], bool]
+    ) -> tuple[int | None, bool]:
+        """The next token and whether it ends the reply (an end-of-generation or stop token
+        id; None: a complete grammar left nothing to pick). A reply token's log-probability
+        is recorded when asked for."""
+        params = self.params
+        token = self.sampler(logits)
+        if token is None:
+            return None, True
+        end_of_generation = is_end_of_generation(token) and not params.ignore_eos
+        self.sampler.accept(token, end_of_generation=end_of_generation)
+        if end_of_generation or token in params.stop_token_ids:
+            return token, True
+        if params.logprobs is not None:
+            self.logprobs.append(token_logprob(logits, token, params.logprobs))
+        return token, False
 
     def completion(self, reason: str, now: float) -> Completion:
         """What the client gets when this request ends now, for `reason`."""
