@@ -27,9 +27,11 @@ class ChunkFormat(Protocol):
 
     def opening(self) -> list[BaseModel]: ...
 
-    def text(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> BaseModel: ...
+    def text(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> list[BaseModel]:
+        """Chunks for the next piece of text (none while text is held back)."""
+        ...
 
-    def finish(self, reason: api.FinishReason) -> BaseModel: ...
+    def finish(self, done: Completion) -> list[BaseModel]: ...
 
     def usage(self, usage: api.Usage) -> BaseModel: ...
 
@@ -83,12 +85,15 @@ async def _events(
                 if item.logprob is not None:
                     logprobs.append(item.logprob)
                 if item.text:
-                    yield _sse(chunks.text(item.text, logprobs).model_dump_json())
+                    for chunk in chunks.text(item.text, logprobs):
+                        yield _sse(chunk.model_dump_json())
                     logprobs = []
             elif isinstance(item, Completion):
                 if logprobs:  # tokens that showed no text (e.g. held back by a stop string)
-                    yield _sse(chunks.text("", logprobs).model_dump_json())
-                yield _sse(chunks.finish(finish_reason(item)).model_dump_json())
+                    for chunk in chunks.text("", logprobs):
+                        yield _sse(chunk.model_dump_json())
+                for chunk in chunks.finish(item):
+                    yield _sse(chunk.model_dump_json())
                 if include_usage:
                     yield _sse(chunks.usage(usage_of([item])).model_dump_json())
                 break

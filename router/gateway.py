@@ -9,28 +9,32 @@ as OpenAI JSON or as server-sent events.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
+from llama_cpp.llama_grammar import json_schema_to_gbnf
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from baton_serve.replicas.engine.prompt import ChatMessage, Prompt
+from baton_serve.replicas.engine.prompt import Prompt
 from baton_serve.replicas.engine.protocol import (
     Completion,
     GenerationRequest,
     ReplicaRequest,
 )
-from baton_serve.replicas.engine.sampling import SamplingParams, TokenLogprob
+from baton_serve.replicas.engine.sampling import SamplingParams
 from baton_serve.replicas.telemetry import tracing
 from baton_serve.replicas.telemetry.logs import bound_request
 from baton_serve.router import openai_types as api
+from baton_serve.router.chat_plan import plan_chat
+from baton_serve.router.chunks import ChatChunks, ReplyIds, ReplyReader, TextChunks, chat_choice
 from baton_serve.router.errors import (
     install_error_handlers,
     invalid_request,
@@ -133,31 +137,31 @@ class _Gateway:
 
     async def chat(self, body: api.ChatCompletionRequest) -> Response:
         self._check_model(body.model)
-        messages = [ChatMessage(role=m.role, content=m.content) for m in body.messages]
+        tools = self._builder.template_tools
+        plan = plan_chat(body, tools, self._schema_grammar)
         with tracing.span("tokenise") as span:
-            prompt = await run_in_threadpool(self._builder.from_messages, messages)
+            prompt = await run_in_threadpool(
+                self._builder.from_messages, plan.messages, plan.extras
+            )
             span.set_attribute("baton.prompt_tokens", len(prompt))
         request_id = bound_request() or uuid.uuid4().hex
+        routed = [{"role": m.role, "content": m.content or ""} for m in plan.messages]
         call = self._replica_request(
-            prompt, body, request_id, messages=[m.model_dump() for m in messages]
+            prompt, body, request_id, messages=routed, grammar=plan.grammar
         )
-        reply = _Reply(f"chatcmpl-{request_id}", int(time.time()), self._settings.model_name)
+        reader = ReplyReader(
+            plan.reply_parser(tools, self._builder.opens_reasoning(prompt)), plan.tools
+        )
+        reply = ReplyIds(f"chatcmpl-{request_id}", int(time.time()), self._settings.model_name)
         if body.stream:
-            chunks = _ChatChunks(reply, self._logprobs)
             return await event_stream(
                 self._replicas.stream(call),
-                chunks,
+                ChatChunks(reply, reader, self._logprobs),
                 body.include_usage,
                 self._settings.stream_ping_s,
             )
         done = await self._replicas.generate(call)
-        message = api.AssistantMessage(content=done.text)
-        choice = api.ChatChoice(
-            index=0,
-            message=message,
-            finish_reason=finish_reason(done),
-            logprobs=None if done.logprobs is None else self._logprobs.chat(done.logprobs),
-        )
+        choice = chat_choice(done, reader, self._logprobs)
         return _json(
             api.ChatCompletion(**asdict(reply), choices=[choice], usage=usage_of([done])), [done]
         )
@@ -176,9 +180,9 @@ class _Gateway:
             # One prompt keeps the request's id (so its replica's log lines name it).
             call_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             calls.append(self._replica_request(prompt, body, call_id, text=text))
-        reply = _Reply(f"cmpl-{request_id}", int(time.time()), self._settings.model_name)
+        reply = ReplyIds(f"cmpl-{request_id}", int(time.time()), self._settings.model_name)
         if body.stream:
-            chunks = _TextChunks(reply, self._logprobs)
+            chunks = TextChunks(reply, self._logprobs)
             return await event_stream(
                 self._replicas.stream(calls[0]),
                 chunks,
@@ -227,6 +231,7 @@ class _Gateway:
         *,
         text: str = "",
         messages: list[dict[str, str]] | None = None,
+        grammar: str | None = None,
     ) -> ReplicaRequest:
         sampling = SamplingParams(
             max_tokens=self._max_tokens(body.requested_tokens, len(prompt)),
@@ -243,6 +248,7 @@ class _Gateway:
             stop_token_ids=tuple(self._token_ids(body.stop_token_ids, "stop_token_ids")),
             ignore_eos=body.ignore_eos,
             logprobs=body.logprobs_count,
+            grammar=grammar,
         )
         with tracing.span("hash") as span:
             hashes = self._builder.hashes(prompt)
@@ -254,6 +260,12 @@ class _Gateway:
             chat_messages=messages,
             trace_context=tracing.inject(),
         )
+
+    @staticmethod
+    def _schema_grammar(schema: dict[str, Any]) -> str:
+        """A GBNF grammar for JSON that `schema` accepts (a tool call's, name first)."""
+        order = ["name", "arguments", "parameters"]
+        return json_schema_to_gbnf(json.dumps(schema), prop_order=order)
 
     def _logit_bias(self, biases: dict[str, float]) -> tuple[tuple[int, float], ...]:
         """OpenAI's `logit_bias` (token ids as JSON object keys) as (id, bias) pairs."""
@@ -289,65 +301,6 @@ class _Gateway:
 
 
 # ---- responses -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Reply:
-    """What every object of one response carries."""
-
-    id: str
-    created: int
-    model: str
-
-
-class _ChatChunks:
-    def __init__(self, reply: _Reply, logprobs: LogprobFormat) -> None:
-        self._reply = reply
-        self._logprobs = logprobs
-
-    def opening(self) -> list[BaseModel]:
-        return [self._chunk(api.ChatDelta(role="assistant", content=""))]
-
-    def text(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> BaseModel:
-        choice = api.ChatChunkChoice(
-            delta=api.ChatDelta(content=text),
-            logprobs=self._logprobs.chat(logprobs) if logprobs else None,
-        )
-        return api.ChatCompletionChunk(**asdict(self._reply), choices=[choice])
-
-    def finish(self, reason: api.FinishReason) -> BaseModel:
-        return self._chunk(api.ChatDelta(), reason)
-
-    def usage(self, usage: api.Usage) -> BaseModel:
-        return api.ChatCompletionChunk(**asdict(self._reply), choices=[], usage=usage)
-
-    def _chunk(self, delta: api.ChatDelta, reason: api.FinishReason | None = None) -> BaseModel:
-        choice = api.ChatChunkChoice(delta=delta, finish_reason=reason)
-        return api.ChatCompletionChunk(**asdict(self._reply), choices=[choice])
-
-
-class _TextChunks:
-    def __init__(self, reply: _Reply, logprobs: LogprobFormat) -> None:
-        self._reply = reply
-        self._logprobs = logprobs
-        self._sent = 0  # characters of text sent so far (logprobs' text offsets)
-
-    def opening(self) -> list[BaseModel]:
-        return []
-
-    def text(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> BaseModel:
-        formatted = self._logprobs.completion(logprobs, self._sent) if logprobs else None
-        self._sent += len(text)
-        return self._chunk(api.CompletionChoice(index=0, text=text, logprobs=formatted))
-
-    def finish(self, reason: api.FinishReason) -> BaseModel:
-        return self._chunk(api.CompletionChoice(index=0, text="", finish_reason=reason))
-
-    def usage(self, usage: api.Usage) -> BaseModel:
-        return api.TextCompletion(**asdict(self._reply), choices=[], usage=usage)
-
-    def _chunk(self, choice: api.CompletionChoice) -> BaseModel:
-        return api.TextCompletion(**asdict(self._reply), choices=[choice])
 
 
 def _json(body: BaseModel, done: Sequence[Completion] = ()) -> Response:

@@ -20,11 +20,13 @@ from pydantic import (
     model_validator,
 )
 
+from baton_serve.router.openai_tools import Tool, ToolCall, ToolCallDelta, ToolChoice
+
 MAX_STOP_SEQUENCES = 4
 MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 def _is_none(value: object) -> bool:
@@ -147,14 +149,37 @@ class _GenerationRequest(BaseModel):
 
 
 class InputMessage(BaseModel):
+    """A message of the conversation. An assistant message may carry `tool_calls` and no
+    content; a `tool` message answers the call named by `tool_call_id`."""
+
     model_config = ConfigDict(extra="ignore")
 
     role: str = Field(min_length=1)
-    content: MessageContent
+    content: MessageContent | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _shape_fits_role(self) -> InputMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages may carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant's tool calls may omit it)")
+        return self
 
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[InputMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] = Field(
+        default={}, description="extension: more variables for the chat template"
+    )
     max_tokens: int | None = Field(default=None, ge=1, description="deprecated by OpenAI")
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -235,7 +260,9 @@ class CompletionLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = Field(default=None, exclude_if=_is_none)
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatChoice(BaseModel):
@@ -257,6 +284,8 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
     content: str | None = Field(default=None, exclude_if=_is_none)
+    reasoning_content: str | None = Field(default=None, exclude_if=_is_none)
+    tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatChunkChoice(BaseModel):

@@ -4,7 +4,8 @@ template (loaded without weights), and their prefix hash chains for routing."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from baton_serve.cache_store.prefix_hash import PrefixHasher
 from baton_serve.replicas.engine.engine_config import context_size
@@ -18,7 +19,10 @@ from baton_serve.replicas.engine.prompt import (
     no_chat_template_message,
     text_prompt,
 )
+from baton_serve.router.chat_plan import TemplateTools
 from baton_serve.router.errors import context_length_exceeded, invalid_request
+from baton_serve.router.reply_parser import THINK_OPEN
+from baton_serve.router.tool_calls import ToolFormat
 
 
 class PromptBuilder:
@@ -34,15 +38,23 @@ class PromptBuilder:
     ) -> None:
         self._model = LlamaModel(model_path, vocab_only=True)
         self._template = model_chat_template(self._model, chat_template)
+        self.template_tools = (
+            TemplateTools.probe(self._template)
+            if self._template is not None
+            else TemplateTools(ToolFormat.HERMES, False, False, False)
+        )
         self._hasher = PrefixHasher(self._model.fingerprint, block_tokens)
         self.n_ctx = context_size(n_ctx, self._model.n_ctx_train)
 
-    def from_messages(self, messages: Sequence[ChatMessage]) -> Prompt:
-        """A chat rendered with the model's template, ending with the generation prompt."""
+    def from_messages(
+        self, messages: Sequence[ChatMessage], extras: Mapping[str, Any] | None = None
+    ) -> Prompt:
+        """A chat rendered with the model's template (`extras`: more template variables),
+        ending with the generation prompt."""
         if self._template is None:
             raise invalid_request(no_chat_template_message(self._model.name), param="messages")
         try:
-            prompt = chat_prompt(self._model, self._template, messages)
+            prompt = chat_prompt(self._model, self._template, messages, extras)
         except PromptError as exc:
             raise invalid_request(str(exc), param="messages") from exc
         return self.check_length(prompt)
@@ -69,6 +81,13 @@ class PromptBuilder:
     def token_bytes(self, token: int) -> bytes:
         """The text bytes of one token (empty for a vocabulary without text)."""
         return self._model.token_bytes(token)
+
+    def opens_reasoning(self, prompt: Prompt) -> bool:
+        """Whether the prompt ends inside an opened `<think>` (the reply starts reasoning)."""
+        if not self.template_tools.reasoning or not self._model.has_text:
+            return False
+        tail = b"".join(self._model.token_bytes(t) for t in prompt.tokens[-8:])
+        return tail.decode("utf-8", errors="replace").rstrip().endswith(THINK_OPEN)
 
     def hashes(self, prompt: Prompt) -> tuple[bytes, ...]:
         """The prompt's block hash chain (what the router looks up in the index)."""

@@ -4,24 +4,19 @@ model, spoken to with httpx and with the official `openai` client."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
-import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from fastapi import FastAPI
+from gateway_harness import Served, serving
 from openai.types.chat import ChatCompletionMessageParam
 from ray.serve.exceptions import BackPressureError
 
-from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.prompt import Prompt
 from baton_serve.replicas.engine.protocol import (
@@ -32,7 +27,6 @@ from baton_serve.replicas.engine.protocol import (
     TokenEvent,
 )
 from baton_serve.replicas.engine.sampling import SamplingParams
-from baton_serve.replicas.replica import Replica
 from baton_serve.router.gateway import GatewaySettings, create_app
 
 MODEL = "baton-tiny"
@@ -43,81 +37,11 @@ COMPLETIONS = "/v1/completions"
 HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello! Who are you?"}]
 
 
-class StartedReplica:
-    """A `Replica` as the gateway's `ReplicaClient`, started by its first request on the
-    server's event loop."""
-
-    def __init__(self, replica: Replica) -> None:
-        self.replica = replica
-        self._started = False
-
-    async def _start(self) -> None:
-        if not self._started:
-            self._started = True
-            await self.replica.start()
-
-    async def generate(self, request: ReplicaRequest) -> Completion:
-        await self._start()
-        return await self.replica.generate(request)
-
-    async def stream(
-        self, request: ReplicaRequest
-    ) -> AsyncGenerator[TokenEvent | Completion, None]:
-        await self._start()
-        async with contextlib.aclosing(self.replica.stream(request)) as items:
-            async for item in items:
-                yield item
-
-
-@dataclass
-class Served:
-    url: str
-    engine: Engine
-    readiness: dict[str, bool]
-
-
-@contextlib.contextmanager
-def _serve(app: FastAPI) -> Iterator[str]:
-    """Run `app` with uvicorn on a free local port, in a background thread."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-
-
-@contextlib.contextmanager
-def _serving(settings: GatewaySettings, config: EngineConfig) -> Iterator[Served]:
-    """The gateway over one replica of the settings' model, served; the engine is closed after."""
-    engine = Engine(settings.model_path, config, hmac_key=b"k")
-    readiness = {"ready": True}
-
-    async def ready() -> bool:
-        return readiness["ready"]
-
-    app = create_app(settings, StartedReplica(Replica("r0", engine)), ready=ready)
-    try:
-        with _serve(app) as url:
-            yield Served(url, engine, readiness)
-    finally:
-        engine.close()
-
-
 @pytest.fixture(scope="module")
 def served(tiny_model: Callable[[str], Path]) -> Iterator[Served]:
     """The open gateway: two slots, a 1024-token context, max_tokens capped at CAP."""
     settings = GatewaySettings(MODEL, str(tiny_model("qwen35")), n_ctx=1024, max_tokens_cap=CAP)
-    with _serving(settings, EngineConfig(n_ctx=1024, n_slots=2, n_threads=2)) as served:
+    with serving(settings, EngineConfig(n_ctx=1024, n_slots=2, n_threads=2)) as served:
         yield served
 
 
@@ -125,7 +49,7 @@ def served(tiny_model: Callable[[str], Path]) -> Iterator[Served]:
 def keyed(tiny_model: Callable[[str], Path]) -> Iterator[Served]:
     """A gateway that wants API key KEY; one slot, so a stuck stream would block it."""
     settings = GatewaySettings(MODEL, str(tiny_model("qwen35")), n_ctx=4096, api_keys=(KEY,))
-    with _serving(settings, EngineConfig(n_ctx=4096, n_slots=1, n_threads=2)) as served:
+    with serving(settings, EngineConfig(n_ctx=4096, n_slots=1, n_threads=2)) as served:
         yield served
 
 
@@ -587,7 +511,7 @@ def test_a_long_prefill_streams_headers_then_pings_then_tokens(
     connection busy until the first token (a real prefill of a long prompt); the official
     client reads through them."""
     settings = GatewaySettings(MODEL, str(tiny_model("llama")), n_ctx=8192, stream_ping_s=0.001)
-    with _serving(settings, EngineConfig(n_ctx=8192, n_slots=1, n_threads=1)) as served:
+    with serving(settings, EngineConfig(n_ctx=8192, n_slots=1, n_threads=1)) as served:
         body = {"model": MODEL, "prompt": [7] * 6000, "max_tokens": 3, "stream": True}
         with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event")

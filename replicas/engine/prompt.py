@@ -8,9 +8,10 @@ prefix reuse needs — and every message start is an exact token offset.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Protocol
+from typing import Any, Protocol
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -22,8 +23,20 @@ class PromptError(ValueError):
 
 
 class ChatMessage(BaseModel):
+    """One message as a chat template sees it (OpenAI's fields; tool call arguments as
+    objects, which is what templates that print them with `tojson` expect)."""
+
     role: str = Field(min_length=1)
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
+
+    def template_view(self) -> dict[str, Any]:
+        """The message for a template: `content` always, other fields only when set
+        (templates test `message.tool_calls is defined`)."""
+        return {"content": self.content, **self.model_dump(exclude_none=True)}
 
 
 class Prompt(BaseModel):
@@ -56,22 +69,35 @@ class Tokenizer(Protocol):
 
 
 class ChatTemplate:
-    """A model's chat template, rendered in a Jinja sandbox."""
+    """A model's chat template, rendered in a Jinja sandbox the way Hugging Face renders
+    it (loop controls, a `tojson` that keeps non-ASCII text, `raise_exception`)."""
 
     def __init__(self, source: str, *, bos_token: str, eos_token: str) -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.globals["raise_exception"] = _raise_template_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = _tojson
         try:
             self._template = env.from_string(source)
         except TemplateError as exc:
             raise PromptError(f"the model's chat template does not parse: {exc}") from exc
+        self.source = source
         self._specials = {"bos_token": bos_token, "eos_token": eos_token}
 
-    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool,
+        extras: Mapping[str, Any] | None = None,
+    ) -> str:
+        """`extras`: more template variables (`tools`, `chat_template_kwargs`' entries)."""
         try:
             return self._template.render(
-                messages=[m.model_dump() for m in messages],
+                **(extras or {}),
+                messages=[m.template_view() for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 **self._specials,
             )
@@ -114,13 +140,28 @@ def _raise_template_exception(message: str) -> None:
     raise PromptError(f"chat template rejected the messages: {message}")
 
 
+def _tojson(
+    value: object,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
 def text_prompt(tokenizer: Tokenizer, text: str, *, add_bos: bool) -> Prompt:
     """A raw text prompt (OpenAI completions): BOS where the model wants one."""
     return Prompt(tokens=tuple(tokenizer.tokenize(text, add_special=add_bos)))
 
 
 def chat_prompt(
-    tokenizer: Tokenizer, template: ChatTemplate, messages: Sequence[ChatMessage]
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    messages: Sequence[ChatMessage],
+    extras: Mapping[str, Any] | None = None,
 ) -> Prompt:
     """Render `messages` plus the generation prompt; record each message's first token.
 
@@ -134,19 +175,23 @@ def chat_prompt(
     pieces: list[list[str]] = []
     rendered = ""
     for i in range(1, len(messages) + 1):
-        text = template.render(messages[:i], add_generation_prompt=False)
+        text = template.render(messages[:i], add_generation_prompt=False, extras=extras)
         if not text.startswith(rendered):
             # The template rewrites earlier messages (e.g. drops old reasoning):
             # message offsets are unknowable, so tokenize the whole rendering at once.
-            full = template.render(messages, add_generation_prompt=True)
+            full = template.render(messages, add_generation_prompt=True, extras=extras)
             return Prompt(tokens=tuple(tokenizer.tokenize(full)))
-        opened = template.render(messages[: i - 1], add_generation_prompt=True) if i > 1 else ""
+        opened = (
+            template.render(messages[: i - 1], add_generation_prompt=True, extras=extras)
+            if i > 1
+            else ""
+        )
         if len(rendered) < len(opened) and opened.startswith(rendered) and text.startswith(opened):
             pieces.append([opened[len(rendered) :], text[len(opened) :]])
         else:
             pieces.append([text[len(rendered) :]])
         rendered = text
-    full = template.render(messages, add_generation_prompt=True)
+    full = template.render(messages, add_generation_prompt=True, extras=extras)
     if not full.startswith(rendered):
         return Prompt(tokens=tuple(tokenizer.tokenize(full)))
     tokens: list[int] = []
