@@ -133,6 +133,8 @@ def test_unservable_sampling_fails_the_request_only(tiny_model, make_engine) -> 
     request = GenerationRequest(prompt=prompt, sampling=SamplingParams(grammar="root ::= ("))
     with pytest.raises(InvalidGeneration, match="grammar"):
         engine.submit(request).result(timeout=30)
+    with pytest.raises(InvalidGeneration, match="ignore_eos"):
+        engine.generate(prompt, SamplingParams(grammar='root ::= "a"', ignore_eos=True))
     with pytest.raises(InvalidGeneration, match="vocabulary"):
         engine.generate(prompt, SamplingParams(stop_token_ids=(10**7,)))
     assert engine.generate(prompt, SamplingParams(max_tokens=3, ignore_eos=True)).tokens

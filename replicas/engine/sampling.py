@@ -124,6 +124,8 @@ def sampling_problem(params: SamplingParams, model: LlamaModel) -> str | None:
     bad = [token for token in ids if not 0 <= token < model.n_vocab]
     if bad:
         return f"token id {bad[0]} is not in the vocabulary [0, {model.n_vocab})"
+    if params.grammar is not None and params.ignore_eos:
+        return "ignore_eos cannot be combined with a grammar (the grammar ends the reply)"
     if params.grammar is not None:
         try:
             _free([_grammar(params.grammar, model.vocab)])
