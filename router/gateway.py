@@ -9,7 +9,6 @@ as OpenAI JSON or as server-sent events.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -19,7 +18,6 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
-from llama_cpp.llama_grammar import json_schema_to_gbnf
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
@@ -33,7 +31,7 @@ from baton_serve.replicas.engine.sampling import SamplingParams
 from baton_serve.replicas.telemetry import tracing
 from baton_serve.replicas.telemetry.logs import bound_request
 from baton_serve.router import openai_types as api
-from baton_serve.router.chat_plan import plan_chat
+from baton_serve.router.chat_plan import ChatPlan, plan_chat
 from baton_serve.router.chunks import ChatChunks, ReplyIds, ReplyReader, TextChunks, chat_choice
 from baton_serve.router.errors import (
     install_error_handlers,
@@ -50,6 +48,11 @@ from baton_serve.router.http_telemetry import HTTPTelemetry
 from baton_serve.router.logprobs import LogprobFormat
 from baton_serve.router.middleware import APIKeyAuth, BodySizeLimit
 from baton_serve.router.prompt_builder import PromptBuilder
+from baton_serve.router.structured_output import (
+    SchemaNotEnforceable,
+    response_grammar,
+    schema_grammar,
+)
 
 REPLICA_HEADER = "X-Baton-Replica"  # on non-streamed replies: the replica(s) that served them
 
@@ -138,7 +141,8 @@ class _Gateway:
     async def chat(self, body: api.ChatCompletionRequest) -> Response:
         self._check_model(body.model)
         tools = self._builder.template_tools
-        plan = plan_chat(body, tools, self._schema_grammar)
+        plan = plan_chat(body, tools, self._call_grammar)
+        grammar = self._reply_grammar(body, plan)
         with tracing.span("tokenise") as span:
             prompt = await run_in_threadpool(
                 self._builder.from_messages, plan.messages, plan.extras
@@ -146,9 +150,7 @@ class _Gateway:
             span.set_attribute("baton.prompt_tokens", len(prompt))
         request_id = bound_request() or uuid.uuid4().hex
         routed = [{"role": m.role, "content": m.content or ""} for m in plan.messages]
-        call = self._replica_request(
-            prompt, body, request_id, messages=routed, grammar=plan.grammar
-        )
+        call = self._replica_request(prompt, body, request_id, messages=routed, grammar=grammar)
         reader = ReplyReader(
             plan.reply_parser(tools, self._builder.opens_reasoning(prompt)), plan.tools
         )
@@ -262,10 +264,27 @@ class _Gateway:
         )
 
     @staticmethod
-    def _schema_grammar(schema: dict[str, Any]) -> str:
-        """A GBNF grammar for JSON that `schema` accepts (a tool call's, name first)."""
-        order = ["name", "arguments", "parameters"]
-        return json_schema_to_gbnf(json.dumps(schema), prop_order=order)
+    def _call_grammar(schema: dict[str, Any]) -> str:
+        """A grammar for a tool call's JSON (its name first)."""
+        try:
+            return schema_grammar(schema, prop_order=["name", "arguments", "parameters"])
+        except SchemaNotEnforceable as exc:
+            raise invalid_request(f"A tool's parameters: {exc}", param="tools") from None
+
+    @staticmethod
+    def _reply_grammar(body: api.ChatCompletionRequest, plan: ChatPlan) -> str | None:
+        """The grammar of a forced tool call, or of `response_format` (not both)."""
+        try:
+            grammar = response_grammar(body.response_format)
+        except SchemaNotEnforceable as exc:
+            raise invalid_request(str(exc), param="response_format") from None
+        if grammar is not None and plan.tools:
+            raise invalid_request(
+                "response_format cannot be combined with tools the model may call; "
+                'send tool_choice "none", or no response_format.',
+                param="response_format",
+            )
+        return grammar or plan.grammar
 
     def _logit_bias(self, biases: dict[str, float]) -> tuple[tuple[int, float], ...]:
         """OpenAI's `logit_bias` (token ids as JSON object keys) as (id, bias) pairs."""

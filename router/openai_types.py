@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from baton_serve.router.openai_tools import Tool, ToolCall, ToolCallDelta, ToolChoice
+from baton_serve.router.structured_output import ResponseFormat
 
 MAX_STOP_SEQUENCES = 4
 MAX_SEED = 2**63 - 1
@@ -177,6 +178,7 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] = Field(
         default={}, description="extension: more variables for the chat template"
     )

@@ -22,6 +22,7 @@ from baton_serve.router.chat_plan import TemplateTools
 from baton_serve.router.gateway import GatewaySettings
 from baton_serve.router.openai_tools import Tool
 from baton_serve.router.reply_parser import ReplyParser
+from baton_serve.router.structured_output import schema_grammar
 from baton_serve.router.tool_calls import (
     ToolFormat,
     call_schema,
@@ -182,10 +183,7 @@ def test_templates_are_probed_for_tool_support(name: str, fmt: ToolFormat) -> No
 
 
 def _call_grammar(fmt: ToolFormat, tools: list[Tool], *, parallel: bool) -> str:
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
-
-    schema = json.dumps(call_schema(tools, fmt))
-    rules = json_schema_to_gbnf(schema, prop_order=["name", "arguments", "parameters"])
+    rules = schema_grammar(call_schema(tools, fmt), prop_order=["name", fmt.arguments_key])
     return wrap_call_grammar(rules, fmt, parallel=parallel)
 
 
