@@ -7,9 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import schemathesis
+from gateway_harness import serving
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
-from test_gateway import _serving
 
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.router.gateway import GatewaySettings
@@ -26,7 +26,7 @@ def test_no_generated_request_gets_a_server_error(tiny_model: Callable[[str], Pa
     gateway = GatewaySettings(
         MODEL, str(tiny_model("qwen35")), n_ctx=N_CTX, max_tokens_cap=MAX_TOKENS_CAP
     )
-    with _serving(gateway, EngineConfig(n_ctx=N_CTX, n_slots=2, n_threads=2)) as served:
+    with serving(gateway, EngineConfig(n_ctx=N_CTX, n_slots=2, n_threads=2)) as served:
         schema = schemathesis.openapi.from_url(f"{served.url}/openapi.json")
         operations = [result.ok() for result in schema.get_all_operations()]
         assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions"}
