@@ -1,7 +1,9 @@
 """OpenAI API bodies: the requests Baton accepts and the responses it sends.
 
-Requests ignore fields they do not know, treat an explicit `null` as "not set", and reject
-features Baton does not serve (n > 1, echo) instead of ignoring them. `top_k`, `min_p`,
+Requests refuse fields they do not know (a 400 naming the field: a feature Baton does not
+serve is never silently dropped), accept a few that have no effect on the reply (`user`,
+`metadata`, `store`, `service_tier`, `safety_identifier`, `prompt_cache_key`), treat an
+explicit `null` as "not set", and reject values Baton does not serve (n > 1, echo). `top_k`, `min_p`,
 `repetition_penalty`, `stop_token_ids` and `ignore_eos` are extensions (as in vLLM).
 """
 
@@ -94,7 +96,7 @@ Prompts = Annotated[
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
 
@@ -102,7 +104,7 @@ class StreamOptions(BaseModel):
 class _GenerationRequest(BaseModel):
     """The fields chat and text completions share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -124,7 +126,15 @@ class _GenerationRequest(BaseModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(
         default={}, description="token id (as a string) → a bias added to its logit"
     )
-    user: str | None = None
+    # Accepted and without effect on the reply: identifiers and bookkeeping for the client.
+    user: str | None = Field(default=None, description="no effect: an end-user id")
+    metadata: dict[str, str] | None = Field(default=None, description="no effect: tags")
+    store: bool | None = Field(default=None, description="no effect: Baton stores nothing")
+    service_tier: str | None = Field(default=None, description="no effect: one tier")
+    safety_identifier: str | None = Field(default=None, description="no effect: an end-user id")
+    prompt_cache_key: str | None = Field(
+        default=None, description="no effect: Baton finds cached prefixes by their tokens"
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -153,7 +163,7 @@ class InputMessage(BaseModel):
     """A message of the conversation. An assistant message may carry `tool_calls` and no
     content; a `tool` message answers the call named by `tool_call_id`."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: str = Field(min_length=1)
     content: MessageContent | None = None

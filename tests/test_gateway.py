@@ -276,6 +276,24 @@ BAD_REQUESTS = [  # path, body (JSON, or raw bytes), then (status, param, code)
         CHAT, _chat(max_tokens=CAP + 1), (400, "max_tokens", None), id="max_tokens over the cap"
     ),
     pytest.param(CHAT, _chat(n=2), (400, "n", None), id="n=2"),
+    pytest.param(CHAT, _chat(functions=[]), (400, "functions", None), id="legacy functions"),
+    pytest.param(
+        CHAT, _chat(reasoning_effort="low"), (400, "reasoning_effort", None), id="unknown field"
+    ),
+    pytest.param(
+        CHAT,
+        _chat(messages=[{"role": "user", "content": "x", "audio": {}}]),
+        (400, "messages[0].audio", None),
+        id="unknown message field",
+    ),
+    pytest.param(
+        CHAT,
+        _chat(stream=True, stream_options={"include_usage": True, "x": 1}),
+        (400, "stream_options.x", None),
+        id="unknown stream option",
+    ),
+    pytest.param(COMPLETIONS, _text("a", suffix="b"), (400, "suffix", None), id="suffix"),
+    pytest.param(COMPLETIONS, _text("a", best_of=2), (400, "best_of", None), id="best_of"),
     pytest.param(CHAT, _chat(temperature=3), (400, "temperature", None), id="temperature 3"),
     pytest.param(CHAT, _chat(top_p=0), (400, "top_p", None), id="top_p 0"),
     pytest.param(CHAT, _chat(stop=["a", "b", "c", "d", "e"]), (400, "stop", None), id="five stops"),
@@ -361,6 +379,22 @@ def test_oversized_body_is_refused_before_parsing(client: httpx.Client) -> None:
     )
     assert streamed.status_code == 413
     assert client.get("/health").status_code == 200
+
+
+def test_harmless_fields_are_accepted(client: httpx.Client) -> None:
+    """Fields with no effect on the reply are accepted, not refused; an unknown field's
+    error names it."""
+    harmless = {
+        "user": "u-1",
+        "metadata": {"team": "a"},
+        "store": False,
+        "service_tier": "auto",
+        "safety_identifier": "s",
+        "prompt_cache_key": "k",
+    }
+    assert client.post(CHAT, json=_chat(**harmless)).status_code == 200
+    refused = client.post(CHAT, json=_chat(logit_bias_x=1)).json()["error"]
+    assert refused["param"] == "logit_bias_x" and "logit_bias_x" in refused["message"]
 
 
 def test_server_still_serves_after_bad_requests(client: httpx.Client) -> None:
