@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP gateway, independent of how replicas are reached.
 
-`create_app` serves /v1/chat/completions, /v1/completions, /v1/models and /health. A
-request is checked, tokenised and hashed here, then handed to a `ReplicaClient` (a
-`Replica` in process, or a router over many) as a `ReplicaRequest`; the answer goes back
-as OpenAI JSON or as server-sent events.
+`create_app` serves /v1/chat/completions, /v1/completions, /v1/models, /health, and
+llama-server's /tokenize and /detokenize. A request is checked, tokenised and hashed here,
+then handed to a `ReplicaClient` (a `Replica` in process, or a router over many) as a
+`ReplicaRequest`; the answer goes back as OpenAI JSON or as server-sent events.
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ from baton_serve.router.structured_output import (
     response_grammar,
     schema_grammar,
 )
+from baton_serve.router.tokenizer_api import TokenizerAPI
 
+AUTHENTICATED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # /health stays open for probes
 REPLICA_HEADER = "X-Baton-Replica"  # on non-streamed replies: the replica(s) that served them
 
 GenerationBody = api.ChatCompletionRequest | api.CompletionRequest
@@ -114,9 +116,12 @@ def create_app(
     )
     app.add_api_route("/v1/models", gateway.models, methods=["GET"], response_model=api.ModelList)
     app.add_api_route("/health", gateway.health, methods=["GET"])
+    tokenizer = TokenizerAPI(builder)
+    app.add_api_route("/tokenize", tokenizer.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", tokenizer.detokenize, methods=["POST"])
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     if settings.api_keys:
-        app.add_middleware(APIKeyAuth, keys=settings.api_keys, prefix="/v1/")
+        app.add_middleware(APIKeyAuth, keys=settings.api_keys, prefixes=AUTHENTICATED_PATHS)
     app.add_middleware(HTTPTelemetry)  # the outermost: its span covers all the others
     return app
 

@@ -14,15 +14,15 @@ from baton_serve.router.errors import body_too_large, invalid_api_key
 
 
 class APIKeyAuth:
-    """Requires `Authorization: Bearer <key>`, with one of `keys`, on paths under `prefix`."""
+    """Requires `Authorization: Bearer <key>`, with one of `keys`, on paths under `prefixes`."""
 
-    def __init__(self, app: ASGIApp, *, keys: Sequence[str], prefix: str) -> None:
+    def __init__(self, app: ASGIApp, *, keys: Sequence[str], prefixes: Sequence[str]) -> None:
         self._app = app
         self._keys = [key.encode() for key in keys]
-        self._prefix = prefix
+        self._prefixes = tuple(prefixes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and app_path(scope).startswith(self._prefix):
+        if scope["type"] == "http" and app_path(scope).startswith(self._prefixes):
             with tracing.span("auth") as span:
                 authorized = self._authorized(Headers(scope=scope))
                 span.set_attribute("baton.authorized", authorized)

@@ -78,6 +78,14 @@ class PromptBuilder:
     def n_vocab(self) -> int:
         return self._model.n_vocab
 
+    @property
+    def has_text(self) -> bool:
+        return self._model.has_text
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        """Raises `PromptError` for a vocabulary without text."""
+        return self._model.tokenize(text, add_special=add_special, parse_special=parse_special)
+
     def token_bytes(self, token: int) -> bytes:
         """The text bytes of one token (empty for a vocabulary without text)."""
         return self._model.token_bytes(token)

@@ -27,6 +27,7 @@ from baton_serve.replicas.engine.protocol import (
     TokenEvent,
 )
 from baton_serve.replicas.engine.sampling import SamplingParams
+from baton_serve.replicas.models.tiny_model import ModelVariant, write_tiny_model
 from baton_serve.router.gateway import GatewaySettings, create_app
 
 MODEL = "baton-tiny"
@@ -651,3 +652,61 @@ def test_logit_bias_and_penalties_reach_the_sampler(served: Served, client: http
         Prompt(tokens=prompt), SamplingParams(max_tokens=8, ignore_eos=True, **penalties)
     )
     assert greedy_text(**penalties) == direct.text  # the fields reach the sampler unchanged
+
+
+# ---- /tokenize and /detokenize --------------------------------------------------------------
+
+
+def test_tokenize_round_trip(served: Served, client: httpx.Client) -> None:
+    """llama-server's shapes and defaults: no BOS unless asked, special tokens parsed."""
+    text = "<|im_start|>Hello, wörld!"
+    ids = client.post("/tokenize", json={"content": text}).json()["tokens"]
+    assert ids == served.engine.model.tokenize(text)
+    assert client.post("/detokenize", json={"tokens": ids}).json() == {"content": text}
+    pieces = client.post("/tokenize", json={"content": text, "with_pieces": True}).json()
+    assert [p["id"] for p in pieces["tokens"]] == ids
+    joined = b"".join(
+        bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode()
+        for p in pieces["tokens"]
+    )
+    assert joined.decode() == text
+    literal = client.post("/tokenize", json={"content": text, "parse_special": False}).json()
+    assert len(literal["tokens"]) > len(ids)
+    with_bos = client.post("/tokenize", json={"content": "Hi", "add_special": True}).json()
+    plain = client.post("/tokenize", json={"content": "Hi"}).json()
+    bos = served.engine.model.bos_token
+    assert with_bos["tokens"] == ([bos] if served.engine.model.add_bos else []) + plain["tokens"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/tokenize", {"content": "x", "extra": 1}, "extra"),
+        ("/tokenize", {}, "content"),
+    ],
+)
+def test_tokenizer_bad_input(client: httpx.Client, path: str, body: dict, param: str) -> None:
+    response = client.post(path, json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param
+
+
+def test_tokenizer_needs_the_key(keyed: Served) -> None:
+    with httpx.Client(base_url=keyed.url) as client:
+        assert client.post("/tokenize", json={"content": "x"}).status_code == 401
+        headers = {"Authorization": f"Bearer {KEY}"}
+        assert client.post("/tokenize", json={"content": "x"}, headers=headers).status_code == 200
+
+
+def test_tokenizer_on_a_vocabulary_without_text(tmp_path: Path) -> None:
+    """A model whose vocabulary has no text: a clear 400, never a llama.cpp abort."""
+    path = write_tiny_model("llama", tmp_path / "none.gguf", variant=ModelVariant(vocab="none"))
+    settings = GatewaySettings(MODEL, str(path), n_ctx=256)
+    with serving(settings, EngineConfig(n_ctx=256, n_slots=1, n_threads=1)) as served:
+        with httpx.Client(base_url=served.url) as client:
+            for path_, body in [("/tokenize", {"content": "x"}), ("/detokenize", {"tokens": [1]})]:
+                response = client.post(path_, json=body)
+                assert response.status_code == 400, response.text
+                assert "text" in response.json()["error"]["message"]
