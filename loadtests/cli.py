@@ -49,6 +49,15 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     engine.add_argument("--json", action="store_true", help="print one JSON object")
     engine.set_defaults(run=_bench_engine)
 
+    sampling = benches.add_parser(
+        "sampling", help="llama.cpp's sampler chain vs the numpy sampler; grammar vs none"
+    )
+    sampling.add_argument("--model", help=MODEL_HELP)
+    sampling.add_argument("--tokens", type=int, default=128, help="tokens decoded per run")
+    sampling.add_argument("--runs", type=int, default=5)
+    sampling.add_argument("--json", action="store_true", help="print one JSON object")
+    sampling.set_defaults(run=_bench_sampling)
+
     index = benches.add_parser("index", help="index lookup latency, Redis and embedded backends")
     index.add_argument("--redis", help="redis:// URL (default: a private redis-server)")
     index.add_argument("--checkpoints", type=int, default=100_000)
@@ -174,6 +183,17 @@ def _bench_engine(args: argparse.Namespace) -> int:
         progress.step("plotting")
         written = engine_plots(result, Path(args.out))
     _report(args, result, format_report(result), written)
+    return 0
+
+
+def _bench_sampling(args: argparse.Namespace) -> int:
+    from baton_serve.loadtests.sampling_bench import format_report, sampling_benchmark
+
+    with _progress(args, "sampling") as progress:
+        result = sampling_benchmark(
+            resolve_model(args.model), tokens=args.tokens, runs=args.runs, progress=progress
+        )
+    _report(args, result, format_report(result), [])
     return 0
 
 

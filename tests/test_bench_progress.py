@@ -120,3 +120,23 @@ def test_bench_index_shows_its_phases(tmp_path: Path) -> None:
     for phase in ("redis: publishing 500", "redis: 20 lookups", "embedded: 20 lookups"):
         assert phase in done.stderr
     assert "[bench" not in done.stdout and "redis" in done.stdout
+
+
+def test_bench_sampling_reports_rates_ratios_and_targets(tmp_path: Path) -> None:
+    """`bench sampling` on a generated model: per-token sampling times, decode rates with the
+    chain, the numpy baseline and a grammar, their ratios and the targets (values vary)."""
+    done = _baton(
+        "bench", "sampling", "--model", "tiny:llama", "--tokens", "6", "--runs", "1", "--json",
+        cache=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert set(result["sample_us_per_token"]) == {"greedy", "temperature"}
+    assert set(result["decode_tokens_per_s"]) == {
+        "greedy", "temperature", "temperature_json_schema"
+    }  # fmt: skip
+    assert all(rate["median"] > 0 for rate in result["decode_tokens_per_s"].values())
+    assert set(result["ratios"]) == {
+        "chain_over_numpy_greedy", "chain_over_numpy_temperature", "json_schema_over_none"
+    }  # fmt: skip
+    assert set(result["targets"]) == {"chain_over_numpy >= 1.0", "json_schema_over_none >= 0.7"}

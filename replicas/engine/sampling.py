@@ -70,13 +70,17 @@ class TokenSampler:
         self._candidates = np.zeros(n_vocab, dtype=TOKEN_DATA)
         self._grammar = _grammar(params.grammar, vocab) if params.grammar else None
         self._chain = _chain(params, n_vocab, prompt)
+        self._argmax_only = llama_cpp.llama_sampler_chain_n(self._chain) == 1 and params.greedy
         owned = [s for s in (self._chain, self._grammar) if s]
         self._finalizer = weakref.finalize(self, _free, owned)
 
     def __call__(self, logits: np.ndarray) -> int | None:
         """The next token, or None when a grammar allows no token (it is complete and the
         model has no end-of-generation token it could pick)."""
-        token = self._pick(logits, with_grammar=False)
+        if self._argmax_only:  # llama.cpp's lone greedy sampler is an argmax: skip the copy
+            token = int(np.argmax(logits))
+        else:
+            token = self._pick(logits, with_grammar=False)
         if self._grammar is not None and not self._grammar_allows(token, logits[token]):
             if not self._grammar_allows_any(logits):
                 return None
