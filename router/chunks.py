@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from pydantic import BaseModel
@@ -66,7 +67,7 @@ class ReplyReader:
 def chat_choice(done: Completion, reader: ReplyReader, logprobs: LogprobFormat) -> api.ChatChoice:
     message, called = reader.message(done.text)
     return api.ChatChoice(
-        index=0,
+        index=done.index,
         message=message,
         finish_reason="tool_calls" if called else finish_reason(done),
         logprobs=None if done.logprobs is None else logprobs.chat(done.logprobs),
@@ -74,40 +75,52 @@ def chat_choice(done: Completion, reader: ReplyReader, logprobs: LogprobFormat) 
 
 
 class ChatChunks:
-    """A streamed chat reply: reasoning and content deltas as they come, tool calls at the end."""
+    """A streamed chat reply: reasoning and content deltas as they come, tool calls at the
+    end; each choice (n > 1) read by its own `ReplyReader` from `new_reader`."""
 
-    def __init__(self, ids: ReplyIds, reader: ReplyReader, logprobs: LogprobFormat) -> None:
+    def __init__(
+        self, ids: ReplyIds, new_reader: Callable[[], ReplyReader], logprobs: LogprobFormat
+    ) -> None:
         self._ids = ids
-        self._reader = reader
+        self._readers: dict[int, ReplyReader] = defaultdict(new_reader)
         self._logprobs = logprobs
 
     def opening(self) -> list[BaseModel]:
         return [self._chunk(api.ChatDelta(role="assistant", content=""))]
 
-    def text(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> list[BaseModel]:
+    def text(
+        self, text: str, logprobs: Sequence[TokenLogprob] = (), index: int = 0
+    ) -> list[BaseModel]:
         formatted = self._logprobs.chat(logprobs) if logprobs else None
-        chunks = [self._chunk(_delta(piece)) for piece in self._reader.feed(text)]
+        pieces = self._readers[index].feed(text)
+        chunks = [self._chunk(_delta(piece), index=index) for piece in pieces]
         if formatted is not None:
             if not chunks:  # the text is held back (a marker may be starting): keep the order
-                chunks = [self._chunk(api.ChatDelta(content=""))]
+                chunks = [self._chunk(api.ChatDelta(content=""), index=index)]
             chunks[0].choices[0].logprobs = formatted
         return chunks
 
     def finish(self, done: Completion) -> list[BaseModel]:
-        pieces, calls = self._reader.finish()
-        chunks = [self._chunk(_delta(piece)) for piece in pieces]
-        for index, call in enumerate(calls):
-            chunks += [self._chunk(api.ChatDelta(tool_calls=[d])) for d in call_deltas(index, call)]
-        reason = "tool_calls" if calls else finish_reason(done)
-        return [*chunks, self._chunk(api.ChatDelta(), reason)]
+        chunks = []
+        for choice in done.choices:
+            pieces, calls = self._readers[choice.index].finish()
+            chunks += [self._chunk(_delta(piece), index=choice.index) for piece in pieces]
+            for i, call in enumerate(calls):
+                deltas = call_deltas(i, call)
+                chunks += [
+                    self._chunk(api.ChatDelta(tool_calls=[d]), index=choice.index) for d in deltas
+                ]
+            reason = "tool_calls" if calls else finish_reason(choice)
+            chunks.append(self._chunk(api.ChatDelta(), reason, index=choice.index))
+        return chunks
 
     def usage(self, usage: api.Usage) -> BaseModel:
         return api.ChatCompletionChunk(**asdict(self._ids), choices=[], usage=usage)
 
     def _chunk(
-        self, delta: api.ChatDelta, reason: api.FinishReason | None = None
+        self, delta: api.ChatDelta, reason: api.FinishReason | None = None, *, index: int = 0
     ) -> api.ChatCompletionChunk:
-        choice = api.ChatChunkChoice(delta=delta, finish_reason=reason)
+        choice = api.ChatChunkChoice(index=index, delta=delta, finish_reason=reason)
         return api.ChatCompletionChunk(**asdict(self._ids), choices=[choice])
 
 
@@ -123,19 +136,26 @@ class TextChunks:
     def __init__(self, ids: ReplyIds, logprobs: LogprobFormat) -> None:
         self._ids = ids
         self._logprobs = logprobs
-        self._sent = 0  # characters of text sent so far (logprobs' text offsets)
+        self._sent: dict[int, int] = defaultdict(int)  # characters sent, by choice
 
     def opening(self) -> list[BaseModel]:
         return []
 
-    def text(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> list[BaseModel]:
-        formatted = self._logprobs.completion(logprobs, self._sent) if logprobs else None
-        self._sent += len(text)
-        return [self._chunk(api.CompletionChoice(index=0, text=text, logprobs=formatted))]
+    def text(
+        self, text: str, logprobs: Sequence[TokenLogprob] = (), index: int = 0
+    ) -> list[BaseModel]:
+        offset = self._sent[index]
+        formatted = self._logprobs.completion(logprobs, offset) if logprobs else None
+        self._sent[index] += len(text)
+        return [self._chunk(api.CompletionChoice(index=index, text=text, logprobs=formatted))]
 
     def finish(self, done: Completion) -> list[BaseModel]:
-        reason = finish_reason(done)
-        return [self._chunk(api.CompletionChoice(index=0, text="", finish_reason=reason))]
+        return [
+            self._chunk(
+                api.CompletionChoice(index=c.index, text="", finish_reason=finish_reason(c))
+            )
+            for c in done.choices
+        ]
 
     def usage(self, usage: api.Usage) -> BaseModel:
         return api.TextCompletion(**asdict(self._ids), choices=[], usage=usage)

@@ -137,7 +137,9 @@ def from_exception(exc: Exception) -> APIError:
         return exc
     if isinstance(exc, PromptTooLong):
         return context_length_exceeded(exc.prompt_tokens, exc.n_ctx)
-    if isinstance(exc, PromptError | InvalidGeneration):
+    if isinstance(exc, InvalidGeneration):
+        return invalid_request(str(exc), param=exc.param)
+    if isinstance(exc, PromptError):
         return invalid_request(str(exc))
     if isinstance(exc, EngineClosed):
         return no_capacity("The replica is shutting down; retry shortly.")

@@ -27,8 +27,10 @@ class ChunkFormat(Protocol):
 
     def opening(self) -> list[BaseModel]: ...
 
-    def text(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> list[BaseModel]:
-        """Chunks for the next piece of text (none while text is held back)."""
+    def text(
+        self, text: str, logprobs: Sequence[TokenLogprob] = (), index: int = 0
+    ) -> list[BaseModel]:
+        """Chunks for the next piece of choice `index`'s text (none while it is held back)."""
         ...
 
     def finish(self, done: Completion) -> list[BaseModel]: ...
@@ -42,9 +44,10 @@ def finish_reason(done: Completion) -> api.FinishReason:
 
 
 def usage_of(done: Sequence[Completion]) -> api.Usage:
-    """The usage of one or several completions (n prompts of one request), summed."""
+    """The usage of one or several completions (n prompts of one request), summed; a
+    prompt's choices share its prompt tokens."""
     prompt = sum(d.usage.prompt_tokens for d in done)
-    completion = sum(d.usage.completion_tokens for d in done)
+    completion = sum(c.usage.completion_tokens for d in done for c in d.choices)
     cached = sum(d.usage.cached_tokens for d in done)
     return api.Usage(
         prompt_tokens=prompt,
@@ -74,7 +77,7 @@ async def _events(
     items: AsyncGenerator[object, None], chunks: ChunkFormat, include_usage: bool
 ) -> AsyncGenerator[str, None]:
     """OpenAI's chunks, then `[DONE]`; a failure mid-stream is sent as an error event."""
-    logprobs: list[TokenLogprob] = []  # of tokens whose text has not been sent yet
+    logprobs: dict[int, list[TokenLogprob]] = {}  # by choice: tokens whose text is not sent
     try:
         for chunk in chunks.opening():
             yield _sse(chunk.model_dump_json())
@@ -82,15 +85,16 @@ async def _events(
             if item is _PING:
                 yield ": ping\n\n"
             elif isinstance(item, TokenEvent):
+                pending = logprobs.setdefault(item.index, [])
                 if item.logprob is not None:
-                    logprobs.append(item.logprob)
+                    pending.append(item.logprob)
                 if item.text:
-                    for chunk in chunks.text(item.text, logprobs):
+                    for chunk in chunks.text(item.text, pending, item.index):
                         yield _sse(chunk.model_dump_json())
-                    logprobs = []
+                    pending.clear()
             elif isinstance(item, Completion):
-                if logprobs:  # tokens that showed no text (e.g. held back by a stop string)
-                    for chunk in chunks.text("", logprobs):
+                for index, pending in logprobs.items():  # tokens that showed no text
+                    for chunk in chunks.text("", pending, index) if pending else []:
                         yield _sse(chunk.model_dump_json())
                 for chunk in chunks.finish(item):
                     yield _sse(chunk.model_dump_json())

@@ -156,9 +156,11 @@ class _Gateway:
         request_id = bound_request() or uuid.uuid4().hex
         routed = [{"role": m.role, "content": m.content or ""} for m in plan.messages]
         call = self._replica_request(prompt, body, request_id, messages=routed, grammar=grammar)
-        reader = ReplyReader(
-            plan.reply_parser(tools, self._builder.opens_reasoning(prompt)), plan.tools
-        )
+        in_reasoning = self._builder.opens_reasoning(prompt)
+
+        def reader() -> ReplyReader:  # one per choice
+            return ReplyReader(plan.reply_parser(tools, in_reasoning), plan.tools)
+
         reply = ReplyIds(f"chatcmpl-{request_id}", int(time.time()), self._settings.model_name)
         if body.stream:
             return await event_stream(
@@ -168,9 +170,9 @@ class _Gateway:
                 self._settings.stream_ping_s,
             )
         done = await self._replicas.generate(call)
-        choice = chat_choice(done, reader, self._logprobs)
+        choices = [chat_choice(c, reader(), self._logprobs) for c in done.choices]
         return _json(
-            api.ChatCompletion(**asdict(reply), choices=[choice], usage=usage_of([done])), [done]
+            api.ChatCompletion(**asdict(reply), choices=choices, usage=usage_of([done])), [done]
         )
 
     async def complete(self, body: api.CompletionRequest) -> Response:
@@ -197,14 +199,15 @@ class _Gateway:
                 self._settings.stream_ping_s,
             )
         done = await asyncio.gather(*(self._replicas.generate(call) for call in calls))
-        choices = [
+        choices = [  # prompt-major, as OpenAI numbers them
             api.CompletionChoice(
-                index=i,
-                text=d.text,
-                finish_reason=finish_reason(d),
-                logprobs=None if d.logprobs is None else self._logprobs.completion(d.logprobs),
+                index=i * body.n + c.index,
+                text=c.text,
+                finish_reason=finish_reason(c),
+                logprobs=None if c.logprobs is None else self._logprobs.completion(c.logprobs),
             )
             for i, d in enumerate(done)
+            for c in d.choices
         ]
         return _json(
             api.TextCompletion(**asdict(reply), choices=choices, usage=usage_of(done)), done
@@ -261,7 +264,9 @@ class _Gateway:
             hashes = self._builder.hashes(prompt)
             span.set_attribute("baton.blocks", len(hashes))
         return ReplicaRequest(
-            generation=GenerationRequest(prompt=prompt, sampling=sampling, request_id=request_id),
+            generation=GenerationRequest(
+                prompt=prompt, sampling=sampling, request_id=request_id, n=body.n
+            ),
             prefix_hashes=hashes,
             prompt=text,
             chat_messages=messages,

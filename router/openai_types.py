@@ -3,8 +3,8 @@
 Requests refuse fields they do not know (a 400 naming the field: a feature Baton does not
 serve is never silently dropped), accept a few that have no effect on the reply (`user`,
 `metadata`, `store`, `service_tier`, `safety_identifier`, `prompt_cache_key`), treat an
-explicit `null` as "not set", and reject values Baton does not serve (n > 1, echo). `top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids` and `ignore_eos` are extensions (as in vLLM).
+explicit `null` as "not set", and reject values Baton does not serve (`echo`). `top_k`,
+`min_p`, `repetition_penalty`, `stop_token_ids` and `ignore_eos` are extensions (as in vLLM).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from baton_serve.router.structured_output import ResponseFormat
 MAX_STOP_SEQUENCES = 4
 MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
@@ -117,7 +118,7 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
         default=[], description="extension: token ids that end the reply (not returned)"
     )
-    n: Literal[1] = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="at most the replica's slots")
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(

@@ -230,7 +230,7 @@ def test_openai_client(served: Served) -> None:
 def test_openai_client_errors(served: Served, keyed: Served) -> None:
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model=MODEL, messages=HELLO, n=2)
+        client.chat.completions.create(model=MODEL, messages=HELLO, n=3)  # 2 slots
     assert bad.value.param == "n" and bad.value.type == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as long:
         client.completions.create(model=MODEL, prompt=[1] * 2000)
@@ -276,7 +276,8 @@ BAD_REQUESTS = [  # path, body (JSON, or raw bytes), then (status, param, code)
     pytest.param(
         CHAT, _chat(max_tokens=CAP + 1), (400, "max_tokens", None), id="max_tokens over the cap"
     ),
-    pytest.param(CHAT, _chat(n=2), (400, "n", None), id="n=2"),
+    pytest.param(CHAT, _chat(n=3), (400, "n", None), id="n over the slots"),
+    pytest.param(CHAT, _chat(n=17), (400, "n", None), id="n over 16"),
     pytest.param(CHAT, _chat(functions=[]), (400, "functions", None), id="legacy functions"),
     pytest.param(
         CHAT, _chat(reasoning_effort="low"), (400, "reasoning_effort", None), id="unknown field"
@@ -710,3 +711,42 @@ def test_tokenizer_on_a_vocabulary_without_text(tmp_path: Path) -> None:
                 response = client.post(path_, json=body)
                 assert response.status_code == 400, response.text
                 assert "text" in response.json()["error"]["message"]
+
+
+# ---- n > 1 ---------------------------------------------------------------------------------
+
+
+def test_n_choices_with_the_openai_client(served: Served) -> None:
+    """Two choices from one prefill: whole and streamed (the SDK's deltas by index), seeded
+    so that streamed equals whole; the prompt is counted once in the usage."""
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    asked = {"model": MODEL, "messages": HELLO, "n": 2, "temperature": 1.0, "seed": 4}
+    limit = {"max_completion_tokens": 6, "extra_body": {"ignore_eos": True}}
+    whole = client.chat.completions.create(**asked, **limit)
+    assert [c.index for c in whole.choices] == [0, 1]
+    texts = [c.message.content for c in whole.choices]
+    assert texts[0] != texts[1]
+    single = client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_completion_tokens=6, extra_body={"ignore_eos": True}
+    )
+    assert whole.usage.prompt_tokens == single.usage.prompt_tokens
+    assert whole.usage.completion_tokens == 12
+
+    streamed = {0: "", 1: ""}
+    finished = {}
+    for chunk in client.chat.completions.create(**asked, **limit, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished[choice.index] = choice.finish_reason
+    assert [streamed[0], streamed[1]] == texts
+    assert finished == {0: "length", 1: "length"}
+
+
+def test_n_choices_for_several_prompts_are_numbered_prompt_major(client: httpx.Client) -> None:
+    body = _text(["One", "Two"], n=2, max_tokens=3, temperature=1.0, seed=1, ignore_eos=True)
+    response = client.post(COMPLETIONS, json=body)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert response.json()["usage"]["completion_tokens"] == 12

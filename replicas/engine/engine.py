@@ -54,10 +54,9 @@ from baton_serve.replicas.engine.protocol import (
     TokenEvent,
 )
 from baton_serve.replicas.engine.request_handle import RequestHandle
-from baton_serve.replicas.engine.sampling import SamplingParams, TokenSampler, sampling_problem
-from baton_serve.replicas.engine.slots import Phase, Running, Slot
+from baton_serve.replicas.engine.sampling import SamplingParams, sampling_problem
+from baton_serve.replicas.engine.slots import Phase, Running, Slot, start_request
 from baton_serve.replicas.engine.stats import EngineLoad, EngineStats
-from baton_serve.replicas.engine.text_stream import TextStream
 from baton_serve.replicas.telemetry import metrics
 from baton_serve.replicas.telemetry.logs import request_fields
 
@@ -136,6 +135,9 @@ class Engine:
         self._check_open()
         if problem := sampling_problem(request.sampling, self.model):
             raise InvalidGeneration(problem)
+        if request.n > len(self._slots):
+            message = f"n is {request.n}; this replica serves n <= {len(self._slots)}"
+            raise InvalidGeneration(message, param="n")
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; raises `PromptError`, `PromptTooLong` or `EngineClosed` at once."""
@@ -225,7 +227,7 @@ class Engine:
         self._admit()
         running = self._running()
         decoding = [r for r in running if r.phase is Phase.DECODE]
-        prefilling = [r for r in running if r.phase is not Phase.DECODE]
+        prefilling = [r for r in running if r.phase in (Phase.PREFILL, Phase.REPLAY)]
         if decoding and not (prefilling and not self._last_step_was_prefill):
             self._decode_step(decoding)
             self._last_step_was_prefill = False
@@ -252,9 +254,10 @@ class Engine:
         while True:
             free = [s for s in self._slots if s.running is None]
             with self._wakeup:
-                if not free or not self._waiting or self._replay_pending(self._waiting[0]):
+                handle = self._waiting[0] if self._waiting else None
+                if handle is None or len(free) < handle.request.n or self._replay_pending(handle):
                     return
-                handle = self._waiting.pop(0)
+                self._waiting.pop(0)
             self._start(handle, free)
 
     def _replay_pending(self, handle: RequestHandle) -> bool:
@@ -265,28 +268,12 @@ class Engine:
         return self.cache.replay_pending_for(handle.request.prompt.tokens, self._running())
 
     def _start(self, handle: RequestHandle, free: list[Slot]) -> None:
-        prompt = handle.request.prompt
-        admitted_at = time.perf_counter()
-        params = handle.request.sampling
-        sampler = TokenSampler(
-            params, self.model.n_vocab, vocab=self.model.vocab, prompt=prompt.tokens
-        )
+        prompt, admitted_at = handle.request.prompt, time.perf_counter()
         slot, cached = self.cache.place(prompt.tokens, free)
         cuts = self.cache.checkpoints_for(prompt, cached)
         pieces = prefill_pieces(cached, len(prompt), cuts, self.config.prefill_chunk)
-        slot.running = Running(
-            handle=handle,
-            slot=slot,
-            cached=cached,
-            feed=prompt.tokens,
-            pieces=pieces,
-            checkpoints=set(cuts) & set(pieces),
-            sampler=sampler,
-            text=TextStream(self.model.token_bytes, params.stop),
-            submitted_at=time.perf_counter(),
-            admitted_at=admitted_at,
-        )
-        slot.last_used = time.monotonic()
+        checkpoints = set(cuts) & set(pieces)
+        start_request(handle, self.model, slot, free, cached, pieces, checkpoints, admitted_at)
 
     # ---- steps ---------------------------------------------------------------------------
 
@@ -325,6 +312,10 @@ class Engine:
         if end in run.checkpoints:
             self.cache.save_checkpoint(slot)
         if wants_logits:
+            for fork in run.forks:  # n > 1: each choice starts from this prompt's state
+                self._context.copy_sequence(slot.seq_id, fork.slot.seq_id)
+                fork.slot.tokens = list(slot.tokens)
+                self._sampled(fork, logits[len(entries) - 1])
             self._sampled(run, logits[len(entries) - 1])
         elif run.phase is Phase.REPLAY and not run.pieces:
             self._release(slot)
@@ -366,7 +357,7 @@ class Engine:
         delta = run.text.push(token)
         if delta or not run.text.stopped:
             logprob = run.logprobs[-1] if run.logprobs else None
-            run.handle.emit(TokenEvent(token=token, text=delta, logprob=logprob))
+            run.handle.emit(TokenEvent(token=token, text=delta, logprob=logprob, index=run.index))
         if run.text.stopped:
             self._finish(run, "stop")
         elif len(run.generated) >= params.max_tokens or len(run.slot.tokens) + 1 >= self.n_ctx:
@@ -378,8 +369,12 @@ class Engine:
         """Answer the client now; then replay the reply so the cache holds exact states."""
         rest = run.text.flush()
         if rest:
-            run.handle.emit(TokenEvent(token=run.generated[-1], text=rest))
+            run.handle.emit(TokenEvent(token=run.generated[-1], text=rest, index=run.index))
         self._complete(run, reason)
+        if run.index:  # a later choice of an n > 1 request: only the first one is replayed
+            self.cache.rewind_to_prompt(run)
+            self._release(run.slot)
+            return
         if not self.config.prefix_cache:
             self._release(run.slot)
             return
@@ -400,7 +395,7 @@ class Engine:
     def _complete(self, run: Running, reason: str) -> None:
         self.stats.requests += 1
         run.sampler.close()
-        run.handle.finish(run.completion(reason, time.perf_counter()))
+        run.handle.finish_choice(run.completion(reason, time.perf_counter()))
 
     def _release(self, slot: Slot) -> None:
         slot.running = None
@@ -409,6 +404,7 @@ class Engine:
     def _fail(self, run: Running, error: EngineError) -> None:
         """Fail one request; its slot's state is unknown, so it is emptied."""
         run.sampler.close()
+        run.handle.cancelled = True  # its other choices (n > 1) stop at the next step
         if not run.handle.done:
             run.handle.finish(None, error)
         self._context.clear(run.slot.seq_id)

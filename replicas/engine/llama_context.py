@@ -123,6 +123,11 @@ class LlamaContext:
     def clear(self, seq_id: int) -> None:
         llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
 
+    def copy_sequence(self, source: int, target: int) -> None:
+        """Make `target` hold exactly `source`'s state (KV cells, recurrent state)."""
+        self.clear(target)
+        llama_cpp.llama_memory_seq_cp(self.memory, source, target, -1, -1)
+
     def truncate(self, seq_id: int, n_tokens: int) -> bool:
         """Drop positions ≥ n_tokens. False where what is left is not the exact state of
         the first n_tokens: recurrent memory, or a sliding window that dropped some of the

@@ -22,6 +22,7 @@ class GenerationRequest(BaseModel):
     sampling: SamplingParams = SamplingParams()
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
     return_logits: bool = False
+    n: int = Field(default=1, ge=1, description="choices: one prefill, forked n ways")
 
 
 class Usage(BaseModel):
@@ -58,6 +59,13 @@ class Completion(BaseModel):
     logits: np.ndarray | None = None  # logits of the last sampling step, when asked for
     logprobs: list[TokenLogprob] | None = None  # one per generated token, when asked for
     replica_id: str | None = None  # the replica that served it (set by `Replica`)
+    index: int = 0  # which choice of an n > 1 request
+    extra_choices: list[Completion] = Field(default_factory=list)  # choices 1 … n-1
+
+    @property
+    def choices(self) -> list[Completion]:
+        """Every choice, in order (one for n = 1)."""
+        return [self, *self.extra_choices]
 
 
 class TokenEvent(BaseModel):
@@ -68,6 +76,7 @@ class TokenEvent(BaseModel):
     token: int
     text: str
     logprob: TokenLogprob | None = None
+    index: int = 0  # which choice of an n > 1 request
 
 
 class Admitted(BaseModel):
@@ -95,7 +104,14 @@ class PromptTooLong(EngineError, ValueError):
 
 class InvalidGeneration(EngineError, ValueError):
     """The request asks for something the engine cannot do (e.g. a grammar llama.cpp
-    cannot parse): the client's mistake."""
+    cannot parse): the client's mistake. `param`: the request field at fault, if known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message, param)  # both in args: it survives pickling (Ray)
+        self.message, self.param = message, param
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class EngineClosed(EngineError):

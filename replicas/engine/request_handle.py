@@ -34,6 +34,7 @@ class RequestHandle:
         self._lock = threading.Lock()
         self._history: list[object] = []  # replayed to readers that join late
         self._readers: list[Callable[[object], None]] = []
+        self._choices: dict[int, Completion] = {}
         self.cancelled = False
 
     @property
@@ -98,6 +99,15 @@ class RequestHandle:
 
     def emit(self, event: TokenEvent) -> None:
         self._publish(event)
+
+    def finish_choice(self, completion: Completion) -> None:
+        """One choice is done; the request finishes with its last choice (all, in order)."""
+        if self.done:
+            return
+        self._choices[completion.index] = completion
+        if len(self._choices) == self.request.n:
+            first, *rest = (self._choices[i] for i in range(self.request.n))
+            self.finish(first.model_copy(update={"extra_choices": rest}))
 
     def finish(self, completion: Completion | None, error: BaseException | None = None) -> None:
         self._completion, self._error = completion, error

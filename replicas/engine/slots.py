@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.engine.protocol import Completion, Timings, Usage
 from baton_serve.replicas.engine.request_handle import RequestHandle
 from baton_serve.replicas.engine.sampling import (
@@ -23,6 +25,7 @@ class Phase(enum.Enum):
     PREFILL = "prefill"  # computing the prompt, piece by piece
     DECODE = "decode"  # generating one token per step
     REPLAY = "replay"  # answered; recomputing the reply as a prefill for the cache
+    WAIT = "wait"  # another choice of an n > 1 request, waiting for the prompt's state
 
 
 @dataclass
@@ -56,6 +59,8 @@ class Running:
     last_token_at: float | None = None
     last_logits: np.ndarray | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    index: int = 0  # which choice of the request
+    forks: list[Running] = field(default_factory=list)  # choices that start from this prompt
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -87,6 +92,7 @@ class Running:
         """What the client gets when this request ends now, for `reason`."""
         n_prompt, first = len(self.prompt), self.first_token_at
         return Completion(
+            index=self.index,
             request_id=self.handle.request.request_id,
             tokens=list(self.generated),
             text=self.text.text,
@@ -108,3 +114,47 @@ class Running:
             logits=self.last_logits,
             logprobs=None if self.params.logprobs is None else list(self.logprobs),
         )
+
+
+def start_request(
+    handle: RequestHandle,
+    model: LlamaModel,
+    slot: Slot,
+    free: Sequence[Slot],
+    cached: int,
+    pieces: list[int],
+    checkpoints: set[int],
+    admitted_at: float,
+) -> Running:
+    """Put `handle`'s request in `slot` (which holds `cached` tokens of its prompt) and, for
+    n > 1, its other choices in the least recently used other `free` slots, waiting to fork
+    from the prompt's state. Each choice samples on its own; with a seed, choice i draws
+    from seed + i."""
+    request, started = handle.request, time.perf_counter()
+    others = sorted((s for s in free if s is not slot), key=lambda s: s.last_used)
+    runs = []
+    for index, target in enumerate([slot, *others][: request.n]):
+        params = request.sampling
+        if index and params.seed is not None:
+            params = params.model_copy(update={"seed": params.seed + index})
+        sampler = TokenSampler(
+            params, model.n_vocab, vocab=model.vocab, prompt=request.prompt.tokens
+        )
+        target.running = Running(
+            handle=handle,
+            slot=target,
+            cached=cached,
+            feed=request.prompt.tokens,
+            pieces=pieces if not index else [],
+            checkpoints=checkpoints if not index else set(),
+            sampler=sampler,
+            text=TextStream(model.token_bytes, params.stop),
+            submitted_at=started,
+            admitted_at=admitted_at,
+            phase=Phase.PREFILL if not index else Phase.WAIT,
+            index=index,
+        )
+        target.last_used = time.monotonic()
+        runs.append(target.running)
+    runs[0].forks = runs[1:]
+    return runs[0]
