@@ -9,6 +9,7 @@ from pathlib import Path
 import schemathesis
 from gateway_harness import serving
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
 from baton_serve.replicas.engine.engine_config import EngineConfig
@@ -41,7 +42,10 @@ def test_no_generated_request_gets_a_server_error(tiny_model: Callable[[str], Pa
 def _fuzz(operation: schemathesis.APIOperation, statuses: set[int]) -> None:
     """`EXAMPLES_PER_OPERATION` generated calls of `operation`; no 5xx allowed."""
 
-    @given(case=operation.as_strategy().map(_naming_the_served_model))
+    cases = operation.as_strategy().map(_naming_the_served_model)
+    steered = st.tuples(cases, st.booleans()).map(lambda pair: _servable(pair[0], pair[1]))
+
+    @given(case=steered)
     @settings(
         max_examples=EXAMPLES_PER_OPERATION,
         deadline=None,
@@ -60,4 +64,21 @@ def _naming_the_served_model(case: schemathesis.Case) -> schemathesis.Case:
     """A random `model` only ever gets a 404; the served one lets the body reach the engine."""
     if isinstance(case.body, dict) and "model" in case.body:
         case.body["model"] = MODEL
+    return case
+
+
+def _servable(case: schemathesis.Case, steer: bool) -> schemathesis.Case:
+    """Half the cases, made likelier to reach the engine: fields whose valid values depend
+    on the served model (token ids) dropped, every message given text content. The other
+    half stay as generated."""
+    if not steer or not isinstance(case.body, dict):
+        return case
+    case.body.pop("logit_bias", None)
+    case.body.pop("stop_token_ids", None)
+    if "prompt" in case.body:
+        case.body["prompt"] = "Hello"
+    for message in case.body.get("messages") or []:
+        if isinstance(message, dict):
+            message["content"] = "Hello"
+            message.pop("tool_calls", None)
     return case
