@@ -47,6 +47,7 @@ test: install redis-server helm
 bench: install redis-server
 	$(BIN)/baton bench engine --model tiny:qwen35
 	$(BIN)/baton bench engine --concurrency 4
+	$(BIN)/baton bench sampling
 	$(BIN)/baton bench index
 	$(BIN)/baton bench ship
 	$(BIN)/baton bench serve

@@ -3,6 +3,7 @@ llama.cpp with generated models."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from baton_serve.replicas.engine.protocol import GenerationRequest, InvalidGeneration
@@ -81,3 +82,24 @@ def test_cancelling_stops_every_choice(tiny_model, make_engine) -> None:
     assert {c.finish_reason for c in done.choices} == {"cancelled"}
     assert engine.wait_idle(30)
     assert engine.generate(prompt, SamplingParams(max_tokens=3, ignore_eos=True)).tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_slots_of_choices_that_end_at_once_stay_exact(arch, tiny_model, make_engine) -> None:
+    """Three choices that each end at their first token free their slots at once; the next
+    requests, placed in those slots and reusing the prompt, get exactly the logits of a
+    fresh engine (a deferred `llama_memory_seq_cp` would corrupt them)."""
+    engine = make_engine(tiny_model(arch), n_slots=3)
+    prompt = engine.text_prompt("A shared beginning for every choice, " * 6)
+    engine.submit(_request(prompt, n=3, max_tokens=1, ignore_eos=True)).result(60)
+    follow = engine.text_prompt("A shared beginning for every choice, " * 6 + "and then more.")
+    sampling = SamplingParams(max_tokens=1)  # the prefill's logits: no batching rounding
+    handles = [
+        engine.submit(GenerationRequest(prompt=follow, sampling=sampling, return_logits=True))
+        for _ in range(3)
+    ]
+    fresh = make_engine(tiny_model(arch), n_slots=1).generate(follow, sampling, return_logits=True)
+    for handle in handles:
+        done = handle.result(60)
+        assert done.tokens == fresh.tokens
+        assert np.array_equal(done.logits, fresh.logits)

@@ -124,9 +124,14 @@ class LlamaContext:
         llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
 
     def copy_sequence(self, source: int, target: int) -> None:
-        """Make `target` hold exactly `source`'s state (KV cells, recurrent state)."""
-        self.clear(target)
-        llama_cpp.llama_memory_seq_cp(self.memory, source, target, -1, -1)
+        """Make `target` hold exactly `source`'s state (KV cells, recurrent state), now.
+
+        Through a state copy, not `llama_memory_seq_cp`: with one KV stream per sequence that
+        copy is deferred to the next `llama_decode`, and a state saved, restored or cut in
+        either sequence before then is corrupted (measured: logits off by up to 2.4) — which
+        a choice that ends at its first token, its slot reused at once, would do.
+        """
+        self.restore_state(target, self.save_state(source))
 
     def truncate(self, seq_id: int, n_tokens: int) -> bool:
         """Drop positions ≥ n_tokens. False where what is left is not the exact state of

@@ -80,12 +80,14 @@ class TokenSampler:
         if self._argmax_only:  # llama.cpp's lone greedy sampler is an argmax: skip the copy
             token = int(np.argmax(logits))
         else:
-            token = self._pick(logits, with_grammar=False)
-        if self._grammar is not None and not self._grammar_allows(token, logits[token]):
-            if not self._grammar_allows_any(logits):
-                return None
-            token = self._pick(logits, with_grammar=True)
-        return token
+            token = self._pick(self._fill(logits))
+        if self._grammar is None or self._grammar_allows(token, logits[token]):
+            return token
+        array = self._fill(logits)  # filter the whole vocabulary, then pick again
+        llama_cpp.llama_sampler_apply(self._grammar, ctypes.byref(array))
+        if not np.isfinite(self._candidates["logit"][: array.size]).any():
+            return None
+        return self._pick(array)
 
     def accept(self, token: int, *, end_of_generation: bool = False) -> None:
         """Record a generated token (penalties count it; the grammar advances over it)."""
@@ -96,10 +98,7 @@ class TokenSampler:
     def close(self) -> None:
         self._finalizer()
 
-    def _pick(self, logits: np.ndarray, *, with_grammar: bool) -> int:
-        candidates, array = self._fill(logits)
-        if with_grammar:
-            llama_cpp.llama_sampler_apply(self._grammar, ctypes.byref(array))
+    def _pick(self, array: llama_cpp.llama_token_data_array) -> int:
         llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(array))
         return int(array.data[array.selected].id)
 
@@ -108,17 +107,13 @@ class TokenSampler:
         llama_cpp.llama_sampler_apply(self._grammar, ctypes.byref(_array_of(single)))
         return bool(np.isfinite(single["logit"][0]))
 
-    def _grammar_allows_any(self, logits: np.ndarray) -> bool:
-        candidates, array = self._fill(logits)
-        llama_cpp.llama_sampler_apply(self._grammar, ctypes.byref(array))
-        return bool(np.isfinite(candidates["logit"][: array.size]).any())
-
-    def _fill(self, logits: np.ndarray) -> tuple[np.ndarray, llama_cpp.llama_token_data_array]:
+    def _fill(self, logits: np.ndarray) -> llama_cpp.llama_token_data_array:
+        """The candidates (every token, with its logit), as llama.cpp's array over them."""
         candidates = self._candidates
         candidates["id"] = self._ids
         candidates["logit"] = logits
         candidates["p"] = 0.0
-        return candidates, _array_of(candidates)
+        return _array_of(candidates)
 
 
 def sampling_problem(params: SamplingParams, model: LlamaModel) -> str | None:
