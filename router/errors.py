@@ -172,13 +172,14 @@ async def _invalid_body(_: Request, exc: Exception) -> JSONResponse:
     if param is None:
         message = "The request body must be a JSON object (Content-Type: application/json)."
         return invalid_request(message).response()
-    unknown = [_path(e["loc"]) for e in errors if e["type"] == "extra_forbidden"]
+    unknown = [_path(e["loc"]) or "body" for e in errors if e["type"] == "extra_forbidden"]
     if unknown:
         message = (
-            f"Unsupported field {unknown[0]}: Baton does not serve it (it is refused rather "
-            "than ignored); see the API reference at /docs for the accepted fields."
+            f"Unsupported field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: Baton "
+            "does not serve it (refused rather than ignored); /openapi.json lists the fields "
+            "it accepts."
         )
-        return invalid_request(message, param=unknown[0]).response()
+        return invalid_request(message, param=unknown[0], code="unsupported_parameter").response()
     problems = "; ".join(f"{_path(e['loc']) or 'body'}: {e['msg']}" for e in errors[:5])
     return invalid_request(f"Invalid request: {problems}", param=param).response()
 

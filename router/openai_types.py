@@ -130,8 +130,10 @@ class _GenerationRequest(BaseModel):
     # Accepted and without effect on the reply: identifiers and bookkeeping for the client.
     user: str | None = Field(default=None, description="no effect: an end-user id")
     metadata: dict[str, str] | None = Field(default=None, description="no effect: tags")
-    store: bool | None = Field(default=None, description="no effect: Baton stores nothing")
-    service_tier: str | None = Field(default=None, description="no effect: one tier")
+    store: Literal[False] | None = Field(default=None, description="Baton stores nothing")
+    service_tier: Literal["auto", "default"] | None = Field(
+        default=None, description="no effect: one tier"
+    )
     safety_identifier: str | None = Field(default=None, description="no effect: an end-user id")
     prompt_cache_key: str | None = Field(
         default=None, description="no effect: Baton finds cached prefixes by their tokens"

@@ -1,116 +1,119 @@
-"""JSON Schemas for structured-output tests: what Baton's grammar enforces, and what it
-refuses. A generated model samples at random, so every string in the generation corpus is
-bounded (maxLength, enum, pattern or format) and so is every array: an unbounded string from
-random weights rarely closes its quote."""
+"""JSON schemas for structured output: ones Baton enforces, and ones it refuses.
+
+`SUPPORTED`: name → schema. Strings and arrays are mostly bounded (`maxLength`, `maxItems`,
+enums, formats) because the sampling test runs them on a random-weight model, which at
+temperature 1 rarely chooses to close an unbounded string; a few unbounded ones remain.
+`UNSUPPORTED`: (name, schema, keyword, JSON pointer) — the keyword and where the 400 names it.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-S = {"type": "string", "maxLength": 8}  # a short free string
+Schema = dict[str, Any]
 
-GENERATED: dict[str, dict[str, Any]] = {
-    "flat-object": {
+_NAME = {"type": "string", "maxLength": 10}
+_SHORT = {"type": "string", "maxLength": 6}
+
+SUPPORTED: dict[str, Schema] = {
+    "flat_object": {
         "type": "object",
-        "properties": {"name": S, "age": {"type": "integer"}},
-        "required": ["name", "age"],
+        "properties": {"name": _NAME, "age": {"type": "integer"}, "ok": {"type": "boolean"}},
+        "required": ["name", "age", "ok"],
     },
-    "optional-properties": {
+    "optional_properties": {
         "type": "object",
-        "properties": {"a": S, "b": {"type": "integer"}, "c": {"type": "boolean"}},
-        "required": ["a"],
+        "properties": {"id": {"type": "integer"}, "nick": _SHORT, "score": {"type": "number"}},
+        "required": ["id"],
     },
-    "all-optional": {"type": "object", "properties": {"x": {"type": "number"}, "y": S}},
-    "nested-objects": {
+    "no_required": {"type": "object", "properties": {"a": {"type": "boolean"}, "b": _SHORT}},
+    "nested_objects": {
         "type": "object",
         "properties": {
             "user": {
                 "type": "object",
                 "properties": {
-                    "id": {"type": "integer"},
+                    "name": _NAME,
                     "address": {
                         "type": "object",
                         "properties": {
-                            "city": S,
+                            "city": _NAME,
                             "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
                         },
                         "required": ["city", "zip"],
                     },
                 },
-                "required": ["id", "address"],
+                "required": ["name", "address"],
             }
         },
         "required": ["user"],
     },
-    "array-of-integers": {"type": "array", "items": {"type": "integer"}, "maxItems": 5},
-    "array-bounds": {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 4},
-    "array-of-objects": {
-        "type": "array",
-        "maxItems": 3,
-        "items": {
-            "type": "object",
-            "properties": {
-                "sku": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
-                "qty": {"type": "integer"},
-            },
-            "required": ["sku", "qty"],
-        },
-    },
-    "nested-arrays": {
-        "type": "array",
-        "maxItems": 3,
-        "items": {"type": "array", "maxItems": 3, "items": {"type": "number"}},
-    },
-    "string-enum": {"type": "string", "enum": ["red", "green", "blue"]},
-    "mixed-enum": {"enum": ["auto", 1, 2.5, True, None]},
-    "enum-property": {
-        "type": "object",
-        "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "value": {"type": "number"}},
-        "required": ["unit", "value"],
-    },
-    "const": {
-        "type": "object",
-        "properties": {"version": {"const": 2}, "kind": {"const": "event"}},
-        "required": ["version", "kind"],
-    },
-    "string-lengths": {"type": "string", "minLength": 2, "maxLength": 6},
-    "pattern-date-like": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
-    "pattern-alternatives": {"type": "string", "pattern": "^(yes|no|maybe)$"},
-    "pattern-classes": {"type": "string", "pattern": "^[a-f0-9]{8}$"},
-    "format-date": {"type": "string", "format": "date"},
-    "format-time": {"type": "string", "format": "time"},
-    "format-date-time": {"type": "string", "format": "date-time"},
-    "format-uuid": {"type": "string", "format": "uuid"},
-    "booleans-and-null": {
-        "type": "object",
-        "properties": {"ok": {"type": "boolean"}, "error": {"type": "null"}},
-        "required": ["ok", "error"],
-    },
-    "nullable": {
+    "array_bounds": {
         "type": "object",
         "properties": {
-            "note": {"anyOf": [S, {"type": "null"}]},
-            "flag": {"type": ["boolean", "null"]},
+            "tags": {"type": "array", "items": _SHORT, "minItems": 1, "maxItems": 3},
+            "pair": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2},
         },
-        "required": ["note"],
+        "required": ["tags", "pair"],
     },
-    "any-of": {"anyOf": [{"type": "integer"}, S]},
-    "one-of-disjoint": {
+    "array_unbounded_items": {"type": "array", "items": {"type": "boolean"}},
+    "enum_strings": {
+        "type": "object",
+        "properties": {"status": {"type": "string", "enum": ["open", "closed", "on hold"]}},
+        "required": ["status"],
+    },
+    "enum_mixed": {"enum": ["a", 1, 2.5, True, None, {"k": [1, 2]}, [3, "x"]]},
+    "nullable_enum": {"type": ["string", "null"], "enum": ["low", "high", None]},
+    "enum_unicode": {"enum": ["café", "naïve", "日本"]},
+    "const_values": {
+        "type": "object",
+        "properties": {"v": {"const": 2}, "kind": {"const": "point"}, "o": {"const": {"a": [1]}}},
+        "required": ["v", "kind", "o"],
+    },
+    "integer_bounds": {"type": "integer", "minimum": -5, "maximum": 120},
+    "integer_exclusive_bounds": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10},
+    "integer_multiple_of": {"type": "integer", "minimum": 0, "maximum": 100, "multipleOf": 5},
+    "numbers": {
+        "type": "object",
+        "properties": {"x": {"type": "number"}, "y": {"type": "number"}, "n": {"type": "integer"}},
+        "required": ["x", "y", "n"],
+    },
+    "string_lengths": {"type": "string", "minLength": 2, "maxLength": 5},
+    "string_unbounded": {
+        "type": "object",
+        "properties": {"s": {"type": "string"}},
+        "required": ["s"],
+    },
+    "pattern_digits": {"type": "string", "pattern": "^\\d{3}-\\d{4}$"},
+    "pattern_alternation": {"type": "string", "pattern": "^red|green|blue$"},
+    "pattern_classes": {
+        "type": "string",
+        "pattern": "^[A-Z]{2}[0-9]{2,4}(-[a-z_]{1,6})?\\.v[1-9]$",
+    },
+    "format_date": {"type": "string", "format": "date"},
+    "format_time": {"type": "string", "format": "time"},
+    "format_date_time": {"type": "string", "format": "date-time"},
+    "format_uuid": {"type": "string", "format": "uuid"},
+    "any_of": {
+        "type": "object",
+        "properties": {"v": {"anyOf": [{"type": "integer"}, _SHORT, {"type": "null"}]}},
+        "required": ["v"],
+    },
+    "one_of_discriminated": {
         "oneOf": [
             {
                 "type": "object",
-                "properties": {"circle": {"type": "number"}},
-                "required": ["circle"],
+                "properties": {"kind": {"const": "circle"}, "r": {"type": "number"}},
+                "required": ["kind", "r"],
             },
             {
                 "type": "object",
-                "properties": {"square": {"type": "number"}},
-                "required": ["square"],
+                "properties": {"kind": {"const": "square"}, "side": {"type": "integer"}},
+                "required": ["kind", "side"],
             },
         ]
     },
-    "ref-and-defs": {
-        "type": "object",
+    "defs_and_refs": {
         "$defs": {
             "point": {
                 "type": "object",
@@ -118,105 +121,280 @@ GENERATED: dict[str, dict[str, Any]] = {
                 "required": ["x", "y"],
             }
         },
+        "type": "object",
         "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}},
         "required": ["start", "end"],
     },
-    "definitions-keyword": {
-        "definitions": {"tag": {"type": "string", "enum": ["a", "b"]}},
+    "definitions_draft7": {
+        "definitions": {"color": {"enum": ["red", "green"]}},
         "type": "array",
-        "maxItems": 3,
-        "items": {"$ref": "#/definitions/tag"},
+        "items": {"$ref": "#/definitions/color"},
+        "maxItems": 4,
     },
-    "all-of-objects": {
-        "allOf": [
-            {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]},
-            {"type": "object", "properties": {"label": S}, "required": ["label"]},
-        ]
-    },
-    "additional-properties-false": {
-        "type": "object",
-        "properties": {"only": {"type": "integer"}},
-        "required": ["only"],
-        "additionalProperties": False,
-    },
-    "prefix-items-tuple": {
-        "type": "array",
-        "prefixItems": [
-            {"type": "integer"},
-            {"type": "string", "enum": ["x", "y"]},
-            {"type": "boolean"},
-        ],
-        "maxItems": 3,
-    },
-    "annotations-ignored": {
-        "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "title": "Annotated",
-        "description": "annotations only describe",
-        "type": "object",
-        "properties": {"n": {"type": "integer", "description": "a count", "examples": [3]}},
-        "required": ["n"],
-    },
-    "deep-nesting": {
+    "ref_name_clashes": {  # a definition named like a property and like a primitive rule
+        "$defs": {"address": {"type": "integer"}, "string": {"type": "boolean"}},
         "type": "object",
         "properties": {
-            "a": {
+            "address": _SHORT,
+            "home": {"$ref": "#/$defs/address"},
+            "flag": {"$ref": "#/$defs/string"},
+        },
+        "required": ["address", "home", "flag"],
+    },
+    "recursive_root_ref": {  # pydantic's shape for a self-referencing model
+        "$ref": "#/$defs/Node",
+        "$defs": {
+            "Node": {
                 "type": "object",
                 "properties": {
-                    "b": {
-                        "type": "object",
-                        "properties": {
-                            "c": {"type": "array", "maxItems": 2, "items": {"enum": [1, 2, 3]}}
-                        },
-                        "required": ["c"],
-                    }
+                    "value": {"type": "integer"},
+                    "next": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]},
                 },
-                "required": ["b"],
+                "required": ["value", "next"],
             }
         },
-        "required": ["a"],
     },
-    "order-report": {
+    "additional_false": {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    },
+    "additional_typed": {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}},
+        "required": ["id"],
+        "additionalProperties": {"type": "boolean"},
+    },
+    "additional_beside_optional": {  # extra properties are then never generated
+        "type": "object",
+        "properties": {"id": {"type": "integer"}},
+        "additionalProperties": True,
+    },
+    "empty_object": {"type": "object", "additionalProperties": False},
+    "booleans_and_nulls": {
         "type": "object",
         "properties": {
-            "order_id": {"type": "string", "pattern": "^ORD-[0-9]{4}$"},
-            "status": {"enum": ["open", "shipped", "closed"]},
+            "b": {"type": "boolean"},
+            "n": {"type": "null"},
+            "maybe": {"type": ["boolean", "null"]},
+        },
+        "required": ["b", "n", "maybe"],
+    },
+    "arrays_of_objects": {
+        "type": "object",
+        "properties": {
             "items": {
                 "type": "array",
                 "minItems": 1,
-                "maxItems": 2,
+                "maxItems": 3,
                 "items": {
                     "type": "object",
-                    "properties": {"sku": S, "price": {"type": "number"}},
-                    "required": ["sku", "price"],
+                    "properties": {
+                        "sku": _SHORT,
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                    },
+                    "required": ["sku", "qty"],
                 },
-            },
-            "gift": {"type": "boolean"},
+            }
         },
-        "required": ["order_id", "status", "items"],
+        "required": ["items"],
     },
+    "nested_arrays": {
+        "type": "array",
+        "maxItems": 3,
+        "items": {"type": "array", "maxItems": 3, "items": {"type": "integer"}},
+    },
+    "tuple_prefix_items": {
+        "type": "array",
+        "prefixItems": [{"type": "integer"}, _SHORT, {"type": "boolean"}],
+        "items": False,
+    },
+    "annotations": {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://example.com/annotated",
+        "title": "Annotated",
+        "description": "annotations are allowed and ignored",
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer", "description": "an int", "default": 1, "examples": [2]}
+        },
+        "required": ["a"],
+    },
+    "root_string_enum_array": {
+        "type": "array",
+        "items": {"enum": ["x", "y", "z"]},
+        "minItems": 1,
+        "maxItems": 5,
+    },
+    "root_primitive": {"type": "boolean"},
 }
 
-# (schema, keyword the refusal names)
-UNSUPPORTED: list[tuple[dict[str, Any], str]] = [
-    ({"type": "integer", "minimum": 0}, "minimum"),
-    ({"type": "number", "maximum": 10}, "maximum"),
-    ({"type": "integer", "exclusiveMinimum": 0}, "exclusiveMinimum"),
-    ({"type": "integer", "multipleOf": 3}, "multipleOf"),
-    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
-    ({"type": "string", "format": "email"}, "format: email"),
-    ({"type": "object", "patternProperties": {"^x": {"type": "string"}}}, "patternProperties"),
-    ({"not": {"type": "string"}}, "not"),
-    ({"if": {"type": "string"}, "then": {"maxLength": 3}}, "if"),
-    ({"type": "string", "pattern": "[a-z]+"}, "pattern"),
-    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 1}}}, "minimum"),
-    ({"$ref": "https://example.com/schema.json"}, "$ref"),
-    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
-    ({"type": "date"}, "type"),
-    ({"allOf": [{"type": "string"}, {"maxLength": 3}]}, "allOf"),
-    ({"type": ["string", "null"], "maxLength": 8}, "type"),
-    ({"anyOf": [{"type": "string"}], "maxLength": 3}, "anyOf"),
-    ({"$ref": "#/$defs/a", "$defs": {"a": {"type": "string"}}, "maxLength": 3}, "$ref"),
-    ({"type": "string", "pattern": "^\\w+$"}, "pattern"),
-    ({"type": "string", "pattern": "^a.b$"}, "pattern"),
-    ({"type": "string", "pattern": "^[^x]+$"}, "pattern"),
+UNSUPPORTED: list[tuple[str, Schema, str, str]] = [
+    ("minimum_on_number", {"type": "number", "minimum": 0}, "minimum", "/minimum"),
+    ("one_sided_integer", {"type": "integer", "minimum": 0}, "minimum", "/minimum"),
+    (
+        "wide_integer_range",
+        {"type": "integer", "minimum": 0, "maximum": 10_000},
+        "minimum",
+        "/minimum",
+    ),
+    (
+        "nested_max_properties",
+        {"type": "object", "properties": {"o": {"type": "object", "maxProperties": 2}}},
+        "maxProperties",
+        "/properties/o/maxProperties",
+    ),
+    (
+        "unique_items",
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+        "uniqueItems",
+        "/uniqueItems",
+    ),
+    (
+        "contains",
+        {"type": "array", "items": {"type": "integer"}, "contains": {"const": 1}},
+        "contains",
+        "/contains",
+    ),
+    ("min_items_without_items", {"type": "array", "minItems": 1}, "minItems", "/minItems"),
+    ("not", {"not": {"type": "string"}}, "not", "/not"),
+    ("if_then_else", {"type": "object", "properties": {}, "if": {}, "then": {}}, "if", "/if"),
+    ("all_of", {"allOf": [{"type": "object"}]}, "allOf", "/allOf"),
+    (
+        "pattern_properties",
+        {"type": "object", "patternProperties": {"^x": {"type": "integer"}}},
+        "patternProperties",
+        "/patternProperties",
+    ),
+    (
+        "dependent_required",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "dependentRequired": {"a": ["b"]},
+        },
+        "dependentRequired",
+        "/dependentRequired",
+    ),
+    (
+        "property_names",
+        {"type": "object", "propertyNames": {"maxLength": 3}},
+        "propertyNames",
+        "/propertyNames",
+    ),
+    ("format_email", {"type": "string", "format": "email"}, "format", "/format"),
+    (
+        "format_with_length",
+        {"type": "string", "format": "date", "maxLength": 10},
+        "maxLength",
+        "/maxLength",
+    ),
+    (
+        "pattern_with_length",
+        {"type": "string", "pattern": "^a+$", "maxLength": 3},
+        "maxLength",
+        "/maxLength",
+    ),
+    ("pattern_unanchored", {"type": "string", "pattern": "abc"}, "pattern", "/pattern"),
+    ("pattern_dot", {"type": "string", "pattern": "^a.c$"}, "pattern", "/pattern"),
+    ("pattern_negated_class", {"type": "string", "pattern": "^[^a]+$"}, "pattern", "/pattern"),
+    ("pattern_lookahead", {"type": "string", "pattern": "^(?=a)a$"}, "pattern", "/pattern"),
+    ("pattern_quote_range", {"type": "string", "pattern": "^[ -~]+$"}, "pattern", "/pattern"),
+    ("pattern_backreference", {"type": "string", "pattern": "^(a)\\1$"}, "pattern", "/pattern"),
+    ("pattern_stray_brace", {"type": "string", "pattern": "^a}$"}, "pattern", "/pattern"),
+    ("pattern_huge_repeat", {"type": "string", "pattern": "^a{5000}$"}, "pattern", "/pattern"),
+    ("max_length_too_large", {"type": "string", "maxLength": 20_000}, "maxLength", "/maxLength"),
+    (
+        "max_items_too_large",
+        {"type": "array", "items": {"type": "integer"}, "maxItems": 5000},
+        "maxItems",
+        "/maxItems",
+    ),
+    ("min_over_max", {"type": "string", "minLength": 5, "maxLength": 2}, "minLength", "/minLength"),
+    ("multiple_of_number", {"type": "number", "multipleOf": 0.5}, "multipleOf", "/multipleOf"),
+    (
+        "length_on_type_list",
+        {"type": ["string", "null"], "maxLength": 3},
+        "maxLength",
+        "/maxLength",
+    ),
+    (
+        "keyword_beside_ref",
+        {"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a", "maximum": 3},
+        "maximum",
+        "/maximum",
+    ),
+    (
+        "type_beside_any_of",
+        {"type": "string", "anyOf": [{"type": "string", "maxLength": 2}]},
+        "type",
+        "/type",
+    ),
+    ("remote_ref", {"$ref": "https://example.com/schema.json"}, "$ref", "/$ref"),
+    (
+        "ref_to_property",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}},
+        },
+        "$ref",
+        "/properties/b/$ref",
+    ),
+    (
+        "nested_defs",
+        {"type": "object", "properties": {"a": {"$defs": {}, "type": "integer"}}},
+        "$defs",
+        "/properties/a/$defs",
+    ),
+    (
+        "required_undefined",
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]},
+        "required",
+        "/required",
+    ),
+    ("const_with_quote", {"const": 'say "hi"'}, "const", "/const"),
+    ("enum_with_backslash", {"enum": ["a\\b"]}, "enum", "/enum"),
+    ("enum_with_newline", {"enum": ["a\nb"]}, "enum", "/enum"),
+    ("enum_empty", {"enum": []}, "enum", "/enum"),
+    ("enum_outside_type_list", {"type": ["string", "null"], "enum": ["a", 1]}, "enum", "/enum"),
+    ("pattern_not_a_string", {"type": "string", "pattern": 5}, "pattern", "/pattern"),
+    ("enum_of_wrong_type", {"type": "string", "enum": ["a", 1]}, "enum", "/enum"),
+    (
+        "property_name_with_quote",
+        {"type": "object", "properties": {'a"b': {"type": "integer"}}},
+        "properties",
+        "/properties",
+    ),
+    ("items_empty", {"type": "array", "items": {}}, "items", "/items"),
+    ("items_list", {"type": "array", "items": [{"type": "integer"}]}, "items", "/items"),
+    (
+        "prefix_items_and_items",
+        {"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "string"}},
+        "prefixItems",
+        "/prefixItems",
+    ),
+    ("boolean_subschema", {"type": "object", "properties": {"a": True}}, "schema", "/properties/a"),
+    ("unknown_type", {"type": "int"}, "type", "/type"),
+    ("untyped_min_length", {"minLength": 2}, "minLength", "/minLength"),
+    ("nullable_openapi", {"type": "string", "nullable": True}, "nullable", "/nullable"),
+    (
+        "deep_unsupported",
+        {
+            "type": "array",
+            "items": {
+                "anyOf": [
+                    {"type": "object", "properties": {"t": {"type": "string", "format": "uri"}}}
+                ]
+            },
+        },
+        "format",
+        "/items/anyOf/0/properties/t/format",
+    ),
+    (
+        "json_pointer_escaping",
+        {"type": "object", "properties": {"a/b": {"type": "number", "maximum": 1}}},
+        "maximum",
+        "/properties/a~1b/maximum",
+    ),
 ]

@@ -278,24 +278,36 @@ BAD_REQUESTS = [  # path, body (JSON, or raw bytes), then (status, param, code)
     ),
     pytest.param(CHAT, _chat(n=3), (400, "n", None), id="n over the slots"),
     pytest.param(CHAT, _chat(n=17), (400, "n", None), id="n over 16"),
-    pytest.param(CHAT, _chat(functions=[]), (400, "functions", None), id="legacy functions"),
     pytest.param(
-        CHAT, _chat(reasoning_effort="low"), (400, "reasoning_effort", None), id="unknown field"
+        CHAT,
+        _chat(functions=[]),
+        (400, "functions", "unsupported_parameter"),
+        id="legacy functions",
+    ),
+    pytest.param(
+        CHAT,
+        _chat(reasoning_effort="low"),
+        (400, "reasoning_effort", "unsupported_parameter"),
+        id="unknown field",
     ),
     pytest.param(
         CHAT,
         _chat(messages=[{"role": "user", "content": "x", "audio": {}}]),
-        (400, "messages[0].audio", None),
+        (400, "messages[0].audio", "unsupported_parameter"),
         id="unknown message field",
     ),
     pytest.param(
         CHAT,
         _chat(stream=True, stream_options={"include_usage": True, "x": 1}),
-        (400, "stream_options.x", None),
+        (400, "stream_options.x", "unsupported_parameter"),
         id="unknown stream option",
     ),
-    pytest.param(COMPLETIONS, _text("a", suffix="b"), (400, "suffix", None), id="suffix"),
-    pytest.param(COMPLETIONS, _text("a", best_of=2), (400, "best_of", None), id="best_of"),
+    pytest.param(
+        COMPLETIONS, _text("a", suffix="b"), (400, "suffix", "unsupported_parameter"), id="suffix"
+    ),
+    pytest.param(
+        COMPLETIONS, _text("a", best_of=2), (400, "best_of", "unsupported_parameter"), id="best_of"
+    ),
     pytest.param(CHAT, _chat(temperature=3), (400, "temperature", None), id="temperature 3"),
     pytest.param(CHAT, _chat(top_p=0), (400, "top_p", None), id="top_p 0"),
     pytest.param(CHAT, _chat(stop=["a", "b", "c", "d", "e"]), (400, "stop", None), id="five stops"),
@@ -395,8 +407,26 @@ def test_harmless_fields_are_accepted(client: httpx.Client) -> None:
         "prompt_cache_key": "k",
     }
     assert client.post(CHAT, json=_chat(**harmless)).status_code == 200
-    refused = client.post(CHAT, json=_chat(logit_bias_x=1)).json()["error"]
-    assert refused["param"] == "logit_bias_x" and "logit_bias_x" in refused["message"]
+    refused = client.post(CHAT, json=_chat(logit_bias_x=1, tools_x=2)).json()["error"]
+    assert refused["param"] == "logit_bias_x" and refused["code"] == "unsupported_parameter"
+    assert "logit_bias_x, tools_x" in refused["message"]
+    for asking_for_more in ({"store": True}, {"service_tier": "priority"}):
+        response = client.post(CHAT, json=_chat(**asking_for_more))
+        assert response.status_code == 400, asking_for_more
+
+
+def test_lone_surrogates_are_a_client_mistake(client: httpx.Client) -> None:
+    """JSON can carry "\\ud800", which is not encodable text: a 400, never a 500."""
+    bad = "text \ud800 here"
+    for path, body in [
+        (CHAT, _chat(messages=[{"role": "user", "content": bad}])),
+        (COMPLETIONS, _text(bad)),
+        ("/tokenize", {"content": bad}),
+    ]:
+        headers = {"content-type": "application/json"}
+        response = client.post(path, content=json.dumps(body), headers=headers)  # \ud800 escaped
+        assert response.status_code == 400, (path, response.text)
+        assert "surrogate" in response.json()["error"]["message"]
 
 
 def test_server_still_serves_after_bad_requests(client: httpx.Client) -> None:

@@ -161,7 +161,12 @@ class LlamaModel:
                 f"model {self.name} has no tokenizer (its vocabulary has no text): "
                 "send prompts as token ids"
             )
-        data = text.encode("utf-8")
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate, e.g. JSON's "\ud800"
+            raise PromptError(
+                f"the text is not valid Unicode: a lone surrogate at character {exc.start}"
+            ) from None
         capacity = len(data) + 8
         while True:
             out = (llama_cpp.llama_token * capacity)()
