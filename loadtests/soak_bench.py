@@ -78,16 +78,20 @@ class MemorySampler:
 
     def _sample_rss(self) -> None:
         now = time.time()
+        found: dict[int, tuple[int, int]] = {}  # pid → (parent pid, rss)
         for proc in Path("/proc").iterdir():
             if not proc.name.isdigit():
                 continue
             try:
                 if not (proc / "cmdline").read_bytes().startswith(self._title):
                     continue
-                rss = _rss_bytes((proc / "status").read_text())
+                status = (proc / "status").read_text()
             except OSError:  # the process ended meanwhile
                 continue
-            self.rss.append((now, int(proc.name), rss))
+            found[int(proc.name)] = (_parent_pid(status), _rss_bytes(status))
+        for pid, (parent, rss) in found.items():
+            if parent not in found:  # a replica's child (forked, not yet exec'd) has its title
+                self.rss.append((now, pid, rss))
 
     def _sample_stores(self) -> None:
         refs = [a.record_routing_stats.remote() for a in replica_actors(self._app).values()]
@@ -214,6 +218,12 @@ def _warmup_s(sampler: MemorySampler, started: float, seconds: int) -> float:
     base = min(MAX_WARMUP_S, 0.25 * seconds)
     full = next((at - started for at, fill in sampler.store_fill if fill >= 0.9), None)
     return base if full is None else min(max(base, full), 0.75 * seconds)
+
+
+def _parent_pid(status: str) -> int:
+    """PPid from a /proc/<pid>/status text."""
+    line = next(line for line in status.splitlines() if line.startswith("PPid:"))
+    return int(line.split()[1])
 
 
 def _memory(samples: list[tuple[float, int, int]], started: float, warmup_s: float) -> dict:
