@@ -94,9 +94,10 @@ def plan_chat(
     if choice != "none" and not tools:
         raise invalid_request("tool_choice needs tools.", param="tool_choice")
     forced = _forced_tools(tools, choice)
-    messages = [_chat_message(m) for m in body.messages]
-    if not caps.renders_calls:
-        messages = [_spelled_out(m, caps.format) for m in messages]
+    if caps.renders_calls:
+        messages = [_chat_message(m) for m in body.messages]
+    else:
+        messages = [_spelled_out(m, caps.format) for m in body.messages]
     if tools and caps.renders_tools:
         extras["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
     elif tools:
@@ -148,27 +149,17 @@ def _chat_message(message: api.InputMessage) -> ChatMessage:
     )
 
 
-def _spelled_out(message: ChatMessage, fmt: ToolFormat) -> ChatMessage:
+def _spelled_out(message: api.InputMessage, fmt: ToolFormat) -> ChatMessage:
     """For a template that cannot show calls: calls written into the assistant's content,
     a tool result as a user message."""
     if message.tool_calls:
-        calls = [
-            ToolCall(
-                id=c["id"],
-                function=FunctionCall(
-                    name=c["function"]["name"],
-                    arguments=json.dumps(c["function"]["arguments"], ensure_ascii=False),
-                ),
-            )
-            for c in message.tool_calls
-        ]
-        text = "\n".join(filter(None, [message.content, format_calls(calls, fmt)]))
+        text = "\n".join(filter(None, [message.content, format_calls(message.tool_calls, fmt)]))
         return ChatMessage(role="assistant", content=text)
     if message.role == "tool":
         return ChatMessage(
             role="user", content=f"<tool_response>\n{message.content}\n</tool_response>"
         )
-    return message
+    return _chat_message(message)
 
 
 def _with_tools_described(messages: list[ChatMessage], tools: Sequence[Tool]) -> list[ChatMessage]:

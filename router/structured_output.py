@@ -23,10 +23,10 @@ import functools
 import json
 from typing import Annotated, Any, Literal
 
-import llama_cpp
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 from pydantic import BaseModel, ConfigDict, Field
 
+from baton_serve.replicas.engine.sampling import grammar_parses
 from baton_serve.router.schema_check import SchemaError, prepare
 
 # Converter defect: its JSON string character admits raw control characters.
@@ -100,12 +100,3 @@ def _grammar(schema_json: str, prop_order: tuple[str, ...]) -> str:
     if not grammar_parses(grammar):
         raise SchemaNotEnforceable("llama.cpp cannot parse the grammar made from the schema")
     return grammar
-
-
-def grammar_parses(text: str, vocab: llama_cpp.llama_vocab_p | None = None) -> bool:
-    """Whether llama.cpp's grammar sampler accepts `text` (parsing needs no vocabulary)."""
-    sampler = llama_cpp.llama_sampler_init_grammar(vocab, text.encode(), b"root")
-    if not sampler:
-        return False
-    llama_cpp.llama_sampler_free(sampler)
-    return True

@@ -205,20 +205,15 @@ def wrap_call_grammar(call_rules: str, fmt: ToolFormat, *, parallel: bool) -> st
     renamed, count = re.subn(r"^root ::=", "tool-call ::=", call_rules, flags=re.MULTILINE)
     if count != 1 or re.search(r"(?<![\w\"-])root(?![\w\"-])", renamed):
         raise ValueError("the tool's schema refers to its own root; it cannot be forced")
-    more = parallel
     if fmt is ToolFormat.HERMES:
         item = f'"{HERMES_OPEN}\\n" tool-call "\\n{HERMES_CLOSE}"'
-        root = f'{item} ("\\n" {item})*' if more else item
+        root = f'{item} ("\\n" {item})*' if parallel else item
     elif fmt is ToolFormat.MISTRAL:
-        root = f'"{_gbnf_escape(MISTRAL_MARK)}" "[" tool-call ' + (
-            '("," " "? tool-call)* "]"' if more else '"]"'
+        root = f'"{MISTRAL_MARK}" "[" tool-call ' + (
+            '("," " "? tool-call)* "]"' if parallel else '"]"'
         )
     elif fmt is ToolFormat.LLAMA3:
         root = "tool-call"  # Llama 3.x makes one call per turn
     else:
-        root = 'tool-call ("\\n" tool-call)*' if more else "tool-call"
+        root = 'tool-call ("\\n" tool-call)*' if parallel else "tool-call"
     return f"root ::= {root}\n{renamed}"
-
-
-def _gbnf_escape(text: str) -> str:
-    return text.replace("\\", "\\\\").replace('"', '\\"')

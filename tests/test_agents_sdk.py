@@ -19,13 +19,11 @@ from agents import (
     function_tool,
     set_tracing_disabled,
 )
-from fixtures_ray import wait_healthy
 from openai import AsyncOpenAI
 from pydantic import Field
-from ray import serve
 
-from baton_serve.deploy.app import APP_NAME, build_app
 from baton_serve.deploy.config import BatonConfig
+from baton_serve.loadtests.serve_app import serve_app
 from baton_serve.replicas.engine.engine_config import EngineConfig
 
 
@@ -39,11 +37,8 @@ def app(serve_port, tiny_model) -> Iterator[tuple[str, BatonConfig]]:
         heartbeat_s=0.2,
         hmac_key=secrets.token_hex(16),
     )
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-    url = f"http://127.0.0.1:{serve_port}"
-    wait_healthy(url)
-    yield url, config
-    serve.delete(APP_NAME)
+    with serve_app(config, "agents", serve_port) as url:
+        yield url, config
 
 
 def test_agent_calls_a_tool_and_finishes(app) -> None:

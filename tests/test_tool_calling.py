@@ -279,31 +279,22 @@ def test_named_function_and_streamed_calls(hermes: Served) -> None:
     """A named tool_choice calls exactly that function; streamed, the SDK's accumulated
     deltas give the same kind of call."""
     client = _client(hermes)
-    forced = {"type": "function", "function": {"name": "get_time"}}
-    reply = client.chat.completions.create(
-        model=MODEL,
-        messages=QUESTION,
-        tools=[WEATHER, CLOCK],
-        tool_choice=forced,
-        parallel_tool_calls=False,
-        temperature=1.0,
-        seed=5,
-        max_completion_tokens=200,
-    )
+    request = {
+        "model": MODEL,
+        "messages": QUESTION,
+        "tools": [WEATHER, CLOCK],
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+        "parallel_tool_calls": False,
+        "temperature": 1.0,
+        "seed": 5,
+        "max_completion_tokens": 200,
+    }
+    reply = client.chat.completions.create(**request)
     (call,) = reply.choices[0].message.tool_calls
     assert call.function.name == "get_time"
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_time"])
 
-    with client.chat.completions.stream(
-        model=MODEL,
-        messages=QUESTION,
-        tools=[WEATHER, CLOCK],
-        tool_choice=forced,
-        parallel_tool_calls=False,
-        temperature=1.0,
-        seed=5,
-        max_completion_tokens=200,
-    ) as stream:
+    with client.chat.completions.stream(**request) as stream:
         final = stream.get_final_completion()
     (streamed,) = final.choices[0].message.tool_calls
     assert streamed.function.name == "get_time"

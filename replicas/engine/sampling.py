@@ -11,6 +11,7 @@ run again — filtering a 49k-token vocabulary on every step would cost more tha
 from __future__ import annotations
 
 import ctypes
+import functools
 import weakref
 
 import llama_cpp
@@ -66,8 +67,7 @@ class TokenSampler:
         prompt: tuple[int, ...] = (),
     ) -> None:
         self.params = params
-        self._ids = np.arange(n_vocab, dtype=np.int32)
-        self._candidates = np.zeros(n_vocab, dtype=TOKEN_DATA)
+        self._n_vocab = n_vocab
         self._grammar = _grammar(params.grammar, vocab) if params.grammar else None
         self._chain = _chain(params, n_vocab, prompt)
         self._argmax_only = llama_cpp.llama_sampler_chain_n(self._chain) == 1 and params.greedy
@@ -107,10 +107,15 @@ class TokenSampler:
         llama_cpp.llama_sampler_apply(self._grammar, ctypes.byref(_array_of(single)))
         return bool(np.isfinite(single["logit"][0]))
 
+    @functools.cached_property
+    def _candidates(self) -> np.ndarray:
+        """Made on first use: a lone greedy sampler never needs it."""
+        return np.zeros(self._n_vocab, dtype=TOKEN_DATA)
+
     def _fill(self, logits: np.ndarray) -> llama_cpp.llama_token_data_array:
         """The candidates (every token, with its logit), as llama.cpp's array over them."""
         candidates = self._candidates
-        candidates["id"] = self._ids
+        candidates["id"] = _token_ids(self._n_vocab)
         candidates["logit"] = logits
         candidates["p"] = 0.0
         return _array_of(candidates)
@@ -125,12 +130,17 @@ def sampling_problem(params: SamplingParams, model: LlamaModel) -> str | None:
         return f"token id {bad[0]} is not in the vocabulary [0, {model.n_vocab})"
     if params.grammar is not None and params.ignore_eos:
         return "ignore_eos cannot be combined with a grammar (the grammar ends the reply)"
-    if params.grammar is not None:
-        try:
-            _free([_grammar(params.grammar, model.vocab)])
-        except ValueError as exc:
-            return str(exc)
+    if params.grammar is not None and not grammar_parses(params.grammar, model.vocab):
+        return "llama.cpp could not parse the grammar (its log says where)"
     return None
+
+
+def grammar_parses(text: str, vocab: llama_cpp.llama_vocab_p | None = None) -> bool:
+    """Whether llama.cpp's grammar sampler accepts `text` (parsing needs no vocabulary)."""
+    sampler = llama_cpp.llama_sampler_init_grammar(vocab, text.encode(), b"root")
+    if sampler:
+        llama_cpp.llama_sampler_free(sampler)
+    return bool(sampler)
 
 
 class TokenLogprob(BaseModel):
@@ -158,6 +168,13 @@ def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
         logprob=float(logprobs[token]),
         top=tuple((int(t), float(logprobs[t])) for t in top),
     )
+
+
+@functools.cache
+def _token_ids(n_vocab: int) -> np.ndarray:
+    ids = np.arange(n_vocab, dtype=np.int32)
+    ids.flags.writeable = False
+    return ids
 
 
 def _array_of(candidates: np.ndarray) -> llama_cpp.llama_token_data_array:
