@@ -110,8 +110,8 @@ def sampling_benchmark(
         name: 1.0
         / (
             1.0 / decode[name]["median"]
-            - sample_us[name]["chain"] / 1e6
-            + sample_us[name]["numpy"] / 1e6
+            - sample_us[name]["chain"]["mean"] / 1e6
+            + sample_us[name]["numpy"]["mean"] / 1e6
         )
         for name in ("greedy", "temperature")
     }
@@ -168,16 +168,20 @@ def _logits_rows(engine: Engine) -> list[np.ndarray]:
     return rows
 
 
-def _per_token_us(make: Callable[[], Callable[[np.ndarray], int]], rows: list[np.ndarray]) -> float:
-    """Median microseconds per sampled token over `REPEATS` passes (a fresh sampler each)."""
+def _per_token_us(
+    make: Callable[[], Callable[[np.ndarray], int]], rows: list[np.ndarray]
+) -> dict[str, float]:
+    """Microseconds per sampled token over `REPEATS` passes (a fresh sampler each): the
+    mean (what decode throughput pays) and the p50 / p95 / p99 of single tokens."""
     times = []
     for _ in range(REPEATS):
         sample = make()
-        started = time.perf_counter()
         for row in rows:
+            started = time.perf_counter()
             sample(row)
-        times.append((time.perf_counter() - started) / len(rows) * 1e6)
-    return statistics.median(times)
+            times.append((time.perf_counter() - started) * 1e6)
+    p50, p95, p99 = (float(p) for p in np.percentile(times, [50, 95, 99]))
+    return {"mean": statistics.fmean(times), "p50": p50, "p95": p95, "p99": p99}
 
 
 def _decode_rates(
@@ -204,11 +208,14 @@ def format_report(result: dict) -> str:
     derived = result["numpy_decode_tokens_per_s_derived"]
     lines = [
         f"model: {result['model']} ({result['n_vocab']}-token vocabulary), 1 stream, cache off",
-        "sampling time per token (median of "
-        f"{REPEATS} passes over {ROWS} real logits rows), microseconds:",
-        f"  greedy       chain {us['greedy']['chain']:8.1f}   numpy {us['greedy']['numpy']:8.1f}",
-        f"  temperature  chain {us['temperature']['chain']:8.1f}   numpy "
-        f"{us['temperature']['numpy']:8.1f}   (0.8, top_p 0.95, seeded)",
+        f"sampling time per token ({REPEATS} passes over {ROWS} real logits rows), µs:",
+        *(
+            f"  {name:<12} {sampler:<6} mean {t['mean']:8.1f}   p50 {t['p50']:8.1f}"
+            f"   p95 {t['p95']:8.1f}   p99 {t['p99']:8.1f}"
+            for name in ("greedy", "temperature")
+            for sampler, t in us[name].items()
+        ),
+        "  (temperature: 0.8, top_p 0.95, seeded)",
         "decode tokens/s (median [min-max] of the runs):",
     ]
     for name, label in (

@@ -71,6 +71,7 @@ class ChatPlan:
     messages: list[ChatMessage]
     extras: dict[str, Any]
     tools: list[Tool] = field(default_factory=list)  # calls to read from the reply
+    parallel: bool = True  # more than one call may be read
     grammar: str | None = None
 
     def reply_parser(self, caps: TemplateTools, in_reasoning: bool) -> ReplyParser:
@@ -110,7 +111,10 @@ def plan_chat(
             grammar = wrap_call_grammar(rules, fmt, parallel=body.parallel_tool_calls)
         except ValueError as exc:
             raise invalid_request(str(exc), param="tools") from None
-    return ChatPlan(messages, extras, tools if choice != "none" else [], grammar)
+    readable = tools if choice != "none" else []
+    return ChatPlan(
+        messages, extras, tools=readable, grammar=grammar, parallel=body.parallel_tool_calls
+    )
 
 
 def _template_variables(kwargs: dict[str, Any]) -> dict[str, Any]:

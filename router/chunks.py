@@ -31,9 +31,10 @@ class ReplyIds:
 class ReplyReader:
     """Reads one chat reply's text: reasoning, content, and calls to the offered tools."""
 
-    def __init__(self, parser: ReplyParser, tools: Sequence[Tool]) -> None:
+    def __init__(self, parser: ReplyParser, tools: Sequence[Tool], *, parallel: bool) -> None:
         self._parser = parser
         self._tools = tools
+        self._parallel = parallel
 
     def feed(self, text: str) -> list[Piece]:
         return self._parser.feed(text)
@@ -44,7 +45,7 @@ class ReplyReader:
         section = self._parser.tool_text
         if not section:
             return pieces, []
-        parsed = parse_tool_calls(section, self._tools)
+        parsed = parse_tool_calls(section, self._tools, parallel=self._parallel)
         if parsed.content:
             pieces.append(Piece(Part.CONTENT, parsed.content))
         return pieces, parsed.calls

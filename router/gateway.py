@@ -159,7 +159,8 @@ class _Gateway:
         in_reasoning = self._builder.opens_reasoning(prompt)
 
         def reader() -> ReplyReader:  # one per choice
-            return ReplyReader(plan.reply_parser(tools, in_reasoning), plan.tools)
+            parser = plan.reply_parser(tools, in_reasoning)
+            return ReplyReader(parser, plan.tools, parallel=plan.parallel)
 
         reply = ReplyIds(f"chatcmpl-{request_id}", int(time.time()), self._settings.model_name)
         if body.stream:

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import jsonschema
+
 from baton_serve.router.openai_tools import FunctionCall, Tool, ToolCall
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -58,18 +60,20 @@ class ParsedReply:
     calls: list[ToolCall]
 
 
-def parse_tool_calls(text: str, tools: Sequence[Tool]) -> ParsedReply:
+def parse_tool_calls(text: str, tools: Sequence[Tool], *, parallel: bool = True) -> ParsedReply:
     """The calls in `text` to functions of `tools`, and the text around them. Text that
-    looks like a call but is not valid JSON, or names another function, stays content."""
-    names = {tool.function.name for tool in tools}
+    looks like a call but is not valid JSON, names another function, or — for a function
+    marked `strict` — has arguments its schema rejects, stays content. Without `parallel`,
+    only the first call counts (the request allowed one)."""
+    by_name = {tool.function.name: tool for tool in tools}
     for parse in (_hermes, _mistral, _llama, _bare_json):
         found = parse(text)
         if found is None:
             continue
         content, objects = found
-        calls = [call for obj in objects if (call := _call(obj, names)) is not None]
+        calls = [call for obj in objects if (call := _call(obj, by_name)) is not None]
         if calls and len(calls) == len(objects):
-            return ParsedReply(content.strip(), calls)
+            return ParsedReply(content.strip(), calls if parallel else calls[:1])
     return ParsedReply(text, [])
 
 
@@ -165,7 +169,7 @@ def _json(text: str) -> Any:
         return None
 
 
-def _call(obj: Any, names: set[str]) -> ToolCall | None:
+def _call(obj: Any, tools: dict[str, Tool]) -> ToolCall | None:
     """A call object in any format's shape (OpenAI's own `function` wrapper too)."""
     if not isinstance(obj, dict):
         return None
@@ -175,7 +179,12 @@ def _call(obj: Any, names: set[str]) -> ToolCall | None:
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):
         arguments = _json(arguments)
-    if name not in names or not isinstance(arguments, dict):
+    if name not in tools or not isinstance(arguments, dict):
+        return None
+    function = tools[name].function
+    if function.strict and not jsonschema.Draft202012Validator(function.parameters).is_valid(
+        arguments
+    ):
         return None
     text = json.dumps(arguments, ensure_ascii=False)
     return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=text))

@@ -127,6 +127,25 @@ def test_what_is_not_a_valid_call_stays_content(text: str) -> None:
     assert parsed.calls == [] and parsed.content == text
 
 
+def test_strict_functions_and_one_call_only() -> None:
+    """A `strict` function's call whose arguments break its schema stays content (strict
+    calls returned always validate, forced or not); without parallel calls, only the first
+    call counts."""
+    strict = Tool.model_validate({**WEATHER, "function": {**WEATHER["function"], "strict": True}})
+    wrong_unit = (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "K"}}</tool_call>'
+    )
+    assert parse_tool_calls(wrong_unit, [strict]).calls == []
+    assert len(parse_tool_calls(wrong_unit, TOOLS).calls) == 1  # not strict: the model's call
+    two = (
+        '<tool_call>{"name": "get_time", "arguments": {"zone": 1, "label": "CET"}}</tool_call>'
+        '<tool_call>{"name": "get_time", "arguments": {"zone": 2, "label": "EET"}}</tool_call>'
+    )
+    assert len(parse_tool_calls(two, TOOLS).calls) == 2
+    (only,) = parse_tool_calls(two, TOOLS, parallel=False).calls
+    assert json.loads(only.function.arguments)["zone"] == 1
+
+
 REPLY = (
     "<think>\nThe user wants weather.\n</think>\n\nChecking <now>.\n<tool_call>\n"
     '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>'
