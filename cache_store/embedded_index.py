@@ -1,19 +1,17 @@
 """The in-cluster index backend: one named Ray actor holding an in-memory index.
 
-`MemoryIndex` is the synchronous data structure (it serves several models, keyed by
-fingerprint), `IndexActor` hosts it in the Ray cluster, and `EmbeddedIndex` is the async
-client bound to one model. Expiry times are fixed when an entry is written, from the
-writer's TTL, so clients with different settings can share the actor.
+`IndexActor` hosts a `MemoryIndex` (memory_index.py; every model, keyed by fingerprint)
+in the Ray cluster, and `EmbeddedIndex` is the async client bound to one model; its
+`follow` keeps a process-local `IndexView` current from the actor's change log. Expiry
+times are fixed when an entry is written, from the writer's TTL, so clients with
+different settings can share the actor.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
-import math
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -30,9 +28,12 @@ from baton_serve.cache_store.index import (
     check_hashes,
     check_replica_id,
 )
+from baton_serve.cache_store.index_view import IndexView
+from baton_serve.cache_store.memory_index import IndexChange, IndexSnapshot, MemoryIndex
 
 ACTOR_NAME = "baton-index"
 ACTOR_NAMESPACE = "baton"
+SNAPSHOT_TIMEOUT_S = 30.0  # a whole model's entries (a million take a few seconds)
 
 # Ray destroys a non-detached actor once its creator drops the last handle, even a named
 # one; so each process keeps the handle it got, per Ray node id (a new `ray.init` starts
@@ -40,171 +41,70 @@ ACTOR_NAMESPACE = "baton"
 _handles: dict[str, ActorHandle] = {}
 
 
-@dataclass(slots=True)
-class _Held:
-    n_tokens: int
-    nbytes: int
-    expires_at: float
-
-
-@dataclass
-class _Model:
-    """Everything the index knows about one model."""
-
-    holders: dict[bytes, dict[str, _Held]] = field(default_factory=dict)
-    by_replica: dict[str, set[bytes]] = field(default_factory=dict)
-    alive: dict[str, float] = field(default_factory=dict)  # replica -> liveness deadline
-    expiry: list[tuple[float, bytes, str]] = field(default_factory=list)  # heap, may be stale
-    size: int = 0
-
-    def put(self, prefix_hash: bytes, replica_id: str, held: _Held) -> None:
-        replicas = self.holders.setdefault(prefix_hash, {})
-        self.size += replica_id not in replicas
-        replicas[replica_id] = held
-        self.by_replica.setdefault(replica_id, set()).add(prefix_hash)
-        heapq.heappush(self.expiry, (held.expires_at, prefix_hash, replica_id))
-        if len(self.expiry) > 2 * self.size + 1024:  # drop stale heap items
-            self.expiry = [
-                (entry.expires_at, h, r)
-                for h, by_replica in self.holders.items()
-                for r, entry in by_replica.items()
-            ]
-            heapq.heapify(self.expiry)
-
-    def remove(self, prefix_hash: bytes, replica_id: str) -> None:
-        replicas = self.holders.get(prefix_hash)
-        if replicas is None or replicas.pop(replica_id, None) is None:
-            return
-        self.size -= 1
-        if not replicas:
-            del self.holders[prefix_hash]
-        hashes = self.by_replica[replica_id]
-        hashes.discard(prefix_hash)
-        if not hashes:
-            del self.by_replica[replica_id]
-
-    def expire(self, now: float) -> None:
-        while self.expiry and self.expiry[0][0] <= now:
-            _, prefix_hash, replica_id = heapq.heappop(self.expiry)
-            held = self.holders.get(prefix_hash, {}).get(replica_id)
-            if held is not None and held.expires_at <= now:
-                self.remove(prefix_hash, replica_id)
-
-    def is_alive(self, replica_id: str, now: float) -> bool:
-        return self.alive.get(replica_id, -math.inf) > now
-
-
-class MemoryIndex:
-    """In-memory checkpoint index for any number of models, keyed by fingerprint.
-
-    Not thread-safe; `now` is the clock all expiry uses (injectable for tests).
-    """
-
-    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
-        self._now = now
-        self._models: dict[bytes, _Model] = {}
-
-    def _model(self, fingerprint: bytes) -> tuple[_Model, float]:
-        model = self._models.setdefault(check_fingerprint(fingerprint), _Model())
-        now = self._now()
-        model.expire(now)
-        return model, now
-
-    def publish(
-        self, fingerprint: bytes, replica_id: str, entries: Sequence[IndexEntry], ttl_s: float
-    ) -> None:
-        check_replica_id(replica_id)
-        model, now = self._model(fingerprint)
-        for entry in entries:
-            if not isinstance(entry, IndexEntry):
-                raise ValueError(f"entries must be IndexEntry, got {entry!r}")
-            model.put(
-                entry.prefix_hash, replica_id, _Held(entry.n_tokens, entry.nbytes, now + ttl_s)
-            )
-
-    def lookup(self, fingerprint: bytes, hashes: Sequence[bytes]) -> dict[str, IndexMatch]:
-        wanted = check_hashes(hashes, MAX_LOOKUP_HASHES)
-        model, now = self._model(fingerprint)
-        best: dict[str, IndexMatch] = {}
-        for prefix_hash in wanted:
-            for replica_id, held in model.holders.get(prefix_hash, {}).items():
-                current = best.get(replica_id)
-                if (current is None or held.n_tokens > current.n_tokens) and model.is_alive(
-                    replica_id, now
-                ):
-                    best[replica_id] = IndexMatch(
-                        replica_id, prefix_hash, held.n_tokens, held.nbytes
-                    )
-        return best
-
-    def touch(
-        self, fingerprint: bytes, replica_id: str, hashes: Sequence[bytes], ttl_s: float
-    ) -> None:
-        check_replica_id(replica_id)
-        wanted = check_hashes(hashes)
-        model, now = self._model(fingerprint)
-        for prefix_hash in wanted:
-            held = model.holders.get(prefix_hash, {}).get(replica_id)
-            if held is not None:
-                model.put(prefix_hash, replica_id, _Held(held.n_tokens, held.nbytes, now + ttl_s))
-
-    def forget(
-        self, fingerprint: bytes, replica_id: str, hashes: Sequence[bytes] | None = None
-    ) -> None:
-        check_replica_id(replica_id)
-        wanted = None if hashes is None else check_hashes(hashes)
-        model, _ = self._model(fingerprint)
-        if wanted is None:
-            wanted = list(model.by_replica.get(replica_id, ()))
-            model.alive.pop(replica_id, None)
-        for prefix_hash in wanted:
-            model.remove(prefix_hash, replica_id)
-
-    def heartbeat(self, fingerprint: bytes, replica_id: str, ttl_s: float) -> bool:
-        check_replica_id(replica_id)
-        model, now = self._model(fingerprint)
-        known = model.is_alive(replica_id, now)
-        model.alive[replica_id] = now + ttl_s
-        return known
-
-    def live_replicas(self, fingerprint: bytes) -> list[str]:
-        model, now = self._model(fingerprint)
-        for replica_id in [r for r in model.alive if not model.is_alive(r, now)]:
-            del model.alive[replica_id]
-        return sorted(model.alive)
-
-
 @ray.remote(num_cpus=0, max_restarts=-1)
 class IndexActor:
-    """A `MemoryIndex` in the Ray cluster; a restart loses its data (heartbeats tell)."""
+    """A `MemoryIndex` in the Ray cluster; a restart loses its data (heartbeats tell).
+
+    An async actor, so followers can wait for changes (`changes`) while others write."""
 
     def __init__(self) -> None:
         self._index = MemoryIndex()
+        self._changed: dict[bytes, asyncio.Event] = {}
 
-    def ready(self) -> bool:
+    def _notify(self, fingerprint: bytes) -> None:
+        event = self._changed.pop(fingerprint, None)
+        if event is not None:
+            event.set()
+
+    async def ready(self) -> bool:
         return True
 
-    def publish(
+    async def publish(
         self, fingerprint: bytes, replica_id: str, entries: Sequence[IndexEntry], ttl_s: float
     ) -> None:
         self._index.publish(fingerprint, replica_id, entries, ttl_s)
+        self._notify(fingerprint)
 
-    def lookup(self, fingerprint: bytes, hashes: Sequence[bytes]) -> dict[str, IndexMatch]:
+    async def lookup(self, fingerprint: bytes, hashes: Sequence[bytes]) -> dict[str, IndexMatch]:
         return self._index.lookup(fingerprint, hashes)
 
-    def touch(
+    async def touch(
         self, fingerprint: bytes, replica_id: str, hashes: Sequence[bytes], ttl_s: float
     ) -> None:
         self._index.touch(fingerprint, replica_id, hashes, ttl_s)
+        self._notify(fingerprint)
 
-    def forget(self, fingerprint: bytes, replica_id: str, hashes: Sequence[bytes] | None) -> None:
+    async def forget(
+        self, fingerprint: bytes, replica_id: str, hashes: Sequence[bytes] | None
+    ) -> None:
         self._index.forget(fingerprint, replica_id, hashes)
+        self._notify(fingerprint)
 
-    def heartbeat(self, fingerprint: bytes, replica_id: str, ttl_s: float) -> bool:
-        return self._index.heartbeat(fingerprint, replica_id, ttl_s)
+    async def heartbeat(self, fingerprint: bytes, replica_id: str, ttl_s: float) -> bool:
+        known = self._index.heartbeat(fingerprint, replica_id, ttl_s)
+        self._notify(fingerprint)
+        return known
 
-    def live_replicas(self, fingerprint: bytes) -> list[str]:
+    async def live_replicas(self, fingerprint: bytes) -> list[str]:
         return self._index.live_replicas(fingerprint)
+
+    async def snapshot(self, fingerprint: bytes) -> IndexSnapshot:
+        return self._index.snapshot(fingerprint)
+
+    async def changes(
+        self, fingerprint: bytes, origin: str, seq: int, wait_s: float
+    ) -> list[IndexChange] | None:
+        """The changes after `seq`, waiting up to `wait_s` for one; None when the follower
+        must take a new snapshot (it fell behind the log, or this actor restarted)."""
+        if origin != self._index.origin:
+            return None
+        changes = self._index.changes_since(fingerprint, seq)
+        if changes == []:
+            event = self._changed.setdefault(fingerprint, asyncio.Event())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(event.wait(), wait_s)
+            changes = self._index.changes_since(fingerprint, seq)
+        return changes
 
 
 async def _await_ref(what: str, method: ActorMethod, args: tuple[Any, ...], timeout: float) -> Any:
@@ -335,6 +235,30 @@ class EmbeddedIndex:
         return await self._call(
             "live_replicas", self._actor.live_replicas, timeout=self.settings.write_timeout_s
         )
+
+    async def follow(self, view: IndexView, *, wait_s: float = 10.0, retry_s: float = 1.0) -> None:
+        """Keep `view` a copy of this model's index until cancelled: a snapshot, then the
+        actor's changes as they happen (a long poll); again from a snapshot after a gap."""
+        while True:
+            try:
+                snapshot = await self._call(
+                    "snapshot", self._actor.snapshot, timeout=SNAPSHOT_TIMEOUT_S
+                )
+                view.reset(snapshot)
+                while view.synced:
+                    changes = await self._call(
+                        "changes",
+                        self._actor.changes,
+                        view.origin,
+                        view.seq,
+                        wait_s,
+                        timeout=wait_s + self.settings.write_timeout_s,
+                    )
+                    if changes is None or not view.apply(changes):
+                        view.lost()
+            except IndexUnavailable:
+                view.lost()
+                await asyncio.sleep(retry_s)
 
     async def close(self) -> None:
         """Nothing to release: the actor is shared by every client and keeps running."""

@@ -12,9 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from baton_serve.cache_store.prefix_hash import HASH_BYTES
+
+if TYPE_CHECKING:
+    from baton_serve.cache_store.index_view import IndexView
 
 MAX_LOOKUP_HASHES = 2_000
 EMBEDDED_SPEC = "embedded"
@@ -61,11 +64,17 @@ def _is_count(value: object, minimum: int) -> bool:
 
 @dataclass(frozen=True)
 class IndexEntry:
-    """One checkpoint a replica holds: the prefix it covers, its length and its size."""
+    """One checkpoint a replica holds: the prefix it covers, its length and its size.
+
+    `ready_at` (Unix seconds) marks a checkpoint still being computed — *in flight* — and
+    when it is expected; 0 means held now. An in-flight entry is published with a short
+    TTL and replaced by the real one once the state exists.
+    """
 
     prefix_hash: bytes
     n_tokens: int
     nbytes: int
+    ready_at: float = 0.0
 
     def __post_init__(self) -> None:
         check_hash(self.prefix_hash)
@@ -73,16 +82,40 @@ class IndexEntry:
             raise ValueError(f"n_tokens must be an integer >= 1, got {self.n_tokens!r}")
         if not _is_count(self.nbytes, 0):
             raise ValueError(f"nbytes must be an integer >= 0, got {self.nbytes!r}")
+        if not (isinstance(self.ready_at, (int, float)) and math.isfinite(self.ready_at)):
+            raise ValueError(f"ready_at must be a finite number, got {self.ready_at!r}")
+        if self.ready_at < 0:
+            raise ValueError(f"ready_at must be >= 0, got {self.ready_at!r}")
+
+    @property
+    def in_flight(self) -> bool:
+        return self.ready_at > 0
 
 
 @dataclass(frozen=True)
 class IndexMatch:
-    """The longest checkpoint one live replica holds among the hashes looked up."""
+    """The longest checkpoint one live replica holds among the hashes looked up (held
+    ones win ties with in-flight ones); `ready_at` as in `IndexEntry`."""
 
     replica_id: str
     prefix_hash: bytes
     n_tokens: int
     nbytes: int
+    ready_at: float = 0.0
+
+    @property
+    def in_flight(self) -> bool:
+        return self.ready_at > 0
+
+
+def better_match(n_tokens: int, ready_at: float, than: IndexMatch | None) -> bool:
+    """The lookup rule every backend applies: more tokens win; on a tie, held beats in
+    flight, and an earlier entry of the chain beats a later one."""
+    if than is None:
+        return True
+    if n_tokens != than.n_tokens:
+        return n_tokens > than.n_tokens
+    return ready_at == 0 < than.ready_at
 
 
 @dataclass(frozen=True)
@@ -118,7 +151,7 @@ class CheckpointIndex(Protocol):
 
     async def lookup(self, hashes: Sequence[bytes]) -> dict[str, IndexMatch]:
         """In one round trip (at most `MAX_LOOKUP_HASHES` hashes), return for each live
-        replica its entry with the most tokens among `hashes` (the earliest on ties)."""
+        replica its best entry among `hashes` (`better_match`)."""
         ...
 
     async def touch(self, replica_id: str, hashes: Sequence[bytes]) -> None:
@@ -136,6 +169,11 @@ class CheckpointIndex(Protocol):
 
     async def live_replicas(self) -> list[str]:
         """Return the replicas whose last heartbeat has not expired, sorted."""
+        ...
+
+    async def follow(self, view: IndexView) -> None:
+        """Keep `view` a copy of this model's index until cancelled (a snapshot, then the
+        backend's change stream; `view.synced` is False while it is not current)."""
         ...
 
     async def close(self) -> None:

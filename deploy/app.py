@@ -8,6 +8,7 @@ Serve config names (`serve run`, `serve deploy`, and the Helm chart's serveConfi
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -15,6 +16,7 @@ from ray.serve.deployment import Application
 
 from baton_serve.cache_store.fingerprint import file_fingerprint
 from baton_serve.deploy.config import BatonConfig, RouterPolicy, load_config
+from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.models.model_source import resolve_model
 from baton_serve.replicas.serve_deployment import ReplicaDeployment, ReplicaSettings
 from baton_serve.router.gateway import GatewaySettings
@@ -38,10 +40,18 @@ _ROUTERS = {
 }
 
 
-def router_config(config: BatonConfig, fingerprint: bytes) -> RequestRouterConfig:
+def router_config(config: BatonConfig, model_path: Path) -> RequestRouterConfig:
     kwargs = {}
     if config.router is RouterPolicy.BATON:
-        kwargs = {"index": config.index, "fingerprint_hex": fingerprint.hex()}
+        with LlamaModel(model_path, vocab_only=True) as vocab:
+            kind = vocab.kind
+        kwargs = {
+            "index": config.index,
+            "fingerprint_hex": file_fingerprint(model_path).hex(),
+            "block_tokens": config.engine.block_tokens,
+            # Attention states serve every prefix of themselves; hybrid ones only their own.
+            "every_block": not kind.needs_checkpoints,
+        }
     return RequestRouterConfig(
         request_router_class=_ROUTERS[config.router],
         request_router_kwargs=kwargs,
@@ -78,7 +88,7 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
             "num_cpus": config.num_cpus_per_replica,
             "num_gpus": config.num_gpus_per_replica,
         },
-        request_router_config=router_config(config, file_fingerprint(model_path)),
+        request_router_config=router_config(config, model_path),
         graceful_shutdown_timeout_s=5,
     ).bind(
         ReplicaSettings(

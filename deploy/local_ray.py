@@ -39,6 +39,9 @@ def local_ray(
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     else:
         ray.init(
+            # "local": always a new runtime; without it Ray joins any cluster another
+            # process of this machine started (`ray start`, ray.cluster_utils).
+            address="local",
             num_cpus=num_cpus,
             include_dashboard=False,
             log_to_driver=False,

@@ -98,7 +98,9 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
         "--index", help='a redis:// URL or "embedded" (default: a private redis-server)'
     )
     routing.add_argument(
-        "--think-s", type=float, help="mean pause before each later turn (default 2.0)"
+        "--think-s",
+        type=float,
+        help="mean pause before each later chat turn; 0: the next turn at once (default 2.0)",
     )
     for name, what in _ROUTING_WORKLOAD_FLAGS.items():
         routing.add_argument(f"--{name}", type=int, help=what)
@@ -160,6 +162,10 @@ _ROUTING_WORKLOAD_FLAGS = {  # flag → what it sets (defaults: `RoutingWorkload
     "turn-tokens": "each later user message (default 60)",
     "reply-tokens": "each reply (default 24)",
     "moved-sessions": "conversations in the moved scenario (default 2)",
+    "burst-sessions": "sessions arriving at once in the burst scenario (default 4)",
+    "agent-sessions": "concurrent agent loops in the agent scenario (default 4)",
+    "agent-steps": "requests per agent loop (default 6)",
+    "tool-tokens": "each tool result an agent appends (default 80)",
     "seed": "seed of every text (default 0)",
 }
 

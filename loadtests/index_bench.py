@@ -22,6 +22,7 @@ import numpy as np
 
 from baton_serve.cache_store.index import CheckpointIndex, IndexEntry
 from baton_serve.cache_store.index_connect import connect_index
+from baton_serve.cache_store.redis_index import RedisIndex
 from baton_serve.deploy.local_ray import local_ray
 from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.redis_server import RedisServer
@@ -29,6 +30,7 @@ from baton_serve.loadtests.redis_server import RedisServer
 BATCH = 1_000
 BLOCK_TOKENS = 64
 STATE_BYTES_PER_TOKEN = 23_000  # SmolLM2-135M, measured
+ATTENTION_STATE_TOKENS = 2_048  # an attention checkpoint is findable by each of its blocks
 DEFAULT_TIMEOUT_S = 0.05  # the lookup timeout replicas run with
 WARMUP_LOOKUPS = 20
 
@@ -89,7 +91,9 @@ async def _run_backend(spec: str, workload: Workload, progress: Progress, name: 
     try:
         published = sum(len(e) for e in workload.entries.values())
         progress.step(f"{name}: publishing {published:,} checkpoints")
+        memory_before = await _redis_memory(index)
         publish_s = await workload.publish(index)
+        memory_after = await _redis_memory(index)
         progress.step(f"{name}: {len(workload.chains):,} lookups")
         for chain in workload.chains[:WARMUP_LOOKUPS]:
             await index.lookup(chain)
@@ -109,14 +113,26 @@ async def _run_backend(spec: str, workload: Workload, progress: Progress, name: 
         "lookup_ms": latency_ms(latencies),
         "lookups_over_timeout": sum(s > DEFAULT_TIMEOUT_S for s in latencies),
         "hit_rate": hits / len(workload.chains),
+        "bytes_per_entry": (
+            (memory_after - memory_before) / published if memory_after is not None else None
+        ),
     }
 
 
+async def _redis_memory(index: CheckpointIndex) -> int | None:
+    """Redis' `used_memory` (None for other backends)."""
+    if not isinstance(index, RedisIndex):
+        return None
+    info = await index.call("memory", index.redis.info("memory"), index.settings.write_timeout_s)
+    return int(info["used_memory"])
+
+
 def latency_ms(seconds: list[float]) -> dict[str, float]:
-    """p50, p99, mean and max of latencies given in seconds, in milliseconds."""
+    """p50, p95, p99, mean and max of latencies given in seconds, in milliseconds."""
     ms = np.array(seconds) * 1000
     return {
         "p50": float(np.percentile(ms, 50)),
+        "p95": float(np.percentile(ms, 95)),
         "p99": float(np.percentile(ms, 99)),
         "mean": float(ms.mean()),
         "max": float(ms.max()),
@@ -178,4 +194,12 @@ def format_report(result: dict) -> str:
             f" {ms['mean']:>8.3f} {ms['max']:>7.2f} {r['hit_rate']:>5.0%}"
             f" {r['lookups_over_timeout']:>7}"
         )
+    for name, r in result["backends"].items():
+        if r.get("bytes_per_entry"):
+            per_state = r["bytes_per_entry"] * ATTENTION_STATE_TOKENS // BLOCK_TOKENS
+            lines.append(
+                f"{name} memory: {r['bytes_per_entry']:,.0f} bytes per entry; an attention"
+                f" checkpoint of {ATTENTION_STATE_TOKENS:,} tokens is published under each of"
+                f" its {ATTENTION_STATE_TOKENS // BLOCK_TOKENS} blocks: {per_state / 1024:,.1f} KiB"
+            )
     return "\n".join(lines)

@@ -8,9 +8,12 @@ Mix user classes on the command line, e.g.
 
 - `MultiTurnChatUser`: a system prompt shared by every user (`--system-tokens`), each user a
   session whose history grows turn by turn, the previous assistant reply sent back.
-- `AgentLoopUser`: a large fixed tool/instruction header, many short turns; now and then
-  (seeded) the previous turn's reasoning is dropped from the history, which changes the
-  prompt's tail — the case that breaks naive prefix caches.
+- `AgentLoopUser`: a large fixed tool/instruction header, many short turns with no pause
+  between them (the next request the instant the answer arrives, a tool result appended);
+  now and then (seeded) the previous turn's reasoning is dropped from the history, which
+  changes the prompt's tail — the case that breaks naive prefix caches. Each follow-up whose
+  history was kept is checked: did it find at least 90% of the previous prompt cached
+  ("kept", printed with the token usage)?
 - `NoSharingUser`: independent prompts, nothing shared (the control).
 
 Every request streams (`stream_options.include_usage`). Besides the request itself
@@ -40,7 +43,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gevent.lock import Semaphore
-from locust import HttpUser, between, events, task
+from locust import HttpUser, between, constant, events, task
 from locust.runners import MasterRunner, WorkerRunner
 
 from baton_serve.loadtests import sse
@@ -108,7 +111,10 @@ def read_stream(lines: Iterable[bytes], start: float) -> StreamResult:
 
 # ---- token accounting (per user class, merged from workers) -----------------------------------
 
-_TOKENS: dict[str, dict[str, int]] = defaultdict(lambda: {"requests": 0, "prompt": 0, "cached": 0})
+_TOKENS: dict[str, dict[str, int]] = defaultdict(
+    lambda: {"requests": 0, "prompt": 0, "cached": 0, "follow_ups": 0, "kept": 0}
+)
+KEPT_SHARE = 0.9  # a follow-up keeps its cache when this much of the previous prompt is cached
 
 
 def _record_usage(user_class: str, usage: dict | None) -> None:
@@ -117,8 +123,17 @@ def _record_usage(user_class: str, usage: dict | None) -> None:
     totals = _TOKENS[user_class]
     totals["requests"] += 1
     totals["prompt"] += int(usage.get("prompt_tokens") or 0)
-    details = usage.get("prompt_tokens_details") or {}
-    totals["cached"] += int(details.get("cached_tokens") or 0)
+    totals["cached"] += _cached(usage)
+
+
+def _cached(usage: dict) -> int:
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def _record_follow_up(user_class: str, previous_prompt: int, usage: dict) -> None:
+    totals = _TOKENS[user_class]
+    totals["follow_ups"] += 1
+    totals["kept"] += _cached(usage) >= KEPT_SHARE * previous_prompt
 
 
 @events.test_start.add_listener
@@ -151,15 +166,21 @@ def _print_tokens(environment, **_kwargs) -> None:
             "prompt_tokens": t["prompt"],
             "cached_tokens": t["cached"],
             "cached_ratio": round(t["cached"] / t["prompt"], 4) if t["prompt"] else 0.0,
+            "follow_ups": t["follow_ups"],
+            "follow_ups_kept": t["kept"],
         }
         for name, t in sorted(_TOKENS.items())
     ]
     print("Baton token usage (from stream usage chunks)")
-    print(f"{'user class':<22}{'requests':>10}{'prompt':>12}{'cached':>12}{'cached %':>10}")
+    print(
+        f"{'user class':<22}{'requests':>10}{'prompt':>12}{'cached':>12}{'cached %':>10}"
+        f"{'kept':>12}"
+    )
     for r in rows:
+        kept = f"{r['follow_ups_kept']}/{r['follow_ups']}" if r["follow_ups"] else "-"
         print(
             f"{r['user_class']:<22}{r['requests']:>10}{r['prompt_tokens']:>12}"
-            f"{r['cached_tokens']:>12}{100 * r['cached_ratio']:>9.1f}%"
+            f"{r['cached_tokens']:>12}{100 * r['cached_ratio']:>9.1f}%{kept:>12}"
         )
     prefix = getattr(environment.parsed_options, "csv_prefix", None)
     if prefix:
@@ -172,6 +193,8 @@ def _print_tokens(environment, **_kwargs) -> None:
                     "prompt_tokens",
                     "cached_tokens",
                     "cached_ratio",
+                    "follow_ups",
+                    "follow_ups_kept",
                 ],
             )
             writer.writeheader()
@@ -249,7 +272,8 @@ class BatonUser(HttpUser):
         return _MODEL
 
     def chat(self, messages: list[dict]) -> str | None:
-        """One streamed chat completion; returns the reply text, or None on failure."""
+        """One streamed chat completion; returns the reply text, or None on failure (its
+        usage is then in `self.last_usage`)."""
         name = type(self).__name__
         body = {
             "model": self.model,
@@ -286,6 +310,7 @@ class BatonUser(HttpUser):
                 return None
             response.success()
         _record_usage(name, result.usage)
+        self.last_usage = result.usage
         fire = self.environment.events.request.fire
         if result.ttft_s is not None:
             fire(
@@ -345,8 +370,10 @@ class MultiTurnChatUser(BatonUser):
 
 
 class AgentLoopUser(BatonUser):
-    """A large fixed tool header; short observation/action turns; reasoning sometimes dropped."""
+    """A large fixed tool header; short observation/action turns with no pause between them;
+    reasoning sometimes dropped."""
 
+    wait_time = constant(0)  # an agent sends the next step the instant it has the answer
     max_turns = 12
     drop_reasoning_p = 0.3
     tools = ("search", "read_file", "run_tests", "edit_file", "list_dir", "http_get")
@@ -376,6 +403,7 @@ class AgentLoopUser(BatonUser):
             },
         ]
         self.turn = 0
+        self.previous_prompt = 0  # tokens of the last prompt whose history this one keeps
 
     @task
     def agent_step(self) -> None:
@@ -385,6 +413,9 @@ class AgentLoopUser(BatonUser):
         if reply is None:
             self._new_session()
             return
+        if self.previous_prompt:
+            _record_follow_up(type(self).__name__, self.previous_prompt, self.last_usage)
+        self.previous_prompt = int(self.last_usage.get("prompt_tokens") or 0)
         tool = self.rng.choice(self.tools)
         action = f'Action: {tool}({{"step": {self.turn}}})'
         if self.turn and self.rng.random() < self.drop_reasoning_p:
@@ -393,6 +424,7 @@ class AgentLoopUser(BatonUser):
             previous = self.messages[-2]
             if previous["role"] == "assistant" and "\n" in previous["content"]:
                 previous["content"] = previous["content"].split("\n", 1)[1]
+                self.previous_prompt = 0  # the history changed: not a follow-up that keeps it
         self.messages.append(
             {"role": "assistant", "content": f"Thought: {reply.strip()}\n{action}"}
         )

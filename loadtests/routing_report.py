@@ -13,70 +13,146 @@ from pathlib import Path
 
 import numpy as np
 
+from baton_serve.cache_store.prefix_hash import common_prefix_length
 from baton_serve.deploy.config import RouterPolicy
 from baton_serve.loadtests.plots import figure
-from baton_serve.loadtests.routing_workload import BLOCKERS, CHAT, MOVED, RequestRecord
+from baton_serve.loadtests.routing_workload import (
+    AGENT,
+    BLOCKERS,
+    BURST,
+    CHAT,
+    KEPT_SHARE,
+    MOVED,
+    SCENARIOS,
+    RequestRecord,
+)
 
 BASELINE = RouterPolicy.POW2
 ANCHOR = RouterPolicy.PREFIX_AFFINITY
+OTHERS = (RouterPolicy.POW2, RouterPolicy.PREFIX_AFFINITY, RouterPolicy.ROUND_ROBIN)
 TTFT_RATIO_TARGET = 0.3  # Baton's TTFT p50 over power-of-two's
+TAIL_RATIO_TARGET = 0.8  # Baton's TTFT p95 and p99 over the best other policy's
 COMPUTED_OVER_NEW_TARGET = 1.2
+KEPT_TARGET = 0.95  # agent follow-ups that keep their cache
+ALL = "all"
 
 
 def _percentile(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+def distinct_tokens(prompts: Sequence[Sequence[int]]) -> int:
+    """Tokens of distinct prefixes among `prompts`: the size of their prefix tree."""
+    ordered = sorted(tuple(p) for p in prompts)
+    shared = sum(common_prefix_length(a, b) for a, b in zip(ordered, ordered[1:]))
+    return sum(len(p) for p in ordered) - shared
+
+
+def _figures(rows: list[RequestRecord]) -> dict:
+    ok = [r for r in rows if not r.error]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    computed = sum(r.computed_tokens for r in ok)
+    new = sum(r.new_tokens for r in ok)
+    distinct = distinct_tokens([r.prompt for r in ok])
+    return {
+        "requests": len(rows),
+        "errors": len(rows) - len(ok),
+        "ttft_p50_s": _percentile(ttfts, 50),
+        "ttft_p95_s": _percentile(ttfts, 95),
+        "ttft_p99_s": _percentile(ttfts, 99),
+        "ttft_max_s": max(ttfts, default=None),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "computed_prompt_tokens": computed,
+        "new_prompt_tokens": new,
+        "distinct_prompt_tokens": distinct,
+        "cached_ratio": cached / prompt if prompt else None,
+        "computed_over_new": computed / new if new else None,
+        "computed_over_distinct": computed / distinct if distinct else None,
+    }
+
+
+def _burst_figures(rows: list[RequestRecord]) -> dict:
+    """How many times the burst's shared prefix was computed."""
+    ok = [r for r in rows if not r.error]
+    if len(ok) < 2:
+        return {}
+    shared = min(common_prefix_length(ok[0].prompt, r.prompt) for r in ok[1:])
+    own = sum(r.prompt_tokens - shared for r in ok)
+    computed = sum(r.computed_tokens for r in ok)
+    return {"shared_prefix_tokens": shared, "shared_computed_times": (computed - own) / shared}
+
+
+def _agent_figures(rows: list[RequestRecord]) -> dict:
+    """Follow-ups that kept their cache: at least `KEPT_SHARE` of the previous prompt."""
+    by_session: dict[int, list[RequestRecord]] = defaultdict(list)
+    for record in sorted(rows, key=lambda r: (r.session, r.turn)):
+        by_session[record.session].append(record)
+    pairs = [(a, b) for steps in by_session.values() for a, b in zip(steps, steps[1:])]
+    kept = sum(not b.error and b.cached_tokens >= KEPT_SHARE * a.prompt_tokens for a, b in pairs)
+    return {
+        "follow_ups": len(pairs),
+        "follow_ups_kept": kept,
+        "kept_share": kept / len(pairs) if pairs else None,
+    }
+
+
 def summarize(records: list[RequestRecord], scenarios: dict) -> dict:
-    """A policy's figures: the chat scenario at the top level, the moved one under "moved"."""
-
-    def figures(scenario: str) -> dict:
+    """A policy's figures: the whole workload at the top level (`all`), each scenario under
+    its name."""
+    summary = {ALL: _figures(records)}
+    for scenario in SCENARIOS:
         rows = [r for r in records if r.scenario == scenario]
-        ok = [r for r in rows if not r.error]
-        ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
-        prompt = sum(r.prompt_tokens for r in ok)
-        cached = sum(r.cached_tokens for r in ok)
-        computed = sum(r.computed_tokens for r in ok)
-        new = sum(r.new_tokens for r in ok)
-        return {
-            "requests": len(rows),
-            "errors": len(rows) - len(ok),
-            "ttft_p50_s": _percentile(ttfts, 50),
-            "ttft_p95_s": _percentile(ttfts, 95),
-            "ttft_p99_s": _percentile(ttfts, 99),
-            "prompt_tokens": prompt,
-            "cached_tokens": cached,
-            "computed_prompt_tokens": computed,
-            "new_prompt_tokens": new,
-            "cached_ratio": cached / prompt if prompt else None,
-            "computed_over_new": computed / new if new else None,
-            **scenarios[scenario],
-        }
-
-    return figures(CHAT) | {MOVED: figures(MOVED)}
+        summary[scenario] = _figures(rows) | scenarios.get(scenario, {})
+        if scenario == BURST:
+            summary[scenario] |= _burst_figures(rows)
+        if scenario == AGENT:
+            summary[scenario] |= _agent_figures(rows)
+    return summary
 
 
-def policy_targets(policies: dict[str, dict]) -> dict[str, dict]:
-    """The issue's targets, where the policies they compare were run."""
+def _target(value: float | None, bound: float, *, at_least: bool = False) -> dict | None:
+    if value is None:
+        return None
+    met = value >= bound if at_least else value <= bound
+    return {"value": value, "target": f"{'>=' if at_least else '<='} {bound:g}", "met": met}
+
+
+def policy_targets(policies: dict[str, dict], replicas: int = 2) -> dict[str, dict]:
+    """The issue's targets, over the whole workload, where the policies they compare ran."""
     baton = policies.get(RouterPolicy.BATON.value)
     if baton is None:
         return {}
-    targets = {}
-    if (baton_new := baton["computed_over_new"]) is not None:
-        targets["computed_over_new"] = {
-            "value": baton_new,
-            "target": f"<= {COMPUTED_OVER_NEW_TARGET}",
-            "met": baton_new <= COMPUTED_OVER_NEW_TARGET,
-        }
+    mine = baton[ALL]
+    targets = {
+        "errors": _target(mine["errors"], 0),
+        "computed_over_new": _target(mine["computed_over_new"], COMPUTED_OVER_NEW_TARGET),
+        "burst_shared_prefix_computed_times": _target(
+            baton[BURST].get("shared_computed_times"), replicas
+        ),
+        "agent_follow_ups_kept": _target(
+            baton[AGENT].get("kept_share"), KEPT_TARGET, at_least=True
+        ),
+    }
     for other, name, bound in (
         (BASELINE, "ttft_p50_over_pow2", TTFT_RATIO_TARGET),
         (ANCHOR, "ttft_p50_over_prefix_affinity", 1.0),
     ):
-        theirs = policies.get(other.value, {}).get("ttft_p50_s")
-        if theirs and baton["ttft_p50_s"] is not None:
-            ratio = baton["ttft_p50_s"] / theirs
-            targets[name] = {"value": ratio, "target": f"<= {bound}", "met": ratio <= bound}
-    return targets
+        theirs = policies.get(other.value, {}).get(ALL, {}).get("ttft_p50_s")
+        if theirs and mine["ttft_p50_s"] is not None:
+            targets[name] = _target(mine["ttft_p50_s"] / theirs, bound)
+    for tail in ("ttft_p95_s", "ttft_p99_s"):
+        others = [
+            policies[o.value][ALL][tail]
+            for o in OTHERS
+            if o.value in policies and policies[o.value][ALL][tail]
+        ]
+        if others and mine[tail] is not None:
+            name = f"{tail.removesuffix('_s')}_over_best_other"
+            targets[name] = _target(mine[tail] / min(others), TAIL_RATIO_TARGET)
+    return {name: target for name, target in targets.items() if target is not None}
 
 
 # ---- output ---------------------------------------------------------------------------------
@@ -87,12 +163,14 @@ _COLUMNS = (  # title, key, format, scale
     ("TTFT p50", "ttft_p50_s", ".3f", 1),
     ("p95", "ttft_p95_s", ".3f", 1),
     ("p99", "ttft_p99_s", ".3f", 1),
+    ("max", "ttft_max_s", ".3f", 1),
     ("total s", "total_s", ".1f", 1),
     ("prompt", "prompt_tokens", "d", 1),
     ("computed", "computed_prompt_tokens", "d", 1),
     ("new", "new_prompt_tokens", "d", 1),
     ("cached", "cached_ratio", ".1%", 1),
     ("comp/new", "computed_over_new", ".3f", 1),
+    ("comp/dist", "computed_over_distinct", ".3f", 1),
     ("shipped", "checkpoints_shipped", "d", 1),
     ("MB shipped", "bytes_shipped", ".1f", 1e-6),
 )
@@ -104,7 +182,7 @@ def _table(policies: dict[str, dict]) -> list[str]:
     for name, figures in policies.items():
         cells = [f"{name:<16}"]
         for (_, key, fmt, scale), width in zip(_COLUMNS, widths):
-            value = figures[key]
+            value = figures.get(key)
             text = "-" if value is None else format(value * scale if scale != 1 else value, fmt)
             cells.append(f" {text:>{width}}")
         lines.append("".join(cells))
@@ -131,26 +209,49 @@ def _decisions(policies: dict[str, dict]) -> list[str]:
 def format_report(result: dict) -> str:
     w = result["workload"]
     policies = result["policies"]
+    totals = {
+        name: f[ALL] | {"total_s": sum(f[s].get("total_s", 0) for s in SCENARIOS)}
+        for name, f in policies.items()
+    }
     lines = [
         f"model: {result['model']}, {result['replicas']} replicas x {result['threads_per_replica']}"
-        f" thread(s), {result['index']} index",
-        f"chat: {w['sessions']} sessions x {w['turns']} turns, {w['concurrency']} at a time;"
+        f" thread(s), {result['index']} index; seed {w['seed']}",
+        "all scenarios:",
+        *_table(totals),
+    ]
+    descriptions = {
+        CHAT: f"chat: {w['sessions']} sessions x {w['turns']} turns, {w['concurrency']} at a time;"
         f" system {w['system_tokens']} + document {w['document_tokens']} tokens, then"
         f" {w['turn_tokens']}-token questions and {w['reply_tokens']}-token replies,"
-        f" {w['think_s']:g} s mean pause between turns; seed {w['seed']}",
-        *_table(policies),
-        *_decisions(policies),
-        "",
-        f"moved: {w['moved_sessions']} sessions whose replica is kept busy by {BLOCKERS} long"
-        " requests before their second turn",
-        *_table(moved := {name: figures[MOVED] for name, figures in policies.items()}),
-        *_decisions(moved),
-    ]
+        f" {w['think_s']:g} s mean pause between turns",
+        BURST: f"burst: {w['burst_sessions']} sessions at once on a new {w['system_tokens']}-token"
+        " system prompt",
+        AGENT: f"agent: {w['agent_sessions']} loops x {w['agent_steps']} steps, no pause,"
+        f" {w['tool_tokens']}-token tool results",
+        MOVED: f"moved: {w['moved_sessions']} sessions whose replica is kept busy by {BLOCKERS}"
+        " long requests before their second turn",
+    }
+    for scenario in SCENARIOS:
+        rows = {name: figures[scenario] for name, figures in policies.items()}
+        lines += ["", descriptions[scenario], *_table(rows), *_decisions(rows)]
+        if scenario == BURST:
+            lines += [
+                f"  {name}: shared prefix ({f['shared_prefix_tokens']} tokens) computed"
+                f" {f['shared_computed_times']:.2f} times"
+                for name, f in rows.items()
+                if "shared_computed_times" in f
+            ]
+        if scenario == AGENT:
+            lines += [
+                f"  {name}: {f['follow_ups_kept']}/{f['follow_ups']} follow-ups kept their cache"
+                for name, f in rows.items()
+                if f.get("follow_ups")
+            ]
     if result["targets"]:
-        lines.append("")
+        lines += ["", "targets:"]
         for name, target in result["targets"].items():
             verdict = "met" if target["met"] else "NOT met"
-            lines.append(f"{name}: {target['value']:.3f} (target {target['target']}): {verdict}")
+            lines.append(f"  {name}: {target['value']:.3f} (target {target['target']}): {verdict}")
     return "\n".join(lines)
 
 
@@ -161,15 +262,12 @@ def write_outputs(result: dict, records: list[RequestRecord], out_dir: Path) -> 
     written[0].write_text(json.dumps(result, indent=2) + "\n")
     with written[1].open("w", newline="") as file:
         rows = [
-            {
-                "policy": name,
-                "scenario": scenario,
-                **_flat(figures if scenario == CHAT else figures[MOVED]),
-            }
+            {"policy": name, "scenario": scenario, **_flat(figures[scenario])}
             for name, figures in result["policies"].items()
-            for scenario in (CHAT, MOVED)
+            for scenario in (ALL, *SCENARIOS)
         ]
-        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        fields = list(dict.fromkeys(key for row in rows for key in row))
+        writer = csv.DictWriter(file, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
     with written[2].open("w", newline="") as file:
@@ -189,17 +287,22 @@ def _flat(figures: dict) -> dict:
 
 
 def _plots(records: list[RequestRecord], out_dir: Path) -> list[Path]:
+    every: dict[str, list[RequestRecord]] = defaultdict(list)
+    for record in records:
+        if not record.error:
+            every[record.policy].append(record)
+    cdf_path = out_dir / "ttft_cdf.png"
+    with figure(cdf_path, "TTFT CDF (every scenario)") as (axes,):
+        for policy, rows in every.items():
+            ttfts = sorted(r.ttft_s for r in rows if r.ttft_s is not None)
+            axes.step(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), where="post", label=policy)
+        axes.set_xscale("log")
+        axes.set(xlabel="time to first token (s, log scale)", ylabel="share of requests")
+
     chat = [r for r in records if r.scenario == CHAT and not r.error]
     by_policy: dict[str, list[RequestRecord]] = defaultdict(list)
     for record in chat:
         by_policy[record.policy].append(record)
-
-    cdf_path = out_dir / "ttft_cdf.png"
-    with figure(cdf_path, "TTFT CDF (chat)") as (axes,):
-        for policy, rows in by_policy.items():
-            ttfts = sorted(r.ttft_s for r in rows if r.ttft_s is not None)
-            axes.step(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), where="post", label=policy)
-        axes.set(xlabel="time to first token (s)", ylabel="share of requests")
 
     turns_path = out_dir / "computed_per_turn.png"
     with figure(turns_path, "Prompt tokens computed per turn (chat)") as (axes,):

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +41,7 @@ logger = logging.getLogger("baton.replica")
 CLOSE_TIMEOUT_S = 5.0
 
 GAUGE_PERIOD_S = 1.0  # how often the queue, slot and store gauges are sampled
+EXPORT_POLL_S = 0.02  # how often an export waiting for a checkpoint being computed looks
 
 
 @dataclass
@@ -76,7 +77,10 @@ class Replica:
         self.policy = policy or ShipPolicy()
         self.heartbeat_s = heartbeat_s
         self.stats = ReplicaStats()
-        self._anchors: dict[bytes, dict[int, int]] = {}  # anchor hash → {n_tokens: nbytes}
+        # index hash → {checkpoint hash: (tokens it gives there, checkpoint bytes)}
+        self._held: dict[bytes, dict[bytes, tuple[int, int]]] = {}
+        # index hash → {request id: (tokens, bytes, ready_at)}: prefixes being computed now
+        self._in_flight: dict[bytes, dict[str, tuple[int, int, float]]] = {}
         self._lock = threading.Lock()
         self._dirty: set[bytes] = set()
         self._wake: asyncio.Event | None = None
@@ -123,9 +127,11 @@ class Replica:
             await self.prepare(request.generation.prompt.tokens, telemetry)
             telemetry.submitting()
             handle = self.engine.submit(request.generation)
+            self._announce(request)
             try:
                 done = await handle.aresult()
             finally:
+                self._announced_done(request)
                 if not handle.done:  # the caller went away: free the slot
                     handle.cancel()
             telemetry.finished(done)
@@ -143,6 +149,7 @@ class Replica:
             await self.prepare(request.generation.prompt.tokens, telemetry)
             telemetry.submitting()
             handle = self.engine.submit(request.generation)
+            self._announce(request)
             try:
                 async for event in handle.aiter():
                     yield event
@@ -150,6 +157,7 @@ class Replica:
                 telemetry.finished(done)
                 yield done.model_copy(update={"replica_id": self.replica_id})
             finally:
+                self._announced_done(request)
                 if not handle.done:
                     handle.cancel()
 
@@ -177,19 +185,26 @@ class Replica:
         peers = [m for rid, m in matches.items() if rid != self.replica_id]
         if not peers:
             return
-        best = max(peers, key=lambda m: m.n_tokens)
+        best = max(peers, key=lambda m: (m.n_tokens, not m.in_flight))
         gain = min(best.n_tokens, usable) - local
         prefill_speed = self.engine.stats.prefill_tokens_per_s
-        if not self.policy.should_pull(gain, best.nbytes, prefill_speed):
+        wait_s = max(0.0, best.ready_at - time.time()) if best.in_flight else 0.0
+        if not self.policy.should_pull(gain, best.nbytes, prefill_speed, wait_s=wait_s):
             if gain > 0:
                 self.stats.pulls_skipped += 1
                 metrics.PULLS.inc(outcome="skipped")
             return
-        deadline = self.policy.deadline(gain, prefill_speed)
-        attributes = {"baton.peer": best.replica_id, "baton.pull.gain_tokens": gain}
+        deadline = self.policy.deadline(gain, prefill_speed, wait_s=wait_s)
+        attributes = {
+            "baton.peer": best.replica_id,
+            "baton.pull.gain_tokens": gain,
+            "baton.pull.wait_s": wait_s,
+        }
+        # A state still being computed is waited for whole, not taken in part on the way.
+        floor = local + gain - 1 if best.in_flight else local
         with tracing.span("pull", parent=telemetry.context, attributes=attributes) as span:
             outcome = await self._pull(
-                best.replica_id, tokens, local, deadline, span, telemetry.request_id
+                best.replica_id, tokens, floor, deadline, span, telemetry.request_id
             )
             span.set_attribute("baton.pull.outcome", outcome)
         metrics.PULLS.inc(outcome=outcome)
@@ -198,17 +213,19 @@ class Replica:
         self,
         peer: str,
         tokens: tuple[int, ...],
-        local: int,
+        floor: int,
         deadline: float,
         span: Span,
         request_id: str,
     ) -> str:
-        """Fetch, check and store the peer's state; the outcome: pulled, miss, failed or
-        rejected."""
+        """Fetch a state giving more than `floor` tokens of `tokens` from the peer (waiting
+        for it up to `deadline`), check it and store it; the outcome: pulled, miss, failed
+        or rejected."""
         assert self.peers is not None
         started = time.perf_counter()
         try:
-            blob = await asyncio.wait_for(self.peers.fetch(peer, tokens, local), deadline)
+            fetch = self.peers.fetch(peer, tokens, floor, wait_s=deadline)
+            blob = await asyncio.wait_for(fetch, deadline)
         except Exception as exc:  # a dead, slow or unreachable peer only costs a recompute
             self.stats.pull_failures += 1
             logger.info(
@@ -244,6 +261,18 @@ class Replica:
         metrics.PULLED_BYTES.inc(blob.nbytes)
         return "pulled"
 
+    async def export_when_ready(
+        self, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
+    ) -> np.ndarray | None:
+        """`export_best`, waiting up to `wait_s` for a checkpoint being computed here."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            # Signing hashes the whole state: keep the event loop free meanwhile.
+            blob = await asyncio.to_thread(self.export_best, tokens, min_tokens)
+            if blob is not None or time.monotonic() >= deadline:
+                return blob
+            await asyncio.sleep(EXPORT_POLL_S)
+
     def export_best(self, tokens: tuple[int, ...], min_tokens: int) -> np.ndarray | None:
         """For a peer: our longest checkpoint prefixing `tokens`, as a uint8 array (the
         cheapest type to move through Ray's object store)."""
@@ -259,38 +288,108 @@ class Replica:
     # ---- index bookkeeping (CheckpointListener; called on the engine thread) -------------
 
     def checkpoint_added(self, checkpoint: Checkpoint) -> None:
-        anchor = self._anchor(checkpoint)
-        if anchor is not None:
-            with self._lock:
-                self._anchors.setdefault(anchor, {})[checkpoint.n_tokens] = checkpoint.nbytes
-            self._mark_dirty(anchor)
+        entries = self._entries_of(checkpoint)
+        with self._lock:
+            for prefix_hash, n_tokens in entries:
+                by_checkpoint = self._held.setdefault(prefix_hash, {})
+                by_checkpoint[checkpoint.prefix_hash] = (n_tokens, checkpoint.nbytes)
+        self._mark_dirty(h for h, _ in entries)
 
     def checkpoint_used(self, checkpoint: Checkpoint) -> None:
-        anchor = self._anchor(checkpoint)
-        if anchor is not None:
-            self._mark_dirty(anchor)  # publishing again refreshes the entry's TTL
+        # Publishing again refreshes the entries' TTL.
+        self._mark_dirty(h for h, _ in self._entries_of(checkpoint))
 
     def checkpoint_removed(self, checkpoint: Checkpoint) -> None:
-        anchor = self._anchor(checkpoint)
-        if anchor is not None:
-            with self._lock:
-                held = self._anchors.get(anchor, {})
-                held.pop(checkpoint.n_tokens, None)
-                if not held:
-                    self._anchors.pop(anchor, None)
-            self._mark_dirty(anchor)
-
-    def _anchor(self, checkpoint: Checkpoint) -> bytes | None:
-        """The hash of the last whole block a checkpoint covers: what lookups send."""
-        block = self.engine.cache.hasher.block_tokens
-        covered = checkpoint.n_tokens // block * block
-        return self.engine.cache.hasher.prefix_hash(checkpoint.tokens, covered) if covered else None
-
-    def _mark_dirty(self, anchor: bytes) -> None:
+        entries = self._entries_of(checkpoint)
         with self._lock:
-            self._dirty.add(anchor)
+            for prefix_hash, _ in entries:
+                by_checkpoint = self._held.get(prefix_hash, {})
+                by_checkpoint.pop(checkpoint.prefix_hash, None)
+                if not by_checkpoint:
+                    self._held.pop(prefix_hash, None)
+        self._mark_dirty(h for h, _ in entries)
+
+    def _entries_of(self, checkpoint: Checkpoint) -> list[tuple[bytes, int]]:
+        """(index hash, tokens) a checkpoint is published under: lookups send block hashes.
+
+        An attention state serves every prefix of itself (it is cut back), so each of its
+        blocks is findable; a hybrid or recurrent state serves only its exact length,
+        published under the hash of its last whole block.
+        """
+        return self._block_entries(checkpoint.tokens, checkpoint.n_tokens)
+
+    def _block_entries(self, tokens: Sequence[int], n_tokens: int) -> list[tuple[bytes, int]]:
+        hasher = self.engine.cache.hasher
+        block = hasher.block_tokens
+        covered = n_tokens // block * block
+        if not covered:
+            return []
+        if self.engine.kind.needs_checkpoints:
+            return [(hasher.prefix_hash(tokens, covered), n_tokens)]
+        chain = hasher.chain(tokens[:covered])
+        return [(h, (i + 1) * block) for i, h in enumerate(chain[:-1])] + [(chain[-1], n_tokens)]
+
+    # ---- prefixes being computed ---------------------------------------------------------
+
+    def _announce(self, request: ReplicaRequest) -> None:
+        """Tell the index which prefixes this request will leave here, and when: other
+        routers and replicas can then wait for them instead of computing them too."""
+        if self.index is None:
+            return
+        prompt = request.generation.prompt
+        positions = self.engine.cache.checkpoints_for(prompt, 0)
+        if not positions:
+            return
+        speed = self.engine.stats.prefill_tokens_per_s or self.policy.prefill_tokens_per_s
+        backlog = self.engine.backlog_tokens()  # this prompt's tokens included
+        request_id = request.generation.request_id
+        with self._lock:
+            marked = []
+            for position in positions:
+                ahead = max(backlog - (len(prompt) - position), position)
+                ready_at = time.time() + ahead / speed
+                size = self.engine.cache.state_bytes(position)
+                for prefix_hash, n_tokens in self._block_entries(prompt.tokens, position):
+                    held = self._held.get(prefix_hash, {})
+                    if max((n for n, _ in held.values()), default=0) >= n_tokens:
+                        continue
+                    self._in_flight.setdefault(prefix_hash, {})[request_id] = (
+                        n_tokens,
+                        size,
+                        ready_at,
+                    )
+                    marked.append(prefix_hash)
+        self._mark_dirty(marked)
+
+    def _announced_done(self, request: ReplicaRequest) -> None:
+        """The request ended: what it announced is held now, or never will be."""
+        request_id = request.generation.request_id
+        with self._lock:
+            done = [h for h, by_request in self._in_flight.items() if request_id in by_request]
+            for prefix_hash in done:
+                del self._in_flight[prefix_hash][request_id]
+                if not self._in_flight[prefix_hash]:
+                    del self._in_flight[prefix_hash]
+        self._mark_dirty(done)
+
+    def _mark_dirty(self, hashes: Iterable[bytes]) -> None:
+        with self._lock:
+            self._dirty.update(hashes)
         if self._loop is not None and self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
+
+    def _entry(self, prefix_hash: bytes) -> IndexEntry | None:
+        """What to publish under `prefix_hash` now (lock held): the longest checkpoint here,
+        or else the longest one being computed; None: forget it."""
+        held = self._held.get(prefix_hash)
+        if held:
+            n_tokens, nbytes = max(held.values())
+            return IndexEntry(prefix_hash=prefix_hash, n_tokens=n_tokens, nbytes=nbytes)
+        coming = self._in_flight.get(prefix_hash)
+        if coming:
+            n_tokens, nbytes, ready_at = max(coming.values())
+            return IndexEntry(prefix_hash, n_tokens, nbytes, ready_at)
+        return None
 
     async def _publish_loop(self) -> None:
         assert self.index is not None and self._wake is not None
@@ -299,12 +398,9 @@ class Replica:
             self._wake.clear()
             with self._lock:
                 dirty, self._dirty = self._dirty, set()
-                held = {a: dict(self._anchors[a]) for a in dirty if a in self._anchors}
-            entries = [
-                IndexEntry(prefix_hash=a, n_tokens=max(sizes), nbytes=sizes[max(sizes)])
-                for a, sizes in held.items()
-            ]
-            gone = [a for a in dirty if a not in held]
+                current = {h: self._entry(h) for h in dirty}
+            entries = [e for e in current.values() if e is not None]
+            gone = [h for h, e in current.items() if e is None]
             try:
                 if entries:
                     await self.index.publish(self.replica_id, entries)
@@ -325,7 +421,7 @@ class Replica:
             else:
                 with self._lock:
                     if not known:  # first beat, or the index lost its data: publish it all
-                        self._dirty |= set(self._anchors)
+                        self._dirty |= set(self._held) | set(self._in_flight)
                     pending = bool(self._dirty)
                 if pending:
                     self._wake.set()

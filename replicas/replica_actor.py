@@ -30,13 +30,13 @@ class ActorPeers:
     """Reaches peers as named Ray actors; their blobs come back through the object store."""
 
     async def fetch(
-        self, replica_id: str, tokens: tuple[int, ...], min_tokens: int
+        self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
     ) -> np.ndarray | None:
         try:
             peer = ray.get_actor(actor_name(replica_id), namespace=NAMESPACE)
         except ValueError as exc:  # no such actor: it died or never existed
             raise RayActorError(f"peer {replica_id} is gone") from exc
-        return await peer.export_best.remote(tokens, min_tokens)
+        return await peer.export_best.remote(tokens, min_tokens, wait_s)
 
 
 class ReplicaHost:
@@ -85,9 +85,10 @@ class ReplicaHost:
     async def generate(self, request: GenerationRequest) -> Completion:
         return await self._replica.generate(ReplicaRequest(generation=request))
 
-    async def export_best(self, tokens: tuple[int, ...], min_tokens: int) -> np.ndarray | None:
-        # Signing hashes the whole state: keep the event loop (other streams) free meanwhile.
-        return await asyncio.to_thread(self._replica.export_best, tuple(tokens), min_tokens)
+    async def export_best(
+        self, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
+    ) -> np.ndarray | None:
+        return await self._replica.export_when_ready(tuple(tokens), min_tokens, wait_s)
 
     def stats(self) -> tuple[ReplicaStats, dict]:
         return self._replica.stats, dict(vars(self._replica.engine.stats))

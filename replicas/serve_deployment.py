@@ -52,9 +52,11 @@ class ServePeers:
         self._handle = handle.options(method_name="export_best")
 
     async def fetch(
-        self, replica_id: str, tokens: tuple[int, ...], min_tokens: int
+        self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
     ) -> np.ndarray | None:
-        return await self._handle.remote(tokens, min_tokens, **{TARGET_REPLICA_KWARG: replica_id})
+        return await self._handle.remote(
+            tokens, min_tokens, wait_s, **{TARGET_REPLICA_KWARG: replica_id}
+        )
 
 
 class ReplicaDeployment:
@@ -95,12 +97,16 @@ class ReplicaDeployment:
             yield item
 
     async def export_best(
-        self, tokens: tuple[int, ...], min_tokens: int, target_replica: str | None = None
+        self,
+        tokens: tuple[int, ...],
+        min_tokens: int,
+        wait_s: float = 0.0,
+        target_replica: str | None = None,
     ) -> np.ndarray | None:
         """For a peer (the router already sent this call to `target_replica`)."""
-        return await asyncio.to_thread(self.replica.export_best, tuple(tokens), min_tokens)
+        return await self.replica.export_when_ready(tuple(tokens), min_tokens, wait_s)
 
-    def record_routing_stats(self) -> dict[str, int | str]:
+    def record_routing_stats(self) -> dict[str, int | float | str]:
         load = self.replica.engine.load()
         return {
             "replica_id": self.replica_id,
@@ -110,6 +116,7 @@ class ReplicaDeployment:
             "cache_bytes": self.replica.engine.cache.store.used_bytes,
             "pulls": self.replica.stats.pulls,
             "pulled_bytes": self.replica.stats.pulled_bytes,
+            "prefill_tokens_per_s": self.replica.engine.stats.prefill_tokens_per_s or 0.0,
         }
 
     def ready(self) -> bool:

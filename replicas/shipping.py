@@ -17,10 +17,11 @@ class PeerDirectory(Protocol):
     """How a replica asks a peer for its best checkpoint of a prompt."""
 
     async def fetch(
-        self, replica_id: str, tokens: tuple[int, ...], min_tokens: int
+        self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
     ) -> np.ndarray | None:
-        """The peer's signed blob for its longest checkpoint prefixing `tokens`, if longer
-        than `min_tokens`; None if it has none. Raises if the peer is unreachable."""
+        """The peer's signed blob for its longest checkpoint sharing a prefix with `tokens`,
+        if it gives more than `min_tokens`, waiting up to `wait_s` for one the peer is
+        computing; None if it has none. Raises if the peer is unreachable."""
         ...
 
 
@@ -36,20 +37,31 @@ class ShipPolicy:
     latency_s: float = 0.01
     smoothing: float = 0.3  # weight of a new bandwidth measurement
 
-    def should_pull(self, gain_tokens: int, nbytes: int, measured_prefill: float | None) -> bool:
-        """True when pulling `nbytes` is clearly faster than computing `gain_tokens`."""
+    def should_pull(
+        self,
+        gain_tokens: int,
+        nbytes: int,
+        measured_prefill: float | None,
+        *,
+        wait_s: float = 0.0,
+    ) -> bool:
+        """True when waiting `wait_s` for a peer's state (one it is computing right now),
+        then pulling its `nbytes`, is clearly faster than computing `gain_tokens`."""
         if gain_tokens < self.min_gain_tokens:
             return False
         recompute_s = gain_tokens / (measured_prefill or self.prefill_tokens_per_s)
-        return self.pull_seconds(nbytes) < self.safety * recompute_s
+        return wait_s + self.pull_seconds(nbytes) < self.safety * recompute_s
 
     def pull_seconds(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bandwidth_bytes_per_s
 
-    def deadline(self, gain_tokens: int, measured_prefill: float | None) -> float:
-        """Wait at most the time recomputing would take, and never past `deadline_s`."""
+    def deadline(
+        self, gain_tokens: int, measured_prefill: float | None, *, wait_s: float = 0.0
+    ) -> float:
+        """Wait at most the time recomputing would take, and never more than `deadline_s`
+        past the time the peer's state is expected."""
         recompute_s = gain_tokens / (measured_prefill or self.prefill_tokens_per_s)
-        return min(self.deadline_s, recompute_s)
+        return min(wait_s + self.deadline_s, recompute_s)
 
     def record_pull(self, nbytes: int, seconds: float) -> None:
         if seconds > 0 and nbytes > 0:

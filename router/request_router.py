@@ -1,14 +1,17 @@
 """Ray Serve request routers for the replica deployment.
 
-`BatonRouter` sends a request to the replica holding the longest cached prefix of its
-prompt (asked of the checkpoint index in one round trip), weighed against load, with a
-bounded-load rule so one hot prefix — a shared system prompt — cannot pile every request
-onto one replica. It also honours `target_replica=` on a call (`TARGET_REPLICA_KWARG`),
-which is how a replica reaches a specific peer to pull its state.
+`BatonRouter` sends a request where its first token is expected soonest (`route_cost`):
+to the replica holding — or computing right now — the longest prefix of its prompt, or
+to an idle one that will pull it, under a bounded-load rule so one hot prefix cannot pile
+every request onto one replica. What replicas hold comes from this router's own copy of
+the checkpoint index (`IndexView`, kept current by the index's change stream; one direct
+lookup while it is not), merged with what this router itself just sent where
+(`RoutingLedger`), which also gives exact in-flight counts per replica. It honours
+`target_replica=` on a call (`TARGET_REPLICA_KWARG`), which is how a replica reaches a
+specific peer to pull its state.
 
-Routers run in the caller's process, on the router's event loop: the lookup is awaited
-with a short timeout, never blocking it. `SafeRequestRouter` holds the guards against
-what measured Ray 2.60 routers get wrong.
+Routers run in the caller's process, on the router's event loop: nothing here blocks it.
+`SafeRequestRouter` holds the guards against what measured Ray 2.60 routers get wrong.
 """
 
 from __future__ import annotations
@@ -16,17 +19,35 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
+from dataclasses import dataclass, replace
 
 from opentelemetry.context import Context
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from baton_serve.cache_store.index import CheckpointIndex, IndexUnavailable
+from baton_serve.cache_store.index import (
+    CheckpointIndex,
+    IndexMatch,
+    IndexUnavailable,
+    better_match,
+)
 from baton_serve.cache_store.index_connect import connect_cluster_index
+from baton_serve.cache_store.index_view import IndexView
 from baton_serve.replicas.engine.protocol import TARGET_REPLICA_KWARG, ReplicaRequest
 from baton_serve.replicas.telemetry import tracing
 from baton_serve.replicas.telemetry.logs import request_fields
+from baton_serve.router.route_cost import (
+    CACHED,
+    COMPUTE,
+    IN_FLIGHT,
+    PULL,
+    CostSettings,
+    Estimate,
+    Holding,
+    ReplicaState,
+    rank,
+)
+from baton_serve.router.routing_ledger import RoutingLedger
 from baton_serve.router.routing_metrics import record_decision, record_lookup
 
 logger = logging.getLogger("baton.router")
@@ -60,6 +81,7 @@ class SafeRequestRouter(RequestRouter):
         self._cancel_routing_task_for_pending_request(pending)
         self._record_queue_wait_time(pending)
         pending.future.set_result(replica)
+        self.request_routed(pending, replica)
         self._remove_pending_request_from_indices(pending)
 
     async def choose_replicas(
@@ -84,6 +106,9 @@ class SafeRequestRouter(RequestRouter):
         """Replicas in ranks, best first."""
         raise NotImplementedError
 
+    def request_routed(self, pending_request: PendingRequest, replica: RunningReplica) -> None:
+        """`pending_request` goes to `replica` (whichever rank it came from)."""
+
 
 def _load(replica: RunningReplica) -> int:
     """Requests waiting or running on a replica, from its routing stats (slightly stale)."""
@@ -104,24 +129,40 @@ def _replica_request(pending_request: PendingRequest | None) -> ReplicaRequest |
 
 
 class BatonRouter(SafeRequestRouter):
-    """Prefix- and state-aware routing with bounded load."""
+    """Prefix- and state-aware routing with bounded load (see `route_cost`)."""
 
     def initialize_state(
         self,
         *,
         index: str = "embedded",
         fingerprint_hex: str = "",
+        block_tokens: int = 64,
+        every_block: bool = True,
         lookup_timeout_s: float = 0.02,
         load_slack: float = 0.25,
         tokens_per_queued_request: int = 256,
+        prefill_tokens_per_s: float = 200.0,
+        follow_index: bool = True,
     ) -> None:
         self._index_spec = index
         self._fingerprint = bytes.fromhex(fingerprint_hex)
         self._lookup_timeout_s = lookup_timeout_s
-        self._load_slack = load_slack
-        self._tokens_per_queued_request = tokens_per_queued_request
+        self._settings = CostSettings(
+            load_slack=load_slack, tokens_per_request=tokens_per_queued_request
+        )
+        self._default_prefill_speed = prefill_tokens_per_s
         self._index: CheckpointIndex | None = None
         self._connecting: asyncio.Lock | None = None
+        self._view = IndexView()
+        self._follow_index = follow_index
+        self._follower: asyncio.Task[None] | None = None
+        self._ledger = RoutingLedger(block_tokens, every_block=every_block)
+        self._plans: dict[int, _Plan] = {}  # pending request's metadata id -> its estimates
+
+    @property
+    def view(self) -> IndexView:
+        """This router's copy of the index (synced once its change stream is followed)."""
+        return self._view
 
     async def rank(
         self, candidates: list[RunningReplica], pending_request: PendingRequest | None
@@ -134,72 +175,97 @@ class BatonRouter(SafeRequestRouter):
         if request is None:
             record_decision("no_prefix")
             return _by_load(candidates)
+        assert pending_request is not None
         attributes = {
             "baton.request_id": request.generation.request_id,
             "baton.route.candidates": len(candidates),
         }
         parent = tracing.extract(request.trace_context)
         with tracing.span("route", parent=parent, attributes=attributes) as span:
-            ranks, reason, cached = await self._decide(
-                candidates, request, tracing.context_of(span)
-            )
+            estimates, reason = await self._decide(candidates, request, tracing.context_of(span))
+            self._plans[id(pending_request.metadata)] = _Plan(request, estimates)
             record_decision(reason)
-            if span.is_recording():
-                first = ranks[0][0].replica_id.unique_id if ranks and ranks[0] else ""
+            if span.is_recording() and estimates:
                 span.set_attributes(
                     {
                         "baton.route.reason": reason,
-                        "baton.route.replica": first,
-                        "baton.route.cached_tokens": cached.get(first, 0),
+                        "baton.route.replica": estimates[0].replica_id,
+                        "baton.route.cached_tokens": estimates[0].reused_tokens,
                     }
                 )
-            return ranks
+        by_id = {r.replica_id.unique_id: r for r in candidates}
+        return [[by_id[e.replica_id]] for e in estimates]
 
     async def _decide(
         self, candidates: list[RunningReplica], request: ReplicaRequest, trace: Context | None
-    ) -> tuple[list[list[RunningReplica]], str, dict[str, int]]:
-        """Ranks, the reason for them, and each replica's cached prefix length (if known)."""
-        if not request.prefix_hashes:
-            return _by_load(candidates), "no_prefix", {}
-        cached = await self._cached_tokens(request, trace)
-        if cached is None:
-            return _by_load(candidates), "index_timeout", {}
-        if not any(cached.get(r.replica_id.unique_id, 0) for r in candidates):
-            return _by_load(candidates), "load_fallback", cached
-        n_prompt = len(request.generation.prompt)
-        return self._by_prefix(candidates, cached, n_prompt), "prefix_hit", cached
+    ) -> tuple[list[Estimate], str]:
+        """Each candidate's estimate, best first, and the reason for the first."""
+        holdings: dict[str, IndexMatch] = {}
+        reason = "no_prefix"
+        if request.prefix_hashes:
+            found = await self._holdings(request.prefix_hashes, trace)
+            if found is None:  # the index did not answer: this router's own decisions only
+                reason, holdings = "index_timeout", self._ledger.lookup(request.prefix_hashes)
+            else:
+                reason, holdings = "load_fallback", found
+        states = [self._state(r, holdings.get(r.replica_id.unique_id)) for r in candidates]
+        estimates = rank(states, len(request.generation.prompt), time.time(), self._settings)
+        if estimates and estimates[0].reused_tokens and reason == "load_fallback":
+            reason = _REASONS[estimates[0].plan]
+        return estimates, reason
 
-    def _by_prefix(
-        self, candidates: list[RunningReplica], cached: dict[str, int], n_prompt: int
-    ) -> list[list[RunningReplica]]:
-        """Least estimated work first, among replicas within the load bound; then the rest."""
-        loads = {r.replica_id.unique_id: _load(r) for r in candidates}
-        bound = math.ceil((1 + self._load_slack) * (sum(loads.values()) + 1) / len(candidates))
+    def _state(self, replica: RunningReplica, match: IndexMatch | None) -> ReplicaState:
+        rid = replica.replica_id.unique_id
+        stats = replica.routing_stats or {}
+        holding = Holding(match.n_tokens, match.nbytes, match.ready_at) if match else None
+        return ReplicaState(
+            replica_id=rid,
+            load=max(self._ledger.load(rid), _load(replica)),
+            queued_tokens=self._ledger.queued_tokens(rid),
+            prefill_tokens_per_s=float(
+                stats.get("prefill_tokens_per_s") or self._default_prefill_speed
+            ),
+            holding=holding,
+        )
 
-        def work(replica: RunningReplica) -> int:
-            rid = replica.replica_id.unique_id
-            return n_prompt - cached.get(rid, 0) + self._tokens_per_queued_request * loads[rid]
-
-        within = sorted((r for r in candidates if loads[r.replica_id.unique_id] < bound), key=work)
-        beyond = sorted((r for r in candidates if loads[r.replica_id.unique_id] >= bound), key=work)
-        return [[r] for r in within + beyond]
-
-    async def _cached_tokens(
-        self, request: ReplicaRequest, trace: Context | None
-    ) -> dict[str, int] | None:
-        """Replica id → cached prefix length, from one index lookup; None if it timed out."""
+    async def _holdings(
+        self, chain: tuple[bytes, ...], trace: Context | None
+    ) -> dict[str, IndexMatch] | None:
+        """Replica id → its best match for `chain`: the index (this router's copy of it,
+        or one lookup while the copy is not current) merged with this router's own recent
+        decisions. None if the index did not answer in time."""
+        self._start_following()
         started = time.perf_counter()
-        try:
-            with tracing.span("index.lookup", parent=trace):
-                index = await self._connected_index()
-                matches = await asyncio.wait_for(
-                    index.lookup(list(request.prefix_hashes)), self._lookup_timeout_s
-                )
-        except (IndexUnavailable, asyncio.TimeoutError):
-            record_lookup(time.perf_counter() - started, ok=False)
-            return None
+        if self._view.synced:
+            matches = self._view.lookup(chain)
+        else:
+            try:
+                with tracing.span("index.lookup", parent=trace):
+                    index = await self._connected_index()
+                    matches = await asyncio.wait_for(index.lookup(chain), self._lookup_timeout_s)
+            except (IndexUnavailable, asyncio.TimeoutError):
+                record_lookup(time.perf_counter() - started, ok=False)
+                return None
         record_lookup(time.perf_counter() - started, ok=True)
-        return {rid: m.n_tokens for rid, m in matches.items()}
+        for rid, mine in self._ledger.lookup(chain).items():
+            if better_match(mine.n_tokens, mine.ready_at, matches.get(rid)):
+                known = matches.get(rid)
+                matches[rid] = mine if known is None else replace(mine, nbytes=known.nbytes)
+        return matches
+
+    def _start_following(self) -> None:
+        if self._follow_index and self._follower is None:
+            self._follower = asyncio.get_running_loop().create_task(self._follow())
+
+    async def _follow(self) -> None:
+        """Keep this router's copy of the index current (retrying while it cannot connect)."""
+        while True:
+            try:
+                index = await self._connected_index()
+            except IndexUnavailable:
+                await asyncio.sleep(1.0)
+                continue
+            await index.follow(self._view)
 
     async def _connected_index(self) -> CheckpointIndex:
         if self._index is None:
@@ -210,6 +276,48 @@ class BatonRouter(SafeRequestRouter):
                         self._index_spec, self._fingerprint, timeout_s=self._lookup_timeout_s
                     )
         return self._index
+
+    # ---- what this router sent where -----------------------------------------------------
+
+    def request_routed(self, pending_request: PendingRequest, replica: RunningReplica) -> None:
+        plan = self._plans.pop(id(pending_request.metadata), None)
+        if plan is None:
+            return
+        rid = replica.replica_id.unique_id
+        chosen = next((e for e in plan.estimates if e.replica_id == rid), None)
+        if chosen is None:
+            return
+        request = plan.request
+        n_prompt = len(request.generation.prompt)
+        held = self._ledger.entries_for(request.generation.prompt, request.prefix_hashes)
+        self._ledger.sent(
+            rid,
+            pending_request.metadata.internal_request_id,
+            held,
+            tokens=n_prompt - chosen.reused_tokens,
+            ready_at=time.time() + chosen.seconds,
+        )
+
+    def _remove_pending_request_from_indices(self, pending_request: PendingRequest) -> None:
+        self._plans.pop(id(pending_request.metadata), None)
+        super()._remove_pending_request_from_indices(pending_request)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._ledger.completed(replica_id.unique_id, internal_request_id)
+        super().on_request_completed(replica_id, internal_request_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        self._ledger.forget_replica(replica_id.unique_id)
+        super().on_replica_actor_died(replica_id)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    request: ReplicaRequest
+    estimates: list[Estimate]
+
+
+_REASONS = {CACHED: "prefix_hit", IN_FLIGHT: "in_flight", PULL: "peer_pull", COMPUTE: "prefix_hit"}
 
 
 class RoundRobinRouter(SafeRequestRouter):

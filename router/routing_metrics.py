@@ -14,8 +14,8 @@ from baton_serve.replicas.telemetry import metrics
 
 ROUTING_DECISIONS = metrics.Counter(
     "baton_routing_decisions",
-    "Routing decisions by reason (prefix_hit, load_fallback, index_timeout, no_prefix, "
-    "targeted, error_fallback)",
+    "Routing decisions by reason (prefix_hit, in_flight, peer_pull, load_fallback, "
+    "index_timeout, no_prefix, targeted, error_fallback)",
     ("reason",),
 )
 
@@ -23,8 +23,8 @@ _DECISIONS: Counter[str] = Counter()
 
 
 def record_decision(reason: str) -> None:
-    """Count one routing decision: prefix_hit, load_fallback, index_timeout, no_prefix,
-    targeted or error_fallback."""
+    """Count one routing decision: prefix_hit, in_flight, peer_pull, load_fallback,
+    index_timeout, no_prefix, targeted or error_fallback."""
     _DECISIONS[reason] += 1
     ROUTING_DECISIONS.inc(reason=reason)
 

@@ -114,23 +114,23 @@ def test_prompt_len_is_token_count() -> None:
 @pytest.mark.parametrize(
     ("cached", "interval", "max_interval", "expected"),
     [
-        (0, 256, 8, [256, 512, 700, 768, 998]),
-        (256, 256, 8, [512, 700, 768, 998]),
-        (300, 256, 8, [512, 700, 768, 998]),
+        (0, 256, 8, [256, 400, 512, 700, 768, 998]),
+        (256, 256, 8, [400, 512, 700, 768, 998]),
+        (400, 256, 8, [512, 700, 768, 998]),
         (700, 256, 8, [768, 998]),
         (997, 256, 8, [998]),
         (998, 256, 8, []),
         (1000, 256, 8, []),
-        (0, 0, 8, [700, 998]),  # interval 0: no grid
-        (0, 256, 0, [700, 998]),  # max_interval 0: no grid
-        (0, 100, 3, [300, 600, 700, 900, 998]),  # 9 grid points thinned to 3
-        (0, 1000, 8, [700, 998]),  # the only multiple would be the end itself
+        (0, 0, 8, [400, 700, 998]),  # interval 0: no grid
+        (0, 256, 0, [400, 700, 998]),  # max_interval 0: no grid
+        (0, 100, 3, [300, 400, 600, 700, 900, 998]),  # 9 grid points thinned to 3
+        (0, 1000, 8, [400, 700, 998]),  # the only multiple would be the end itself
     ],
 )
 def test_prefill_checkpoints_examples(
     cached: int, interval: int, max_interval: int, expected: list[int]
 ) -> None:
-    """A 1000-token chat whose last user message starts at 700."""
+    """A 1000-token chat whose system prompt ends at 400 and last user message starts at 700."""
     prompt = chat(1000, [0, 400, 600, 700], ["system", "user", "assistant", "user"])
     got = prefill_checkpoints(prompt, cached=cached, interval=interval, max_interval=max_interval)
     assert got == expected
@@ -174,10 +174,11 @@ def test_prefill_checkpoints_properties() -> None:
         assert all(cached < p < end for p in got)
         retry = end - MIN_PIECE
         assert (retry in got) == (cached < retry)
-        last_user = prompt.last_user_start
-        if last_user is not None and last_user > cached:
-            assert last_user in got
-        special = {retry, last_user}
+        last_user, system_end = prompt.last_user_start, prompt.system_end
+        for boundary in (last_user, system_end):
+            if boundary is not None and cached < boundary < end:
+                assert boundary in got
+        special = {retry, last_user, system_end}
         grid = [p for p in got if p not in special]
         if not interval or not max_interval:
             assert grid == []

@@ -12,12 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import ray
 
-from baton_serve.cache_store.embedded_index import (
-    ACTOR_NAME,
-    ACTOR_NAMESPACE,
-    EmbeddedIndex,
-    MemoryIndex,
-)
+from baton_serve.cache_store.embedded_index import ACTOR_NAME, ACTOR_NAMESPACE, EmbeddedIndex
 from baton_serve.cache_store.index import (
     CheckpointIndex,
     IndexEntry,
@@ -25,6 +20,8 @@ from baton_serve.cache_store.index import (
     IndexUnavailable,
 )
 from baton_serve.cache_store.index_connect import connect_index
+from baton_serve.cache_store.index_view import IndexView
+from baton_serve.cache_store.memory_index import MemoryIndex
 from baton_serve.cache_store.redis_index import RedisIndex, key_prefix
 from baton_serve.loadtests.redis_server import RedisServer
 
@@ -223,6 +220,72 @@ async def test_arguments_are_checked(make_index: MakeIndex) -> None:
         IndexEntry(h("x"), 0, 1)
 
 
+async def test_in_flight_entries(make_index: MakeIndex) -> None:
+    """A prefix being computed is published with the time it is expected, and the held
+    entry replaces it; on equal length a held entry beats one in flight."""
+    index = await make_index()
+    doc = chain("doc", 4)
+    ready_at = time.time() + 5
+    for replica in ("r1", "r2"):
+        await index.heartbeat(replica)
+    await index.publish("r1", [IndexEntry(doc[3], 256, 100, ready_at)])
+    await index.publish("r2", [IndexEntry(doc[3], 256, 100)])
+    found = await index.lookup(doc)
+    assert found["r1"].in_flight and abs(found["r1"].ready_at - ready_at) < 0.002
+    assert not found["r2"].in_flight
+    await index.publish("r2", [IndexEntry(doc[2], 256, 100, ready_at)])  # same length, later
+    assert not (await index.lookup(doc))["r2"].in_flight
+    await index.publish("r1", [IndexEntry(doc[3], 256, 100)])  # now it has it
+    assert not (await index.lookup(doc))["r1"].in_flight
+    with pytest.raises(ValueError, match="ready_at"):
+        IndexEntry(h("x"), 1, 1, -1.0)
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_followers_view_keeps_up_with_every_change(make_index: MakeIndex) -> None:
+    """A view starts from a snapshot (what was there before), then applies each change as
+    it happens; its lookups answer what the store's do. After a gap it resyncs."""
+    index = await make_index(liveness_ttl_s=30)
+    doc, other = chain("doc", 6), chain("other", 3)
+    await index.heartbeat("r1")
+    await index.publish("r1", entries(doc[:2]))  # before the view exists: from the snapshot
+    view = IndexView()
+    follower = asyncio.create_task(index.follow(view))
+    try:
+        await _until(lambda: view.synced and "r1" in view.lookup(doc))
+        assert view.lookup(doc) == await index.lookup(doc)
+
+        await index.heartbeat("r2")
+        await index.publish("r2", entries(doc))
+        await index.publish("r1", [IndexEntry(other[2], 192, 7, time.time() + 3)])
+        await _until(lambda: "r2" in view.lookup(doc) and "r1" in view.lookup(other))
+        for chain_ in (doc, other):
+            assert view.lookup(chain_) == await index.lookup(chain_)
+
+        await index.forget("r2", [doc[5], doc[4]])
+        await _until(lambda: view.lookup(doc)["r2"].prefix_hash == doc[3])
+        await index.touch("r2", [doc[0]])
+        await index.forget("r1")
+        await _until(lambda: "r1" not in view.lookup(doc + other))
+        assert view.lookup(doc) == await index.lookup(doc)
+
+        view.lost()  # as after a lost message: a new snapshot, then changes again
+        await index.publish("r2", [IndexEntry(other[0], 64, 1)])
+        await _until(lambda: view.synced and "r2" in view.lookup(other))
+        assert view.lookup(doc + other) == await index.lookup(doc + other)
+        with pytest.raises(ValueError, match="16 bytes"):
+            view.lookup([b"short"])
+    finally:
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
+
+
 async def test_connect_index_rejects_unknown_specs() -> None:
     with pytest.raises(ValueError, match="'embedded' or a redis://"):
         await connect_index("memcached://localhost", b"fp")
@@ -275,10 +338,12 @@ async def test_redis_keys_share_one_hash_tag(redis_server: RedisServer) -> None:
     index = RedisIndex(redis_server.url, fingerprint)
     await index.heartbeat("r1")
     await index.publish("r1", [IndexEntry(h("x"), 64, 1)])
-    keys = [k.decode() async for k in index._redis.scan_iter(match=f"{prefix}*")]
-    assert sorted(k[len(prefix) :].split(":")[0] for k in keys) == ["alive", "h", "r"]
+    keys = [k.decode() async for k in index.redis.scan_iter(match=f"{prefix}*")]
+    assert sorted(k[len(prefix) :].split(":")[0] for k in keys) == ["alive", "h", "r", "seq"]
     await index.forget("r1")
-    assert [k async for k in index._redis.scan_iter(match=f"{prefix}*")] == []
+    assert [k async for k in index.redis.scan_iter(match=f"{prefix}*")] == [
+        b"%sseq" % prefix.encode()
+    ]
     await index.close()
 
 
@@ -349,7 +414,7 @@ def test_memory_index_heap_stays_bounded_under_touches() -> None:
     for _ in range(100):
         clock.t += 1
         index.touch(b"fp", "r1", [h(i) for i in range(100)], ttl_s=10)
-    model = index._models[b"fp"]
+    model = index._models[b"fp"].index
     assert model.size == 100 and len(model.expiry) <= 2 * 100 + 1024 + 100
     clock.t += 10
     index.heartbeat(b"fp", "r1", ttl_s=10)

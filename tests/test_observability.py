@@ -163,9 +163,9 @@ class _LocalPeer:
         self.peer, self.flip_bit = peer, flip_bit
 
     async def fetch(
-        self, replica_id: str, tokens: tuple[int, ...], min_tokens: int
+        self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
     ) -> np.ndarray | None:
-        blob = self.peer.export_best(tokens, min_tokens)
+        blob = await self.peer.export_when_ready(tokens, min_tokens, wait_s)
         if blob is not None and self.flip_bit is not None:
             blob = blob.copy()
             blob[self.flip_bit // 8] ^= 1 << (self.flip_bit % 8)

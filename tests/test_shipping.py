@@ -153,9 +153,9 @@ class _TamperingPeers:
         self.peer, self.flip_bit, self.delay_s = peer, flip_bit, delay_s
         self.truncate, self.forge = truncate, forge
 
-    async def fetch(self, replica_id, tokens, min_tokens):
+    async def fetch(self, replica_id, tokens, min_tokens, wait_s=0.0):
         await asyncio.sleep(self.delay_s)
-        blob = self.peer.export_best(tokens, min_tokens)
+        blob = await self.peer.export_when_ready(tokens, min_tokens, wait_s)
         if blob is None:
             return None
         if self.flip_bit is not None:
@@ -273,3 +273,111 @@ def test_redis_outage_never_fails_a_request_and_the_index_repopulates(
             await index.close()
 
     asyncio.run(scenario())
+
+
+def _index_state(spec: str, fingerprint: bytes, chain: list[bytes]) -> dict:
+    async def lookup() -> dict:
+        index = await connect_index(spec, fingerprint, timeout_s=1.0)
+        try:
+            return await index.lookup(chain)
+        finally:
+            await index.close()
+
+    return asyncio.run(lookup())
+
+
+def test_a_partial_prefix_of_an_attention_state_is_found_and_pulled(
+    redis_server, ray_cluster, tiny_model
+) -> None:
+    """A 700-token attention state is published under each of its blocks: a prompt sharing
+    only its first 512 tokens finds it in the index, pulls it, cuts it back — exact."""
+    path = str(tiny_model("llama"))
+    spec = redis_server.url
+    holder = spawn_replica(
+        "part-a", path, CONFIG, hmac_key=KEY, index=spec, policy=EAGER, heartbeat_s=0.2
+    )
+    puller = spawn_replica(
+        "part-b", path, CONFIG, hmac_key=KEY, index=spec, policy=EAGER, heartbeat_s=0.2
+    )
+    cold = spawn_replica(
+        "part-c", path, CONFIG.model_copy(update={"prefix_cache": False}), hmac_key=KEY
+    )
+    try:
+        ray.get([holder.start.remote(), puller.start.remote(), cold.start.remote()])
+        prompt = _long_prompt(seed=3)
+        ray.get(holder.generate.remote(_request(prompt)))
+        assert ray.get(holder.wait_idle.remote())
+        other = prompt[:512] + tuple(range(3000, 3200))
+        with Engine(path, EngineConfig(n_ctx=256, n_slots=1, n_threads=1), hmac_key=KEY) as local:
+            chain, fingerprint = local.cache.hasher.chain(other), local.fingerprint
+        asyncio.run(_wait_for_entries(spec, fingerprint, chain, "part-a"))
+        assert _index_state(spec, fingerprint, chain)["part-a"].n_tokens == 512
+
+        pulled = ray.get(puller.generate.remote(_request(other, logits=True)))
+        scratch = ray.get(cold.generate.remote(_request(other, logits=True)))
+        stats, _ = ray.get(puller.stats.remote())
+        assert stats.pulls == 1
+        assert pulled.usage.cached_tokens == 512
+        assert pulled.tokens == scratch.tokens
+        assert float(np.abs(pulled.logits - scratch.logits).max()) == 0.0
+    finally:
+        for actor in (holder, puller, cold):
+            ray.kill(actor)
+
+
+def test_a_prefix_being_computed_is_waited_for_and_pulled(
+    redis_server, ray_cluster, tiny_model
+) -> None:
+    """The holder announces a prefix the moment its request is admitted (it queues behind
+    two long generations here); the other replica sees it in flight, waits for the state
+    instead of computing it, and pulls it — exact."""
+    path = str(tiny_model("qwen35"))
+    spec = redis_server.url
+    holder = spawn_replica(
+        "wait-a", path, CONFIG, hmac_key=KEY, index=spec, policy=EAGER, heartbeat_s=0.2
+    )
+    puller = spawn_replica(
+        "wait-b", path, CONFIG, hmac_key=KEY, index=spec, policy=EAGER, heartbeat_s=0.2
+    )
+    cold = spawn_replica(
+        "wait-c", path, CONFIG.model_copy(update={"prefix_cache": False}), hmac_key=KEY
+    )
+    try:
+        ray.get([holder.start.remote(), puller.start.remote(), cold.start.remote()])
+        prompt = _long_prompt(seed=4) + _long_prompt(seed=5)[:500]  # 1,200 tokens
+        with Engine(path, EngineConfig(n_ctx=256, n_slots=1, n_threads=1), hmac_key=KEY) as local:
+            chain, fingerprint = local.cache.hasher.chain(prompt), local.fingerprint
+        # The holder measures its own prefill speed (its estimate of when the prefix is
+        # ready); the puller, fresh, assumes EAGER's slow one, so waiting pays.
+        ray.get(holder.generate.remote(_request(tuple(range(100, 400)))))
+        busy = [  # both of the holder's slots
+            holder.generate.remote(
+                _request(
+                    tuple(range(500 + i, 800)), SamplingParams(max_tokens=300, ignore_eos=True)
+                )
+            )
+            for i in range(2)
+        ]
+        computing = holder.generate.remote(_request(prompt))
+        deadline = time.monotonic() + 30
+        while True:
+            match = _index_state(spec, fingerprint, chain).get("wait-a")
+            if match is not None and match.in_flight:
+                break
+            assert match is None, "the holder finished before its prefix was seen in flight"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert match.n_tokens == len(prompt) - 2
+
+        follow_up = prompt + tuple(range(4000, 4040))
+        pulled = ray.get(puller.generate.remote(_request(follow_up, logits=True)))
+        scratch = ray.get(cold.generate.remote(_request(follow_up, logits=True)))
+        ray.get([*busy, computing])
+        stats, _ = ray.get(puller.stats.remote())
+        assert stats.pulls == 1 and stats.pull_failures == 0
+        assert pulled.usage.cached_tokens == len(prompt) - 2
+        assert pulled.tokens == scratch.tokens
+        assert float(np.abs(pulled.logits - scratch.logits).max()) == 0.0
+    finally:
+        for actor in (holder, puller, cold):
+            ray.kill(actor)

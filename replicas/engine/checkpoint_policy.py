@@ -18,6 +18,7 @@ def prefill_checkpoints(
 ) -> list[int]:
     """Token positions, ascending, after which a hybrid/recurrent sequence's state is saved.
 
+    - the end of the leading system messages (what other sessions share),
     - the start of the last user message (what an edited turn reuses),
     - two tokens before the end of the prompt: the longest prefix a retry of the same
       prompt can reuse (at least one piece of two tokens is always computed), and what
@@ -29,9 +30,7 @@ def prefill_checkpoints(
     """
     end = len(prompt)
     positions = {end - MIN_PIECE}
-    last_user = prompt.last_user_start
-    if last_user is not None:
-        positions.add(last_user)
+    positions.update(p for p in (prompt.system_end, prompt.last_user_start) if p is not None)
     if interval and max_interval:
         grid = list(range((cached // interval + 1) * interval, end, interval))
         if len(grid) > max_interval:

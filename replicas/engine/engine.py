@@ -101,6 +101,7 @@ class Engine:
         self._chat_template = model_chat_template(self.model, self.config.chat_template)
         self._slots = [Slot(seq_id=i) for i in range(self.config.n_slots)]
         self._waiting: list[RequestHandle] = []
+        self._prefix_waits: dict[RequestHandle, tuple[Running, int]] = {}  # engine loop only
         self._wakeup = threading.Condition()
         self._closed = False
         self._idle = threading.Event()
@@ -167,6 +168,18 @@ class Engine:
         return self.cache.reusable_tokens(tokens, self._slots)
 
     # ---- lifecycle -----------------------------------------------------------------------
+
+    def backlog_tokens(self) -> int:
+        """About how many prompt tokens are waiting to be computed here (read without
+        stopping the engine loop; cached prefixes are not subtracted for queued requests)."""
+        with self._wakeup:
+            queued = sum(len(h.request.prompt) for h in self._waiting)
+        running = [s.running for s in self._slots]
+        return queued + sum(
+            len(r.feed) - len(r.slot.tokens)
+            for r in running
+            if r is not None and r.phase is Phase.PREFILL
+        )
 
     def load(self) -> EngineLoad:
         with self._wakeup:
@@ -246,6 +259,7 @@ class Engine:
             cancelled = [h for h in self._waiting if h.cancelled]
             self._waiting = [h for h in self._waiting if not h.cancelled]
         for handle in cancelled:
+            self._prefix_waits.pop(handle, None)
             handle.finish(handle.empty_completion("cancelled"))
 
     # ---- admission -----------------------------------------------------------------------
@@ -253,19 +267,48 @@ class Engine:
     def _admit(self) -> None:
         while True:
             free = [s for s in self._slots if s.running is None]
-            with self._wakeup:
-                handle = self._waiting[0] if self._waiting else None
-                if handle is None or len(free) < handle.request.n or self._replay_pending(handle):
-                    return
-                self._waiting.pop(0)
+            handle = self._next_admissible(free)
+            if handle is None:
+                return
             self._start(handle, free)
 
-    def _replay_pending(self, handle: RequestHandle) -> bool:
-        """True while a slot replays the conversation this request continues: waiting
-        those few steps beats recomputing the reply."""
+    def _next_admissible(self, free: list[Slot]) -> RequestHandle | None:
+        """The first waiting request that can start now, taken off the queue. A request
+        that needs more free slots than there are stops the queue; one whose prefix is
+        being computed in another slot lets the others pass."""
+        with self._wakeup:
+            waiting = list(self._waiting)  # only this thread removes from the queue
+        for handle in waiting:
+            if len(free) < handle.request.n:
+                return None
+            if self._waits_for_prefix(handle):
+                continue
+            with self._wakeup:
+                self._waiting.remove(handle)
+            self._prefix_waits.pop(handle, None)
+            return handle
+        return None
+
+    def _waits_for_prefix(self, handle: RequestHandle) -> bool:
+        """True while another slot computes what this request would reuse: the reply of
+        the conversation it continues (a replay), or a long prefix of its prompt."""
         if not self.config.prefix_cache:
             return False
-        return self.cache.replay_pending_for(handle.request.prompt.tokens, self._running())
+        prompt, running = handle.request.prompt.tokens, self._running()
+        if self.cache.replay_pending_for(prompt, running):
+            return True
+        if (waits := self._prefix_waits.get(handle)) is not None:
+            run, position = waits
+            if run.slot.running is run and len(run.slot.tokens) < position:
+                return True
+            del self._prefix_waits[handle]
+            return False  # computed (or that run ended): `place` finds what there is
+        share = self.cache.in_flight_share(prompt, running, self._slots)
+        if share is None:
+            return False
+        self._prefix_waits[handle] = share
+        self.stats.prefix_waits += 1
+        return True
 
     def _start(self, handle: RequestHandle, free: list[Slot]) -> None:
         prompt, admitted_at = handle.request.prompt, time.perf_counter()

@@ -121,12 +121,21 @@ class PrefixCache:
         )
 
     def export_best(self, tokens: tuple[int, ...] | list[int], min_tokens: int = 0) -> bytes | None:
-        """A signed blob of the longest stored checkpoint that prefixes `tokens`, if it is
-        longer than `min_tokens` (what a peer asks for before pulling)."""
-        checkpoint = self.store.longest_match(self.hasher, tokens, len(tokens))
-        if checkpoint is None or checkpoint.n_tokens <= min_tokens:
+        """A signed blob of the stored checkpoint that gives the longest prefix of `tokens`,
+        if that is more than `min_tokens` (what a peer asks for before pulling): one that
+        prefixes them, or for attention models any that shares their beginning (the peer
+        cuts it back)."""
+        checkpoint, reused = self._stored_prefix(tuple(tokens), len(tokens), touch=False)
+        if checkpoint is None or reused <= min_tokens:
             return None
         return self.export_checkpoint(checkpoint.prefix_hash)
+
+    def state_bytes(self, n_tokens: int) -> int:
+        """The size of an `n_tokens`-token state (0 where it is not linear: sliding windows)."""
+        if self.state_size is None:
+            return 0
+        fixed, per_token = self.state_size
+        return fixed + per_token * n_tokens
 
     def reusable_tokens(self, tokens: tuple[int, ...], slots: list[Slot]) -> int:
         """About how many tokens of `tokens` this engine could reuse right now.
@@ -167,15 +176,48 @@ class PrefixCache:
         return False
 
     def checkpoints_for(self, prompt: Prompt, cached: int) -> list[int]:
-        """Positions of `prompt` after which its state is saved (hybrid and recurrent)."""
-        if not self.config.prefix_cache or not self.kind.needs_checkpoints:
+        """Positions of `prompt` after which its state is saved while it is computed.
+
+        Hybrid and recurrent models: `checkpoint_policy`. Attention models keep the live KV
+        of their own conversation, so only a shared system prompt is saved on its own, the
+        moment it is computed: other sessions here and peers can use it before this
+        request even starts decoding.
+        """
+        if not self.config.prefix_cache:
             return []
-        return prefill_checkpoints(
-            prompt,
-            cached=cached,
-            interval=self.config.checkpoint_interval,
-            max_interval=self.config.max_interval_checkpoints,
-        )
+        if self.kind.needs_checkpoints:
+            return prefill_checkpoints(
+                prompt,
+                cached=cached,
+                interval=self.config.checkpoint_interval,
+                max_interval=self.config.max_interval_checkpoints,
+            )
+        end = prompt.system_end
+        if end is None or end < self.hasher.block_tokens or not cached < end < len(prompt):
+            return []
+        return [end]
+
+    def in_flight_share(
+        self, prompt: tuple[int, ...], running: list[Running], slots: list[Slot]
+    ) -> tuple[Running, int] | None:
+        """A prefill in progress that will compute a long prefix of `prompt` this engine
+        does not hold yet: that run and the shared length, with a checkpoint added there.
+
+        Prefills run one at a time, oldest first, so a request waiting for that
+        checkpoint loses nothing, and the shared prefix is computed once, not twice.
+        """
+        limit = len(prompt) - MIN_PIECE
+        best: tuple[Running, int] | None = None
+        for run in running:
+            if run.phase is not Phase.PREFILL:
+                continue
+            shared = common_prefix_length(run.feed, prompt, limit)
+            if shared >= self.hasher.block_tokens and (best is None or shared > best[1]):
+                best = (run, shared)
+        if best is None or self.reusable_tokens(prompt, slots) >= best[1]:
+            return None
+        run, shared = best
+        return best if run.checkpoint_at(shared, self.config.prefill_chunk) else None
 
     def place(self, prompt: tuple[int, ...], free: list[Slot]) -> tuple[Slot, int]:
         """Pick a slot for `prompt` and load the longest reusable prefix into it."""

@@ -17,6 +17,8 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import BaseModel, Field
 
+SYSTEM_ROLES = frozenset({"system", "developer"})
+
 
 class PromptError(ValueError):
     """The prompt cannot be built (bad messages, no chat template, template error)."""
@@ -50,6 +52,15 @@ class Prompt(BaseModel):
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def system_end(self) -> int | None:
+        """Token offset where the leading system (or developer) messages end, if the prompt
+        opens with any and goes on after them: the prefix sessions most often share."""
+        for i, role in enumerate(self.message_roles):
+            if role not in SYSTEM_ROLES:
+                return self.message_starts[i] if i else None
+        return None
 
     @property
     def last_user_start(self) -> int | None:

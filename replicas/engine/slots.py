@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE, prefill_pieces
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.engine.protocol import Completion, Timings, Usage
 from baton_serve.replicas.engine.request_handle import RequestHandle
@@ -61,6 +62,20 @@ class Running:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     index: int = 0  # which choice of the request
     forks: list[Running] = field(default_factory=list)  # choices that start from this prompt
+
+    def checkpoint_at(self, position: int, max_piece: int) -> bool:
+        """Also save the state after `position` of a prefill still short of it, if a piece
+        can end there; False if it cannot."""
+        start = len(self.slot.tokens)
+        if self.phase is not Phase.PREFILL or position - start < MIN_PIECE:
+            return False
+        cuts = [p for p in self.checkpoints if p > start] + [position]
+        pieces = prefill_pieces(start, len(self.feed), cuts, max_piece)
+        if position not in pieces:
+            return False
+        self.pieces = pieces
+        self.checkpoints.add(position)
+        return True
 
     @property
     def prompt(self) -> tuple[int, ...]:

@@ -26,6 +26,7 @@ class EngineStats:
     checkpoints_saved: int = 0
     checkpoints_restored: int = 0
     checkpoints_imported: int = 0
+    prefix_waits: int = 0  # requests that waited for a prefix another slot was computing
     prefill_seconds: float = 0.0
 
     @property

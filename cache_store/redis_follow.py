@@ -1,0 +1,138 @@
+"""Keeping an `IndexView` current from Redis: subscribe to the changes channel, read a
+snapshot, then apply each numbered change as it arrives.
+
+Changes published between the subscription and the snapshot's reads are applied on top
+of it, in order: every change sets or deletes one (hash, replica) entry, so replaying ones
+the snapshot already holds ends in the same state. A gap in the numbering (a lost message,
+a Redis restarted empty) or a dropped connection means a new snapshot. Messages are JSON,
+checked field by field; nothing from the network is unpickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from baton_serve.cache_store.index import IndexEntry, IndexUnavailable
+from baton_serve.cache_store.index_view import IndexView
+from baton_serve.cache_store.memory_index import IndexChange, IndexSnapshot
+
+if TYPE_CHECKING:
+    from baton_serve.cache_store.redis_index import RedisIndex
+
+logger = logging.getLogger("baton.index")
+
+SCAN_BATCH = 1000
+_KINDS = {"publish", "touch", "forget", "forget_all", "alive"}
+
+
+async def follow_changes(index: RedisIndex, view: IndexView, *, retry_s: float) -> None:
+    """Keep `view` current until cancelled (see the module's docstring)."""
+    while True:
+        subscriber = Redis.from_url(
+            index.url, socket_connect_timeout=index.settings.write_timeout_s
+        )
+        pubsub = subscriber.pubsub(ignore_subscribe_messages=False)
+        try:
+            await _subscribe(pubsub, index)
+            view.reset(await read_snapshot(index))
+            while view.synced:
+                message = await pubsub.get_message(timeout=1.0)
+                if message is None or message["type"] != "message":
+                    continue
+                change = parse_change(message["data"])
+                if change is None or not view.apply([change]):
+                    view.lost()
+        except (RedisError, OSError, IndexUnavailable, asyncio.TimeoutError) as exc:
+            view.lost()
+            logger.info("index view: %s; resyncing in %g s", exc, retry_s)
+            await asyncio.sleep(retry_s)
+        finally:
+            await asyncio.shield(_close(pubsub, subscriber))
+
+
+async def _subscribe(pubsub: Any, index: RedisIndex) -> None:
+    await pubsub.subscribe(index.channel)
+    deadline = time.monotonic() + index.settings.write_timeout_s
+    while time.monotonic() < deadline:
+        message = await pubsub.get_message(timeout=index.settings.write_timeout_s)
+        if message is not None and message["type"] == "subscribe":
+            return
+    raise IndexUnavailable(f"{index.where}: no subscription to {index.channel}")
+
+
+async def _close(pubsub: Any, subscriber: Redis) -> None:
+    try:
+        await pubsub.aclose()
+        await subscriber.aclose()
+    except (RedisError, OSError):
+        pass
+
+
+async def read_snapshot(index: RedisIndex) -> IndexSnapshot:
+    """Every entry and live replica of the model, as of the change number read first."""
+    timeout = index.settings.write_timeout_s
+    seq = int(await index.call("snapshot", index.redis.get(index.seq_key), timeout) or 0)
+    now_ms = time.time() * 1000
+    entries: list[tuple[str, IndexEntry, float]] = []
+    start = len(f"{index.prefix}h:")
+    async for keys in _scan(index, f"{index.prefix}h:*"):
+        pipe = index.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(key)
+        for key, fields in zip(keys, await index.call("snapshot", pipe.execute(), timeout)):
+            prefix_hash = bytes.fromhex(key.decode()[start:])
+            for replica, value in fields.items():
+                n_tokens, nbytes, expires, ready = (int(v) for v in value.split(b":"))
+                if expires > now_ms:
+                    entry = IndexEntry(prefix_hash, n_tokens, nbytes, ready / 1000)
+                    entries.append((replica.decode(), entry, (expires - now_ms) / 1000))
+    alive: dict[str, float] = {}
+    start = len(f"{index.prefix}alive:")
+    async for keys in _scan(index, f"{index.prefix}alive:*"):
+        pipe = index.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.pttl(key)
+        for key, ttl_ms in zip(keys, await index.call("snapshot", pipe.execute(), timeout)):
+            if ttl_ms > 0:
+                alive[key.decode()[start:]] = ttl_ms / 1000
+    return IndexSnapshot(seq=seq, entries=tuple(entries), alive=alive, origin=index.where)
+
+
+async def _scan(index: RedisIndex, pattern: str):
+    """Keys matching `pattern`, in batches."""
+    cursor = 0
+    while True:
+        call = index.redis.scan(cursor, match=pattern, count=SCAN_BATCH)
+        cursor, keys = await index.call("snapshot", call, index.settings.write_timeout_s)
+        if keys:
+            yield keys
+        if cursor == 0:
+            return
+
+
+def parse_change(data: bytes) -> IndexChange | None:
+    """A change message (``"<seq> <JSON>"``), or None if it is malformed."""
+    try:
+        seq_text, body = data.split(b" ", 1)
+        fields = json.loads(body)
+        kind, replica = fields["kind"], fields["replica"]
+        if kind not in _KINDS or not isinstance(replica, str) or not replica:
+            return None
+        ttl_s = float(fields.get("ttl_s", 0.0))
+        entries = tuple(
+            IndexEntry(bytes.fromhex(h), int(n), int(size), float(ready))
+            for h, n, size, ready in fields.get("entries", ())
+        )
+        hashes = tuple(bytes.fromhex(h) for h in fields.get("hashes", ()))
+        if any(len(h) != 16 for h in hashes):
+            return None
+        return IndexChange(int(seq_text), kind, replica, entries, hashes, ttl_s)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None

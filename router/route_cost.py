@@ -1,0 +1,111 @@
+"""The routing cost model: for each replica, when would this request get its first token?
+
+Pure functions over plain data, so the router, its tests and a simulator all rank with the
+same code. A replica's estimate is its queue (prompt tokens it was sent and has not
+finished, plus a fixed cost per request in flight), then the prompt tokens it would still
+compute, at its measured prefill speed — with three ways to compute fewer:
+
+- **cached**: it holds a prefix now;
+- **in flight**: it is computing a prefix right now (it will not compute it twice: a
+  request joining it waits for that state);
+- **pull**: another replica holds (or is computing) a longer prefix, and waiting for it,
+  then shipping it, beats computing it.
+
+Replicas whose load reaches a bound of `(1 + load_slack)` × the mean come last, so a hot
+prefix spreads once its holder is busy instead of piling every request onto it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+CACHED, IN_FLIGHT, PULL, COMPUTE = "cached", "in_flight", "pull", "compute"
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A prefix of the prompt a replica holds (`ready_at` 0) or is computing (Unix time it
+    is expected), and the size of the state that holds it."""
+
+    n_tokens: int
+    nbytes: int
+    ready_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """One candidate replica as the router sees it."""
+
+    replica_id: str
+    load: int  # requests in flight there
+    queued_tokens: int  # prompt tokens it was sent and has not finished
+    prefill_tokens_per_s: float
+    holding: Holding | None = None
+
+
+@dataclass(frozen=True)
+class CostSettings:
+    load_slack: float = 0.25
+    tokens_per_request: int = 256  # what one request in flight costs beyond its prompt
+    ship_bytes_per_s: float = 500e6
+    ship_latency_s: float = 0.02
+    min_pull_tokens: int = 64  # a replica pulls only a gain at least this long
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Where a request could go: the estimated time to its first token, how it would get
+    its prefix (`plan`), the prompt tokens it would not compute, and whether the replica
+    is within the load bound."""
+
+    replica_id: str
+    seconds: float
+    plan: str
+    reused_tokens: int
+    within_bound: bool = True
+
+
+def estimate(
+    replica: ReplicaState,
+    n_prompt: int,
+    donors: list[Holding],
+    now: float,
+    settings: CostSettings,
+) -> Estimate:
+    """`replica`'s best plan for an `n_prompt`-token prompt; `donors` are other replicas'
+    holdings it could pull."""
+    speed = max(replica.prefill_tokens_per_s, 1e-6)
+    queue_s = (replica.queued_tokens + settings.tokens_per_request * replica.load) / speed
+    own = replica.holding
+    reused = own.n_tokens if own else 0
+    ready_s = max(own.ready_at - now, 0.0) if own else 0.0
+    plan = (IN_FLIGHT if ready_s > 0 else CACHED) if reused else COMPUTE
+    seconds = max(queue_s, ready_s) + (n_prompt - reused) / speed
+    for donor in donors:
+        if donor.n_tokens - reused < settings.min_pull_tokens:
+            continue
+        pulled_s = max(queue_s, donor.ready_at - now) + settings.ship_latency_s
+        pulled_s += donor.nbytes / settings.ship_bytes_per_s
+        pulled_s += (n_prompt - donor.n_tokens) / speed
+        if pulled_s < seconds:
+            seconds, plan, reused = pulled_s, PULL, donor.n_tokens
+    return Estimate(replica.replica_id, seconds, plan, reused)
+
+
+def rank(
+    replicas: list[ReplicaState], n_prompt: int, now: float, settings: CostSettings
+) -> list[Estimate]:
+    """Every replica's estimate, best first: those within the load bound by time to first
+    token, then the rest by the same."""
+    if not replicas:
+        return []
+    bound = math.ceil(
+        (1 + settings.load_slack) * (sum(r.load for r in replicas) + 1) / len(replicas)
+    )
+    estimates = []
+    for replica in replicas:
+        donors = [r.holding for r in replicas if r.holding and r is not replica]
+        found = estimate(replica, n_prompt, donors, now, settings)
+        estimates.append(replace(found, within_bound=replica.load < bound))
+    return sorted(estimates, key=lambda e: (not e.within_bound, e.seconds, e.replica_id))

@@ -1,0 +1,129 @@
+"""The routing cost model and the router's ledger, on their own: bursts spread evenly, a
+hot prefix stays within its load bound, in-flight prefixes are joined or waited for, and
+what this router sent shows at once. (Pure code: no Ray here; the Serve tests route real
+requests with it.)"""
+
+from __future__ import annotations
+
+import math
+
+from baton_serve.cache_store.prefix_hash import PrefixHasher
+from baton_serve.replicas.engine.prompt import Prompt
+from baton_serve.router.route_cost import (
+    CACHED,
+    COMPUTE,
+    IN_FLIGHT,
+    PULL,
+    CostSettings,
+    Holding,
+    ReplicaState,
+    rank,
+)
+from baton_serve.router.routing_ledger import RoutingLedger
+
+SETTINGS = CostSettings()
+NOW = 1_000_000.0
+
+
+def _cluster(n: int, holdings: dict[str, Holding] | None = None) -> dict[str, ReplicaState]:
+    holdings = holdings or {}
+    return {f"r{i}": ReplicaState(f"r{i}", 0, 0, 100.0, holdings.get(f"r{i}")) for i in range(n)}
+
+
+def _send(replicas: dict[str, ReplicaState], n_prompt: int) -> str:
+    """Route one request and account for it the way the ledger does."""
+    best = rank(list(replicas.values()), n_prompt, NOW, SETTINGS)[0]
+    old = replicas[best.replica_id]
+    replicas[best.replica_id] = ReplicaState(
+        old.replica_id,
+        old.load + 1,
+        old.queued_tokens + n_prompt - best.reused_tokens,
+        old.prefill_tokens_per_s,
+        old.holding,
+    )
+    return best.replica_id
+
+
+def test_a_burst_with_nothing_cached_spreads_evenly() -> None:
+    replicas = _cluster(4)
+    chosen = [_send(replicas, 1500) for _ in range(16)]
+    assert sorted(chosen.count(r) for r in replicas) == [4, 4, 4, 4]
+
+
+def test_a_hot_prefix_never_piles_beyond_the_load_bound() -> None:
+    """Every request wants replica r0's prefix; r0 never holds more than (1 + slack) x the
+    mean load (+1 for the request being placed)."""
+    replicas = _cluster(4, {"r0": Holding(2000, 40_000_000)})
+    for sent in range(1, 41):
+        _send(replicas, 2100)
+        loads = [r.load for r in replicas.values()]
+        mean = sum(loads) / len(loads)
+        assert max(loads) <= math.ceil((1 + SETTINGS.load_slack) * (mean + 1)), (sent, loads)
+    # the others pull r0's state rather than wait behind it
+    assert replicas["r0"].load >= max(r.load for k, r in replicas.items() if k != "r0")
+
+
+def test_a_cached_prefix_wins_over_an_idle_replica() -> None:
+    replicas = _cluster(2, {"r1": Holding(1800, 40_000_000)})
+    best = rank(list(replicas.values()), 1900, NOW, SETTINGS)[0]
+    assert (best.replica_id, best.plan, best.reused_tokens) == ("r1", CACHED, 1800)
+
+
+def test_an_in_flight_prefix_is_joined_when_no_replica_is_idle() -> None:
+    """Both replicas are busy; r0 is computing the prefix: joining it beats computing the
+    prefix again on r1 (which could also wait for r0's state, but only after its queue)."""
+    replicas = {
+        "r0": ReplicaState("r0", 1, 1000, 100.0, Holding(1000, 20_000_000, ready_at=NOW + 5)),
+        "r1": ReplicaState("r1", 1, 1850, 100.0, None),
+    }
+    best = rank(list(replicas.values()), 1850, NOW, SETTINGS)[0]
+    assert (best.replica_id, best.plan, best.reused_tokens) == ("r0", IN_FLIGHT, 1000)
+
+
+def test_waiting_for_an_in_flight_prefix_and_pulling_it_beats_computing_it() -> None:
+    """r0 is busy computing a long prefix; r1 is idle: r1 waits for the state, pulls it."""
+    holding = Holding(3000, 60_000_000, ready_at=NOW + 2)
+    replicas = {
+        "r0": ReplicaState("r0", 3, 9000, 100.0, holding),
+        "r1": ReplicaState("r1", 0, 0, 100.0, None),
+    }
+    estimates = rank(list(replicas.values()), 3100, NOW, SETTINGS)
+    assert estimates[0].replica_id == "r1" and estimates[0].plan == PULL
+    assert 2.0 < estimates[0].seconds < 4.0
+
+
+def test_nothing_to_reuse_means_compute_on_the_least_loaded() -> None:
+    replicas = _cluster(3)
+    replicas["r0"] = ReplicaState("r0", 2, 3000, 100.0, None)
+    best = rank(list(replicas.values()), 500, NOW, SETTINGS)[0]
+    assert best.plan == COMPUTE and best.replica_id != "r0"
+
+
+def test_the_ledger_knows_its_decisions_at_once() -> None:
+    """Attention: every block of the prompt; hybrid: only the checkpointed positions."""
+    hasher = PrefixHasher(b"fp", 64)
+    tokens = tuple(range(1000, 1700))
+    prompt = Prompt(
+        tokens=tokens, message_starts=(0, 300, 650), message_roles=("system", "user", "assistant")
+    )
+    chain = hasher.chain(tokens)
+    clock = [0.0]
+    every = RoutingLedger(64, every_block=True, ttl_s=30, now=lambda: clock[0])
+    every.sent("a", "req-1", every.entries_for(prompt, chain), tokens=700, ready_at=NOW + 7)
+    assert every.load("a") == 1 and every.queued_tokens("a") == 700
+    match = every.lookup(chain[:5])["a"]
+    assert (match.n_tokens, match.in_flight) == (320, True)
+    every.completed("a", "req-1")
+    assert every.load("a") == 0 and every.queued_tokens("a") == 0
+    assert not every.lookup(chain)["a"].in_flight
+    clock[0] = 31.0
+    assert every.lookup(chain) == {}
+
+    hybrid = RoutingLedger(64, every_block=False, ttl_s=30, now=lambda: clock[0])
+    held = hybrid.entries_for(prompt, chain)
+    assert [n for _, n in held] == [300, 698]  # the system prompt's end, the prompt's end - 2
+    hybrid.sent("b", "req-2", held, tokens=700, ready_at=NOW + 7)
+    assert hybrid.lookup(chain[:3]) == {}  # no checkpoint inside the first 192 tokens...
+    assert hybrid.lookup(chain[:4])["b"].n_tokens == 300  # ...one at 300 (anchored at 256)
+    hybrid.forget_replica("b")
+    assert hybrid.lookup(chain) == {} and hybrid.load("b") == 0
