@@ -12,12 +12,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 from baton_serve.cache_store.prefix_hash import HASH_BYTES
-
-if TYPE_CHECKING:
-    from baton_serve.cache_store.index_view import IndexView
 
 MAX_LOOKUP_HASHES = 2_000
 EMBEDDED_SPEC = "embedded"
@@ -171,9 +168,10 @@ class CheckpointIndex(Protocol):
         """Return the replicas whose last heartbeat has not expired, sorted."""
         ...
 
-    async def follow(self, view: IndexView) -> None:
-        """Keep `view` a copy of this model's index until cancelled (a snapshot, then the
-        backend's change stream; `view.synced` is False while it is not current)."""
+    async def follow(self, view: Any) -> None:
+        """Keep `view` (an `index_view.IndexView`, which imports this module) a copy of this
+        model's index until cancelled: a snapshot, then the backend's change stream;
+        `view.synced` is False while it is not current."""
         ...
 
     async def close(self) -> None:

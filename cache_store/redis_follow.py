@@ -14,17 +14,31 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, Protocol, TypeVar
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from baton_serve.cache_store.index import IndexEntry, IndexUnavailable
+from baton_serve.cache_store.index import IndexEntry, IndexSettings, IndexUnavailable
 from baton_serve.cache_store.index_view import IndexView
 from baton_serve.cache_store.memory_index import IndexChange, IndexSnapshot
 
-if TYPE_CHECKING:
-    from baton_serve.cache_store.redis_index import RedisIndex
+T = TypeVar("T")
+
+
+class RedisIndex(Protocol):
+    """What following needs of `redis_index.RedisIndex` (which imports this module)."""
+
+    url: str
+    where: str
+    redis: Redis
+    prefix: str
+    seq_key: str
+    channel: str
+    settings: IndexSettings
+
+    async def call(self, what: str, call: Awaitable[T], timeout: float) -> T: ...
 
 logger = logging.getLogger("baton.index")
 
@@ -105,7 +119,7 @@ async def read_snapshot(index: RedisIndex) -> IndexSnapshot:
     return IndexSnapshot(seq=seq, entries=tuple(entries), alive=alive, origin=index.where)
 
 
-async def _scan(index: RedisIndex, pattern: str):
+async def _scan(index: RedisIndex, pattern: str) -> AsyncIterator[list[bytes]]:
     """Keys matching `pattern`, in batches."""
     cursor = 0
     while True:

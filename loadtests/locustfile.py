@@ -38,7 +38,6 @@ import itertools
 import os
 import random
 import time
-from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -47,6 +46,7 @@ from locust import HttpUser, between, constant, events, task
 from locust.runners import MasterRunner, WorkerRunner
 
 from baton_serve.loadtests import sse
+from baton_serve.loadtests.locust_tokens import record_follow_up, record_usage
 from baton_serve.loadtests.synthetic_text import filler_text
 
 CHAT_PATH = "/v1/chat/completions"
@@ -107,98 +107,6 @@ def read_stream(lines: Iterable[bytes], start: float) -> StreamResult:
                 parts.append(content)
     result.text = "".join(parts)
     return result
-
-
-# ---- token accounting (per user class, merged from workers) -----------------------------------
-
-_TOKENS: dict[str, dict[str, int]] = defaultdict(
-    lambda: {"requests": 0, "prompt": 0, "cached": 0, "follow_ups": 0, "kept": 0}
-)
-KEPT_SHARE = 0.9  # a follow-up keeps its cache when this much of the previous prompt is cached
-
-
-def _record_usage(user_class: str, usage: dict | None) -> None:
-    if not usage:
-        return
-    totals = _TOKENS[user_class]
-    totals["requests"] += 1
-    totals["prompt"] += int(usage.get("prompt_tokens") or 0)
-    totals["cached"] += _cached(usage)
-
-
-def _cached(usage: dict) -> int:
-    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-
-
-def _record_follow_up(user_class: str, previous_prompt: int, usage: dict) -> None:
-    totals = _TOKENS[user_class]
-    totals["follow_ups"] += 1
-    totals["kept"] += _cached(usage) >= KEPT_SHARE * previous_prompt
-
-
-@events.test_start.add_listener
-def _reset_tokens(environment, **_kwargs) -> None:
-    if not isinstance(environment.runner, MasterRunner):
-        _TOKENS.clear()
-
-
-@events.report_to_master.add_listener
-def _send_tokens(client_id, data, **_kwargs) -> None:
-    data["baton_tokens"] = {name: dict(totals) for name, totals in _TOKENS.items()}
-    _TOKENS.clear()
-
-
-@events.worker_report.add_listener
-def _merge_tokens(client_id, data, **_kwargs) -> None:
-    for name, totals in data.get("baton_tokens", {}).items():
-        for key, value in totals.items():
-            _TOKENS[name][key] += value
-
-
-@events.quitting.add_listener
-def _print_tokens(environment, **_kwargs) -> None:
-    if isinstance(environment.runner, WorkerRunner):
-        return
-    rows = [
-        {
-            "user_class": name,
-            "requests": t["requests"],
-            "prompt_tokens": t["prompt"],
-            "cached_tokens": t["cached"],
-            "cached_ratio": round(t["cached"] / t["prompt"], 4) if t["prompt"] else 0.0,
-            "follow_ups": t["follow_ups"],
-            "follow_ups_kept": t["kept"],
-        }
-        for name, t in sorted(_TOKENS.items())
-    ]
-    print("Baton token usage (from stream usage chunks)")
-    print(
-        f"{'user class':<22}{'requests':>10}{'prompt':>12}{'cached':>12}{'cached %':>10}"
-        f"{'kept':>12}"
-    )
-    for r in rows:
-        kept = f"{r['follow_ups_kept']}/{r['follow_ups']}" if r["follow_ups"] else "-"
-        print(
-            f"{r['user_class']:<22}{r['requests']:>10}{r['prompt_tokens']:>12}"
-            f"{r['cached_tokens']:>12}{100 * r['cached_ratio']:>9.1f}%{kept:>12}"
-        )
-    prefix = getattr(environment.parsed_options, "csv_prefix", None)
-    if prefix:
-        with open(f"{prefix}_tokens.csv", "w", newline="") as f:
-            writer = csv.DictWriter(
-                f,
-                fieldnames=[
-                    "user_class",
-                    "requests",
-                    "prompt_tokens",
-                    "cached_tokens",
-                    "cached_ratio",
-                    "follow_ups",
-                    "follow_ups_kept",
-                ],
-            )
-            writer.writeheader()
-            writer.writerows(rows)
 
 
 # ---- per-request samples (local runs) ----------------------------------------------------------
@@ -309,7 +217,7 @@ class BatonUser(HttpUser):
                 response.failure("no usage chunk although include_usage was asked for")
                 return None
             response.success()
-        _record_usage(name, result.usage)
+        record_usage(name, result.usage)
         self.last_usage = result.usage
         fire = self.environment.events.request.fire
         if result.ttft_s is not None:
@@ -414,7 +322,7 @@ class AgentLoopUser(BatonUser):
             self._new_session()
             return
         if self.previous_prompt:
-            _record_follow_up(type(self).__name__, self.previous_prompt, self.last_usage)
+            record_follow_up(type(self).__name__, self.previous_prompt, self.last_usage)
         self.previous_prompt = int(self.last_usage.get("prompt_tokens") or 0)
         tool = self.rng.choice(self.tools)
         action = f'Action: {tool}({{"step": {self.turn}}})'

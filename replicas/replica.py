@@ -1,27 +1,25 @@
 """A replica: one engine, its entries in the cluster index, and state pulls from peers.
 
-The index is only ever a hint. It is told which prefixes this replica holds (each
-checkpoint under the hash of the last whole block it covers, with its exact length) and
-is asked, before a request runs, whether a peer holds a longer prefix. The peer then
-exports its longest checkpoint that exactly prefixes the prompt; this replica validates
-it fully and restores it. When the index is down or slow, a peer dies, a blob is bad or
-a deadline passes, the request simply computes what it must: it never fails for that.
+The index is only ever a hint. It is told which prefixes this replica holds and is
+computing (`index_publisher`), and is asked, before a request runs, whether a peer holds —
+or is computing — a longer prefix. The peer then exports its checkpoint giving the longest
+prefix of the prompt (waiting for it if it is still being computed); this replica validates
+it fully and restores it. When the index is down or slow, a peer dies, a blob is bad or a
+deadline passes, the request simply computes what it must: it never fails for that.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-from collections.abc import AsyncGenerator, Iterable, Sequence
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import numpy as np
 from opentelemetry.trace import Span
 
-from baton_serve.cache_store.checkpoint_store import Checkpoint
-from baton_serve.cache_store.index import CheckpointIndex, IndexEntry, IndexUnavailable
+from baton_serve.cache_store.index import CheckpointIndex, IndexUnavailable
 from baton_serve.cache_store.state_blob import BlobError
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 from baton_serve.replicas.engine.engine import Engine
@@ -32,6 +30,7 @@ from baton_serve.replicas.engine.protocol import (
     ReplicaRequest,
     TokenEvent,
 )
+from baton_serve.replicas.index_publisher import IndexPublisher
 from baton_serve.replicas.request_telemetry import RequestTelemetry
 from baton_serve.replicas.shipping import PeerDirectory, ShipPolicy
 from baton_serve.replicas.telemetry import metrics, tracing
@@ -77,30 +76,21 @@ class Replica:
         self.policy = policy or ShipPolicy()
         self.heartbeat_s = heartbeat_s
         self.stats = ReplicaStats()
-        # index hash → {checkpoint hash: (tokens it gives there, checkpoint bytes)}
-        self._held: dict[bytes, dict[bytes, tuple[int, int]]] = {}
-        # index hash → {request id: (tokens, bytes, ready_at)}: prefixes being computed now
-        self._in_flight: dict[bytes, dict[str, tuple[int, int, float]]] = {}
-        self._lock = threading.Lock()
-        self._dirty: set[bytes] = set()
-        self._wake: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.publisher = IndexPublisher(
+            replica_id,
+            engine,
+            index,
+            heartbeat_s=heartbeat_s,
+            default_prefill_tokens_per_s=self.policy.prefill_tokens_per_s,
+            on_error=self._index_error,
+        )
         self._tasks: list[asyncio.Task[None]] = []
-        engine.cache.listener = self
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
         """Start publishing to the index (call once, on the loop that serves requests)."""
-        self._loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
-        for checkpoint in self.engine.cache.store.checkpoints():
-            self.checkpoint_added(checkpoint)
-        if self.index is not None:
-            self._tasks += [
-                asyncio.create_task(self._heartbeat_loop()),
-                asyncio.create_task(self._publish_loop()),
-            ]
+        self._tasks += self.publisher.start()
         if metrics.enabled():
             self._tasks.append(asyncio.create_task(self._gauge_loop()))
 
@@ -127,11 +117,11 @@ class Replica:
             await self.prepare(request.generation.prompt.tokens, telemetry)
             telemetry.submitting()
             handle = self.engine.submit(request.generation)
-            self._announce(request)
+            self.publisher.announce(request)
             try:
                 done = await handle.aresult()
             finally:
-                self._announced_done(request)
+                self.publisher.announced_done(request)
                 if not handle.done:  # the caller went away: free the slot
                     handle.cancel()
             telemetry.finished(done)
@@ -149,7 +139,7 @@ class Replica:
             await self.prepare(request.generation.prompt.tokens, telemetry)
             telemetry.submitting()
             handle = self.engine.submit(request.generation)
-            self._announce(request)
+            self.publisher.announce(request)
             try:
                 async for event in handle.aiter():
                     yield event
@@ -157,7 +147,7 @@ class Replica:
                 telemetry.finished(done)
                 yield done.model_copy(update={"replica_id": self.replica_id})
             finally:
-                self._announced_done(request)
+                self.publisher.announced_done(request)
                 if not handle.done:
                     handle.cancel()
 
@@ -284,148 +274,6 @@ class Replica:
         metrics.CHECKPOINTS_SHIPPED.inc()
         metrics.SHIPPED_BYTES.inc(len(blob))
         return np.frombuffer(blob, dtype=np.uint8)
-
-    # ---- index bookkeeping (CheckpointListener; called on the engine thread) -------------
-
-    def checkpoint_added(self, checkpoint: Checkpoint) -> None:
-        entries = self._entries_of(checkpoint)
-        with self._lock:
-            for prefix_hash, n_tokens in entries:
-                by_checkpoint = self._held.setdefault(prefix_hash, {})
-                by_checkpoint[checkpoint.prefix_hash] = (n_tokens, checkpoint.nbytes)
-        self._mark_dirty(h for h, _ in entries)
-
-    def checkpoint_used(self, checkpoint: Checkpoint) -> None:
-        # Publishing again refreshes the entries' TTL.
-        self._mark_dirty(h for h, _ in self._entries_of(checkpoint))
-
-    def checkpoint_removed(self, checkpoint: Checkpoint) -> None:
-        entries = self._entries_of(checkpoint)
-        with self._lock:
-            for prefix_hash, _ in entries:
-                by_checkpoint = self._held.get(prefix_hash, {})
-                by_checkpoint.pop(checkpoint.prefix_hash, None)
-                if not by_checkpoint:
-                    self._held.pop(prefix_hash, None)
-        self._mark_dirty(h for h, _ in entries)
-
-    def _entries_of(self, checkpoint: Checkpoint) -> list[tuple[bytes, int]]:
-        """(index hash, tokens) a checkpoint is published under: lookups send block hashes.
-
-        An attention state serves every prefix of itself (it is cut back), so each of its
-        blocks is findable; a hybrid or recurrent state serves only its exact length,
-        published under the hash of its last whole block.
-        """
-        return self._block_entries(checkpoint.tokens, checkpoint.n_tokens)
-
-    def _block_entries(self, tokens: Sequence[int], n_tokens: int) -> list[tuple[bytes, int]]:
-        hasher = self.engine.cache.hasher
-        block = hasher.block_tokens
-        covered = n_tokens // block * block
-        if not covered:
-            return []
-        if self.engine.kind.needs_checkpoints:
-            return [(hasher.prefix_hash(tokens, covered), n_tokens)]
-        chain = hasher.chain(tokens[:covered])
-        return [(h, (i + 1) * block) for i, h in enumerate(chain[:-1])] + [(chain[-1], n_tokens)]
-
-    # ---- prefixes being computed ---------------------------------------------------------
-
-    def _announce(self, request: ReplicaRequest) -> None:
-        """Tell the index which prefixes this request will leave here, and when: other
-        routers and replicas can then wait for them instead of computing them too."""
-        if self.index is None:
-            return
-        prompt = request.generation.prompt
-        positions = self.engine.cache.checkpoints_for(prompt, 0)
-        if not positions:
-            return
-        speed = self.engine.stats.prefill_tokens_per_s or self.policy.prefill_tokens_per_s
-        backlog = self.engine.backlog_tokens()  # this prompt's tokens included
-        request_id = request.generation.request_id
-        with self._lock:
-            marked = []
-            for position in positions:
-                ahead = max(backlog - (len(prompt) - position), position)
-                ready_at = time.time() + ahead / speed
-                size = self.engine.cache.state_bytes(position)
-                for prefix_hash, n_tokens in self._block_entries(prompt.tokens, position):
-                    held = self._held.get(prefix_hash, {})
-                    if max((n for n, _ in held.values()), default=0) >= n_tokens:
-                        continue
-                    self._in_flight.setdefault(prefix_hash, {})[request_id] = (
-                        n_tokens,
-                        size,
-                        ready_at,
-                    )
-                    marked.append(prefix_hash)
-        self._mark_dirty(marked)
-
-    def _announced_done(self, request: ReplicaRequest) -> None:
-        """The request ended: what it announced is held now, or never will be."""
-        request_id = request.generation.request_id
-        with self._lock:
-            done = [h for h, by_request in self._in_flight.items() if request_id in by_request]
-            for prefix_hash in done:
-                del self._in_flight[prefix_hash][request_id]
-                if not self._in_flight[prefix_hash]:
-                    del self._in_flight[prefix_hash]
-        self._mark_dirty(done)
-
-    def _mark_dirty(self, hashes: Iterable[bytes]) -> None:
-        with self._lock:
-            self._dirty.update(hashes)
-        if self._loop is not None and self._wake is not None:
-            self._loop.call_soon_threadsafe(self._wake.set)
-
-    def _entry(self, prefix_hash: bytes) -> IndexEntry | None:
-        """What to publish under `prefix_hash` now (lock held): the longest checkpoint here,
-        or else the longest one being computed; None: forget it."""
-        held = self._held.get(prefix_hash)
-        if held:
-            n_tokens, nbytes = max(held.values())
-            return IndexEntry(prefix_hash=prefix_hash, n_tokens=n_tokens, nbytes=nbytes)
-        coming = self._in_flight.get(prefix_hash)
-        if coming:
-            n_tokens, nbytes, ready_at = max(coming.values())
-            return IndexEntry(prefix_hash, n_tokens, nbytes, ready_at)
-        return None
-
-    async def _publish_loop(self) -> None:
-        assert self.index is not None and self._wake is not None
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            with self._lock:
-                dirty, self._dirty = self._dirty, set()
-                current = {h: self._entry(h) for h in dirty}
-            entries = [e for e in current.values() if e is not None]
-            gone = [h for h, e in current.items() if e is None]
-            try:
-                if entries:
-                    await self.index.publish(self.replica_id, entries)
-                if gone:
-                    await self.index.forget(self.replica_id, gone)
-            except IndexUnavailable:
-                self._index_error()
-                with self._lock:
-                    self._dirty |= dirty  # retried after the index answers a heartbeat again
-
-    async def _heartbeat_loop(self) -> None:
-        assert self.index is not None and self._wake is not None
-        while True:
-            try:
-                known = await self.index.heartbeat(self.replica_id)
-            except IndexUnavailable:
-                self._index_error()
-            else:
-                with self._lock:
-                    if not known:  # first beat, or the index lost its data: publish it all
-                        self._dirty |= set(self._held) | set(self._in_flight)
-                    pending = bool(self._dirty)
-                if pending:
-                    self._wake.set()
-            await asyncio.sleep(self.heartbeat_s)
 
     async def _gauge_loop(self) -> None:
         while True:

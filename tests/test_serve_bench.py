@@ -5,7 +5,8 @@ from __future__ import annotations
 import io
 
 from baton_serve.loadtests.progress import Progress
-from baton_serve.loadtests.serve_bench import format_report, http_decode, routing_overhead
+from baton_serve.loadtests.routing_overhead import routing_overhead
+from baton_serve.loadtests.serve_bench import format_report, http_decode
 
 
 def test_routing_overhead_reports_both_backends(redis_server, ray_cluster) -> None:

@@ -22,10 +22,7 @@ import time
 
 import numpy as np
 
-from baton_serve.replicas.engine.checkpoint_policy import (
-    MIN_PIECE,
-    prefill_pieces,
-)
+from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE, prefill_pieces
 from baton_serve.replicas.engine.engine_config import EngineConfig, context_size
 from baton_serve.replicas.engine.llama_context import (
     BatchEntry,
@@ -55,7 +52,7 @@ from baton_serve.replicas.engine.protocol import (
 )
 from baton_serve.replicas.engine.request_handle import RequestHandle
 from baton_serve.replicas.engine.sampling import SamplingParams, sampling_problem
-from baton_serve.replicas.engine.slots import Phase, Running, Slot, start_request
+from baton_serve.replicas.engine.slots import Phase, Running, Slot, first_admissible, start_request
 from baton_serve.replicas.engine.stats import EngineLoad, EngineStats
 from baton_serve.replicas.telemetry import metrics
 from baton_serve.replicas.telemetry.logs import request_fields
@@ -101,7 +98,6 @@ class Engine:
         self._chat_template = model_chat_template(self.model, self.config.chat_template)
         self._slots = [Slot(seq_id=i) for i in range(self.config.n_slots)]
         self._waiting: list[RequestHandle] = []
-        self._prefix_waits: dict[RequestHandle, tuple[Running, int]] = {}  # engine loop only
         self._wakeup = threading.Condition()
         self._closed = False
         self._idle = threading.Event()
@@ -161,31 +157,25 @@ class Engine:
         )
         return self.submit(request).result()
 
-    # ---- the prefix cache ----------------------------------------------------------------
-
     def reusable_tokens(self, tokens: tuple[int, ...]) -> int:
         """About how many tokens of `tokens` this engine could reuse right now."""
         return self.cache.reusable_tokens(tokens, self._slots)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
-    def backlog_tokens(self) -> int:
-        """About how many prompt tokens are waiting to be computed here (read without
-        stopping the engine loop; cached prefixes are not subtracted for queued requests)."""
-        with self._wakeup:
-            queued = sum(len(h.request.prompt) for h in self._waiting)
-        running = [s.running for s in self._slots]
-        return queued + sum(
-            len(r.feed) - len(r.slot.tokens)
-            for r in running
-            if r is not None and r.phase is Phase.PREFILL
-        )
-
     def load(self) -> EngineLoad:
+        """What is queued and running, and about how many prompt tokens wait to be computed
+        (read without stopping the engine loop; queued prompts count whole)."""
         with self._wakeup:
-            queued = len(self._waiting)
-        running = sum(slot.running is not None for slot in self._slots)
-        return EngineLoad(queued=queued, running=running, free_slots=len(self._slots) - running)
+            queued = [len(h.request.prompt) for h in self._waiting]
+        runs = [s.running for s in self._slots if s.running is not None]
+        prefilling = (len(r.feed) - len(r.slot.tokens) for r in runs if r.phase is Phase.PREFILL)
+        return EngineLoad(
+            queued=len(queued),
+            running=len(runs),
+            free_slots=len(self._slots) - len(runs),
+            backlog_tokens=sum(queued) + sum(prefilling),
+        )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -259,7 +249,7 @@ class Engine:
             cancelled = [h for h in self._waiting if h.cancelled]
             self._waiting = [h for h in self._waiting if not h.cancelled]
         for handle in cancelled:
-            self._prefix_waits.pop(handle, None)
+            self.cache.stop_waiting(handle)
             handle.finish(handle.empty_completion("cancelled"))
 
     # ---- admission -----------------------------------------------------------------------
@@ -267,48 +257,18 @@ class Engine:
     def _admit(self) -> None:
         while True:
             free = [s for s in self._slots if s.running is None]
-            handle = self._next_admissible(free)
+            with self._wakeup:
+                waiting = list(self._waiting)  # only this thread removes from the queue
+            handle = first_admissible(waiting, len(free), self._must_wait)
             if handle is None:
                 return
-            self._start(handle, free)
-
-    def _next_admissible(self, free: list[Slot]) -> RequestHandle | None:
-        """The first waiting request that can start now, taken off the queue. A request
-        that needs more free slots than there are stops the queue; one whose prefix is
-        being computed in another slot lets the others pass."""
-        with self._wakeup:
-            waiting = list(self._waiting)  # only this thread removes from the queue
-        for handle in waiting:
-            if len(free) < handle.request.n:
-                return None
-            if self._waits_for_prefix(handle):
-                continue
             with self._wakeup:
                 self._waiting.remove(handle)
-            self._prefix_waits.pop(handle, None)
-            return handle
-        return None
+            self._start(handle, free)
 
-    def _waits_for_prefix(self, handle: RequestHandle) -> bool:
-        """True while another slot computes what this request would reuse: the reply of
-        the conversation it continues (a replay), or a long prefix of its prompt."""
-        if not self.config.prefix_cache:
-            return False
-        prompt, running = handle.request.prompt.tokens, self._running()
-        if self.cache.replay_pending_for(prompt, running):
-            return True
-        if (waits := self._prefix_waits.get(handle)) is not None:
-            run, position = waits
-            if run.slot.running is run and len(run.slot.tokens) < position:
-                return True
-            del self._prefix_waits[handle]
-            return False  # computed (or that run ended): `place` finds what there is
-        share = self.cache.in_flight_share(prompt, running, self._slots)
-        if share is None:
-            return False
-        self._prefix_waits[handle] = share
-        self.stats.prefix_waits += 1
-        return True
+    def _must_wait(self, handle: RequestHandle) -> bool:
+        prompt = handle.request.prompt.tokens
+        return self.cache.should_wait(handle, prompt, self._running(), self._slots)
 
     def _start(self, handle: RequestHandle, free: list[Slot]) -> None:
         prompt, admitted_at = handle.request.prompt, time.perf_counter()

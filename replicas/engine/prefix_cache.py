@@ -15,6 +15,7 @@ Everything here runs on the engine thread, except `reusable_tokens` (a read-only
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable
 from typing import Protocol
 
 import numpy as np
@@ -68,6 +69,7 @@ class PrefixCache:
         self.store = CheckpointStore(config.store_budget_bytes, on_evict=self._evicted)
         self.listener: CheckpointListener | None = None
         self.state_size = self._measure_state_size()
+        self._waits: dict[Hashable, tuple[Running, int]] = {}  # queued request -> its wait
 
     def export_checkpoint(self, prefix_hash: bytes) -> bytes | None:
         """A signed state blob of a stored checkpoint, or None if it is not here."""
@@ -197,7 +199,34 @@ class PrefixCache:
             return []
         return [end]
 
-    def in_flight_share(
+    def should_wait(
+        self, key: Hashable, prompt: tuple[int, ...], running: list[Running], slots: list[Slot]
+    ) -> bool:
+        """True while another slot computes what the queued request `key` would reuse: the
+        reply of the conversation it continues (a replay), or a long prefix of its prompt.
+        False releases it: `place` then finds whatever there is."""
+        if not self.config.prefix_cache:
+            return False
+        if self.replay_pending_for(prompt, running):
+            return True
+        if (waits := self._waits.get(key)) is not None:
+            run, position = waits
+            if run.slot.running is run and len(run.slot.tokens) < position:
+                return True
+            del self._waits[key]
+            return False
+        share = self._in_flight_share(prompt, running, slots)
+        if share is None:
+            return False
+        self._waits[key] = share
+        self.stats.prefix_waits += 1
+        return True
+
+    def stop_waiting(self, key: Hashable) -> None:
+        """The queued request `key` is gone (cancelled)."""
+        self._waits.pop(key, None)
+
+    def _in_flight_share(
         self, prompt: tuple[int, ...], running: list[Running], slots: list[Slot]
     ) -> tuple[Running, int] | None:
         """A prefill in progress that will compute a long prefix of `prompt` this engine

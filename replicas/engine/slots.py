@@ -131,6 +131,20 @@ class Running:
         )
 
 
+def first_admissible(
+    waiting: Sequence[RequestHandle], n_free: int, must_wait: Callable[[RequestHandle], bool]
+) -> RequestHandle | None:
+    """The first queued request that can start with `n_free` slots. One that needs more
+    stops the queue (nothing overtakes it); one that `must_wait` (its prefix is being
+    computed in another slot) lets the others pass."""
+    for handle in waiting:
+        if n_free < handle.request.n:
+            return None
+        if not must_wait(handle):
+            return handle
+    return None
+
+
 def start_request(
     handle: RequestHandle,
     model: LlamaModel,

@@ -12,6 +12,7 @@ class EngineLoad:
     queued: int  # submitted, waiting for a slot
     running: int  # in a slot (prefill, decode or replay)
     free_slots: int
+    backlog_tokens: int = 0  # prompt tokens waiting to be computed, about
 
 
 @dataclass
