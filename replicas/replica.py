@@ -17,7 +17,6 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-import numpy as np
 from opentelemetry.trace import Span
 
 from baton_serve.cache_store.checkpoint_store import Checkpoint
@@ -33,7 +32,13 @@ from baton_serve.replicas.engine.protocol import (
     TokenEvent,
 )
 from baton_serve.replicas.request_telemetry import RequestTelemetry
-from baton_serve.replicas.shipping import PeerDirectory, ShipPolicy
+from baton_serve.replicas.shipping import (
+    PeerDirectory,
+    ShippedBlob,
+    ShipPolicy,
+    shipped_blob,
+    shipped_nbytes,
+)
 from baton_serve.replicas.telemetry import metrics, tracing
 from baton_serve.replicas.telemetry.logs import request_fields
 
@@ -222,10 +227,9 @@ class Replica:
             self.stats.pull_misses += 1
             return "miss"
         fetched_s = time.perf_counter() - started
-        self.policy.record_pull(blob.nbytes, fetched_s)
-        span.set_attributes(
-            {"baton.pull.bytes": blob.nbytes, "baton.pull.fetch_ms": 1e3 * fetched_s}
-        )
+        nbytes = shipped_nbytes(blob)
+        self.policy.record_pull(nbytes, fetched_s)
+        span.set_attributes({"baton.pull.bytes": nbytes, "baton.pull.fetch_ms": 1e3 * fetched_s})
         try:
             await asyncio.to_thread(self.engine.cache.import_checkpoint, blob)
         except (BlobError, EngineError) as exc:
@@ -240,21 +244,23 @@ class Replica:
             )
             return "rejected"
         self.stats.pulls += 1
-        self.stats.pulled_bytes += blob.nbytes
-        metrics.PULLED_BYTES.inc(blob.nbytes)
+        self.stats.pulled_bytes += nbytes
+        metrics.PULLED_BYTES.inc(nbytes)
         return "pulled"
 
-    def export_best(self, tokens: tuple[int, ...], min_tokens: int) -> np.ndarray | None:
-        """For a peer: our longest checkpoint prefixing `tokens`, as a uint8 array (the
-        cheapest type to move through Ray's object store)."""
-        blob = self.engine.cache.export_best(tokens, min_tokens)
-        if blob is None:
+    def export_best(self, tokens: tuple[int, ...], min_tokens: int) -> ShippedBlob | None:
+        """For a peer: our longest checkpoint prefixing `tokens`, signed, its state a uint8
+        view of the stored one (Ray copies it into the object store once)."""
+        parts = self.engine.cache.export_best(tokens, min_tokens)
+        if parts is None:
             return None
+        blob = shipped_blob(*parts)
+        nbytes = shipped_nbytes(blob)
         self.stats.exports += 1
-        self.stats.exported_bytes += len(blob)
+        self.stats.exported_bytes += nbytes
         metrics.CHECKPOINTS_SHIPPED.inc()
-        metrics.SHIPPED_BYTES.inc(len(blob))
-        return np.frombuffer(blob, dtype=np.uint8)
+        metrics.SHIPPED_BYTES.inc(nbytes)
+        return blob
 
     # ---- index bookkeeping (CheckpointListener; called on the engine thread) -------------
 
