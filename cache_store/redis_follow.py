@@ -40,6 +40,7 @@ class RedisIndex(Protocol):
 
     async def call(self, what: str, call: Awaitable[T], timeout: float) -> T: ...
 
+
 logger = logging.getLogger("baton.index")
 
 SCAN_BATCH = 1000

@@ -83,6 +83,8 @@ def ship_plots(result: dict, out_dir: Path) -> list[Path]:
         ship = [r["ship_s"] for r in rows]
         ax.plot(x, [r["recompute_s"] for r in rows], "s-", label="recompute (cache off)")
         ax.plot(x, ship, "o-", label="ship (pull from a peer)")
+        if all(r.get("move_s") for r in rows):
+            ax.plot(x, [r["move_s"] for r in rows], "^:", label="state moved (export → restored)")
         for i, r in enumerate(rows):
             ax.annotate(f"ratio {r['ratio']:.3f}", (i, ship[i]), (8, -4), "data", "offset points")
         ax.set_yscale("log")

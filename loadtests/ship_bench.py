@@ -4,6 +4,12 @@ Three replica processes (Ray actors) share one embedded index. For each prefix l
 replica A computes the prefix; replica B, which has nothing cached, is asked for the same
 prefix plus two tokens and pulls A's state (index lookup, export, transfer through Ray's
 object store, validation, restore); replica C, with the cache off, computes it all.
+
+The move itself — from B asking A for the state until the state is restored in B's slot —
+is timed on B and split into stages from the replicas' own counters: export (A signs the
+state), transfer (the rest of the fetch: the call, Ray's object store), validate (every
+check of the blob, one hash pass), restore (`llama_state_seq_set_data`) and the rest
+(storing it, handing the request to the engine thread).
 """
 
 from __future__ import annotations
@@ -26,6 +32,30 @@ from baton_serve.replicas.engine.sampling import SamplingParams
 from baton_serve.replicas.replica_actor import spawn_replica
 
 PREFILL_ONLY = SamplingParams(max_tokens=0)
+STAGES = ("export", "transfer", "validate", "restore", "rest")
+
+
+def _move(holder: dict, puller: dict) -> tuple[float, dict[str, float]]:
+    """Seconds from asking for the state to its restore, and each stage's seconds, from
+    the `ship_timings` differences over one pull (holder's and puller's)."""
+    move = puller["restore_done"] - puller["pull_started"]
+    stages = {
+        "export": holder["export"],
+        "transfer": puller["fetch"] - holder["export"],
+        "validate": puller["validate"],
+        "restore": puller["restore"],
+    }
+    stages["rest"] = move - sum(stages.values())
+    return move, stages
+
+
+async def _timings(actor) -> dict[str, float]:
+    return await actor.ship_timings.remote()
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    timestamps = ("pull_started", "restore_done")
+    return {k: v if k in timestamps else v - before[k] for k, v in after.items()}
 
 
 def _prompts(model: Path, lengths: list[int]) -> dict[int, tuple[int, ...]]:
@@ -64,18 +94,29 @@ async def _run(model: Path, lengths: list[int], progress: Progress) -> list[dict
             await holder.wait_idle.remote()
             await asyncio.sleep(0.5)  # let A's publisher reach the index
             prompt = tokens[:-2] + tuple(first.tokens) + tokens[:2]
+            before = await asyncio.gather(_timings(holder), _timings(puller))
             ship_s, shipped = await _timed(puller, prompt, PREFILL_ONLY)
+            after = await asyncio.gather(_timings(holder), _timings(puller))
             recompute_s, computed = await _timed(baseline, prompt, PREFILL_ONLY)
             replica_stats, _ = await puller.stats.remote()
+            state_bytes = replica_stats.pulled_bytes - sum(r["state_bytes"] for r in rows)
+            move_s, stages = (
+                _move(*(_delta(a, b) for a, b in zip(after, before)))
+                if state_bytes
+                else (None, {})  # nothing was pulled: only the request times mean anything
+            )
             rows.append(
                 {
                     "prefix_tokens": n,
                     "ship_s": ship_s,
+                    "move_s": move_s,
+                    "gb_per_s": state_bytes / move_s / 1e9 if move_s else None,
+                    "stages_s": stages,
                     "recompute_s": recompute_s,
                     "ratio": ship_s / recompute_s,
                     "cached_tokens": shipped.usage.cached_tokens,
                     "computed_tokens_recompute": computed.usage.computed_tokens,
-                    "state_bytes": replica_stats.pulled_bytes - sum(r["state_bytes"] for r in rows),
+                    "state_bytes": state_bytes,
                 }
             )
             progress.step(
@@ -101,14 +142,26 @@ def ship_benchmark(
 
 
 def format_report(result: dict) -> str:
+    stage_heads = " ".join(f"{name:>8}" for name in STAGES)
     lines = [
         f"model: {result['model']}",
-        f"{'prefix':>7} {'state MB':>9} {'ship s':>8} {'recompute s':>12} {'ratio':>7} {'reused':>7}",
+        f"{'prefix':>7} {'state MB':>9} {'move s':>7} {'GB/s':>6} {'ship s':>7}"
+        f" {'recompute s':>12} {'ratio':>7} {'reused':>7}   share of move: {stage_heads}",
     ]
     for r in result["rows"]:
+        if r["move_s"] is None:
+            move, shares = f"{'-':>7} {'-':>6}", "no state was pulled"
+        else:
+            move = f"{r['move_s']:>7.4f} {r['gb_per_s']:>6.2f}"
+            shares = " ".join(f"{r['stages_s'][name] / r['move_s']:>8.0%}" for name in STAGES)
         lines.append(
-            f"{r['prefix_tokens']:>7} {r['state_bytes'] / 1e6:>9.1f} {r['ship_s']:>8.3f}"
-            f" {r['recompute_s']:>12.3f} {r['ratio']:>7.3f} {r['cached_tokens']:>7}"
+            f"{r['prefix_tokens']:>7} {r['state_bytes'] / 1e6:>9.1f} {move}"
+            f" {r['ship_s']:>7.3f} {r['recompute_s']:>12.3f}"
+            f" {r['ratio']:>7.3f} {r['cached_tokens']:>7}   {'':>14} {shares}"
         )
-    lines.append("ship = index lookup + export + transfer + validate + restore + 2 new tokens")
+    lines += [
+        "move = from asking the peer for the state until it is restored here; GB/s = state"
+        " bytes / move",
+        "ship = the whole request: index lookup + move + 2 new tokens; ratio = ship / recompute",
+    ]
     return "\n".join(lines)

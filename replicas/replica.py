@@ -16,7 +16,6 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-import numpy as np
 from opentelemetry.trace import Span
 
 from baton_serve.cache_store.index import CheckpointIndex, IndexUnavailable
@@ -32,7 +31,13 @@ from baton_serve.replicas.engine.protocol import (
 )
 from baton_serve.replicas.index_publisher import IndexPublisher
 from baton_serve.replicas.request_telemetry import RequestTelemetry
-from baton_serve.replicas.shipping import PeerDirectory, ShipPolicy
+from baton_serve.replicas.shipping import (
+    PeerDirectory,
+    ShippedBlob,
+    ShipPolicy,
+    shipped_blob,
+    shipped_nbytes,
+)
 from baton_serve.replicas.telemetry import metrics, tracing
 from baton_serve.replicas.telemetry.logs import request_fields
 
@@ -194,7 +199,7 @@ class Replica:
         floor = local + gain - 1 if best.in_flight else local
         with tracing.span("pull", parent=telemetry.context, attributes=attributes) as span:
             outcome = await self._pull(
-                best.replica_id, tokens, floor, deadline, span, telemetry.request_id
+                best.replica_id, tokens, local, floor, deadline, span, telemetry.request_id
             )
             span.set_attribute("baton.pull.outcome", outcome)
         metrics.PULLS.inc(outcome=outcome)
@@ -203,14 +208,15 @@ class Replica:
         self,
         peer: str,
         tokens: tuple[int, ...],
+        local: int,
         floor: int,
         deadline: float,
         span: Span,
         request_id: str,
     ) -> str:
-        """Fetch a state giving more than `floor` tokens of `tokens` from the peer (waiting
-        for it up to `deadline`), check it and store it; the outcome: pulled, miss, failed
-        or rejected."""
+        """Fetch a state giving more than `floor` (≥ `local`, what is here) tokens of `tokens`
+        from the peer (waiting for it up to `deadline`), check it and store it; the outcome:
+        pulled, miss, failed or rejected."""
         assert self.peers is not None
         started = time.perf_counter()
         try:
@@ -229,10 +235,10 @@ class Replica:
             self.stats.pull_misses += 1
             return "miss"
         fetched_s = time.perf_counter() - started
-        self.policy.record_pull(blob.nbytes, fetched_s)
-        span.set_attributes(
-            {"baton.pull.bytes": blob.nbytes, "baton.pull.fetch_ms": 1e3 * fetched_s}
-        )
+        nbytes = shipped_nbytes(blob)
+        if floor <= local:  # nothing was waited for: the time is the transfer's
+            self.policy.record_pull(nbytes, fetched_s)
+        span.set_attributes({"baton.pull.bytes": nbytes, "baton.pull.fetch_ms": 1e3 * fetched_s})
         try:
             await asyncio.to_thread(self.engine.cache.import_checkpoint, blob)
         except (BlobError, EngineError) as exc:
@@ -247,33 +253,35 @@ class Replica:
             )
             return "rejected"
         self.stats.pulls += 1
-        self.stats.pulled_bytes += blob.nbytes
-        metrics.PULLED_BYTES.inc(blob.nbytes)
+        self.stats.pulled_bytes += nbytes
+        metrics.PULLED_BYTES.inc(nbytes)
         return "pulled"
 
     async def export_when_ready(
         self, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
-    ) -> np.ndarray | None:
+    ) -> ShippedBlob | None:
         """`export_best`, waiting up to `wait_s` for a checkpoint being computed here."""
         deadline = time.monotonic() + wait_s
         while True:
-            # Signing hashes the whole state: keep the event loop free meanwhile.
+            # A first export hashes the whole state: keep the event loop free meanwhile.
             blob = await asyncio.to_thread(self.export_best, tokens, min_tokens)
             if blob is not None or time.monotonic() >= deadline:
                 return blob
             await asyncio.sleep(EXPORT_POLL_S)
 
-    def export_best(self, tokens: tuple[int, ...], min_tokens: int) -> np.ndarray | None:
-        """For a peer: our longest checkpoint prefixing `tokens`, as a uint8 array (the
-        cheapest type to move through Ray's object store)."""
-        blob = self.engine.cache.export_best(tokens, min_tokens)
-        if blob is None:
+    def export_best(self, tokens: tuple[int, ...], min_tokens: int) -> ShippedBlob | None:
+        """For a peer: our checkpoint giving the longest prefix of `tokens`, signed, its
+        state a uint8 view of the stored one (Ray copies it into the object store once)."""
+        parts = self.engine.cache.export_best(tokens, min_tokens)
+        if parts is None:
             return None
+        blob = shipped_blob(*parts)
+        nbytes = shipped_nbytes(blob)
         self.stats.exports += 1
-        self.stats.exported_bytes += len(blob)
+        self.stats.exported_bytes += nbytes
         metrics.CHECKPOINTS_SHIPPED.inc()
-        metrics.SHIPPED_BYTES.inc(len(blob))
-        return np.frombuffer(blob, dtype=np.uint8)
+        metrics.SHIPPED_BYTES.inc(nbytes)
+        return blob
 
     async def _gauge_loop(self) -> None:
         while True:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 import ray
 from ray.exceptions import RayActorError
 
@@ -17,7 +16,7 @@ from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.protocol import Completion, GenerationRequest, ReplicaRequest
 from baton_serve.replicas.replica import Replica, ReplicaStats
-from baton_serve.replicas.shipping import ShipPolicy
+from baton_serve.replicas.shipping import ShippedBlob, ShipPolicy
 
 NAMESPACE = "baton"
 
@@ -31,7 +30,7 @@ class ActorPeers:
 
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
-    ) -> np.ndarray | None:
+    ) -> ShippedBlob | None:
         try:
             peer = ray.get_actor(actor_name(replica_id), namespace=NAMESPACE)
         except ValueError as exc:  # no such actor: it died or never existed
@@ -87,11 +86,24 @@ class ReplicaHost:
 
     async def export_best(
         self, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
-    ) -> np.ndarray | None:
+    ) -> ShippedBlob | None:
         return await self._replica.export_when_ready(tuple(tokens), min_tokens, wait_s)
 
     def stats(self) -> tuple[ReplicaStats, dict]:
         return self._replica.stats, dict(vars(self._replica.engine.stats))
+
+    def ship_timings(self) -> dict[str, float]:
+        """Seconds spent so far on each stage of shipping states (either way), and when the
+        last pull began and the last restore ended (`time.perf_counter()` here)."""
+        engine, policy = self._replica.engine.stats, self._replica.policy
+        return {
+            "export": engine.blob_export_seconds,
+            "fetch": policy.fetch_seconds,
+            "validate": engine.blob_validate_seconds,
+            "restore": engine.restore_seconds,
+            "pull_started": policy.last_pull_started,
+            "restore_done": engine.last_restore_done,
+        }
 
     async def wait_idle(self, timeout: float = 30.0) -> bool:
         return await asyncio.to_thread(self._replica.engine.wait_idle, timeout)

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -27,6 +26,7 @@ from baton_serve.replicas.engine.protocol import (
     TokenEvent,
 )
 from baton_serve.replicas.replica import Replica
+from baton_serve.replicas.shipping import ShippedBlob
 from baton_serve.replicas.telemetry.setup import configure_process
 from baton_serve.replicas.telemetry.startup import report_stage
 
@@ -53,7 +53,7 @@ class ServePeers:
 
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
-    ) -> np.ndarray | None:
+    ) -> ShippedBlob | None:
         return await self._handle.remote(
             tokens, min_tokens, wait_s, **{TARGET_REPLICA_KWARG: replica_id}
         )
@@ -102,7 +102,7 @@ class ReplicaDeployment:
         min_tokens: int,
         wait_s: float = 0.0,
         target_replica: str | None = None,
-    ) -> np.ndarray | None:
+    ) -> ShippedBlob | None:
         """For a peer (the router already sent this call to `target_replica`)."""
         return await self.replica.export_when_ready(tuple(tokens), min_tokens, wait_s)
 

@@ -7,10 +7,30 @@ bandwidth from its own pulls), starting from conservative guesses.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+# A signed state blob as it travels between replicas: its head (header and token ids) and
+# the state as a uint8 array. Ray moves the array out of band: one copy into the object
+# store, none out of it (the receiver validates and restores the shared-memory view).
+ShippedBlob = tuple[bytes, np.ndarray]
+
+
+def shipped_blob(head: bytes, state: memoryview) -> ShippedBlob:
+    """The travelling form of `encode_parts`' output (no copy)."""
+    return head, np.frombuffer(state, dtype=np.uint8)
+
+
+def shipped_nbytes(blob: object) -> int:
+    """Bytes of a blob that came from a peer (0 for anything but a ShippedBlob)."""
+    if isinstance(blob, tuple) and len(blob) == 2:
+        head, state = blob
+        if isinstance(head, bytes) and isinstance(state, np.ndarray):
+            return len(head) + state.nbytes
+    return 0
 
 
 class PeerDirectory(Protocol):
@@ -18,7 +38,7 @@ class PeerDirectory(Protocol):
 
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
-    ) -> np.ndarray | None:
+    ) -> ShippedBlob | None:
         """The peer's signed blob for its longest checkpoint sharing a prefix with `tokens`,
         if it gives more than `min_tokens`, waiting up to `wait_s` for one the peer is
         computing; None if it has none. Raises if the peer is unreachable."""
@@ -36,6 +56,8 @@ class ShipPolicy:
     bandwidth_bytes_per_s: float = 200e6  # until a pull has been measured
     latency_s: float = 0.01
     smoothing: float = 0.3  # weight of a new bandwidth measurement
+    fetch_seconds: float = 0.0  # all measured pulls: asking the peer until its blob is here
+    last_pull_started: float = 0.0  # time.perf_counter() when the last measured pull began
 
     def should_pull(
         self,
@@ -64,6 +86,9 @@ class ShipPolicy:
         return min(wait_s + self.deadline_s, recompute_s)
 
     def record_pull(self, nbytes: int, seconds: float) -> None:
+        """A pull that fetched `nbytes` in `seconds`, just now."""
+        self.fetch_seconds += seconds
+        self.last_pull_started = time.perf_counter() - seconds
         if seconds > 0 and nbytes > 0:
             measured = nbytes / seconds
             self.bandwidth_bytes_per_s += self.smoothing * (measured - self.bandwidth_bytes_per_s)

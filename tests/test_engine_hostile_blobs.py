@@ -12,6 +12,8 @@ import hmac
 import random
 import struct
 
+import blake3
+import numpy as np
 import pytest
 
 from baton_serve.cache_store.state_blob import HEADER_SIZE, BlobError
@@ -49,11 +51,15 @@ def engines(tmp_path_factory):
     other.close()
 
 
-def _valid_blob(engine: Engine) -> bytes:
+def _valid_parts(engine: Engine) -> tuple[bytes, memoryview]:
     checkpoint = max(engine.cache.store.checkpoints(), key=lambda c: c.n_tokens)
-    blob = engine.cache.export_checkpoint(checkpoint.prefix_hash)
-    assert blob is not None
-    return blob
+    parts = engine.cache.export_checkpoint(checkpoint.prefix_hash)
+    assert parts is not None
+    return parts
+
+
+def _valid_blob(engine: Engine) -> bytes:
+    return b"".join(_valid_parts(engine))
 
 
 def _resign(blob: bytes, key: bytes = HMAC_KEY, **fields: object) -> bytes:
@@ -112,8 +118,12 @@ def _cases() -> list[tuple[str, object]]:
         ("missing-hmac", lambda b, o: b[: HEADER_SIZE - 32] + bytes(32) + b[HEADER_SIZE:]),
         ("other-model", lambda b, o: o),
         ("other-model-relabelled", lambda b, o: _resign(o, fingerprint=b[12:44])),
-        ("wrong-version", lambda b, o: _resign(b, version=2)),
+        ("wrong-version", lambda b, o: _resign(b, version=3)),
         ("version-zero", lambda b, o: _resign(b, version=0)),
+        (
+            "version-1-sha256",
+            lambda b, o: _resign(b, version=1, checksum=hashlib.sha256(b[HEADER_SIZE:]).digest()),
+        ),
         ("unknown-flags", lambda b, o: _resign(b, flags=1)),
         ("bad-magic", lambda b, o: _resign(b, magic=b"PICKLE!!")),
         ("absurd-state-len", lambda b, o: _resign(b, state_len=2**63)),
@@ -136,7 +146,7 @@ def _cases() -> list[tuple[str, object]]:
             lambda b, o: _resign(
                 b[:-100],
                 state_len=_SIGNED.unpack_from(b)[6] - 100,
-                checksum=hashlib.sha256(b[HEADER_SIZE:-100]).digest(),
+                checksum=blake3.blake3(b[HEADER_SIZE:-100]).digest(),
             ),
         ),
     ]
@@ -150,15 +160,34 @@ def test_there_are_at_least_200_cases() -> None:
     assert len(CASES) >= 200
 
 
+@pytest.mark.parametrize("parts", [False, True], ids=["contiguous", "parts"])
 @pytest.mark.parametrize("name,damage", CASES, ids=[n for n, _ in CASES])
-def test_hostile_blob_is_rejected(name, damage, engines) -> None:
+def test_hostile_blob_is_rejected(name, damage, parts, engines) -> None:
+    """Each damaged blob arrives whole, or as the two parts a peer sends (cut where the
+    valid blob's state begins)."""
     hybrid, other = engines
     stored = len(hybrid.cache.store)
+    head_size = len(_valid_parts(hybrid)[0])
     bad = damage(_valid_blob(hybrid), _valid_blob(other))
     with pytest.raises(BlobError) as caught:
-        hybrid.cache.import_checkpoint(bad)
+        hybrid.cache.import_checkpoint((bad[:head_size], bad[head_size:]) if parts else bad)
     assert caught.value.reason and str(caught.value)  # a machine code and a clear message
     assert len(hybrid.cache.store) == stored  # nothing half-imported
+
+
+def test_a_writable_blob_is_copied_before_it_is_checked(engines) -> None:
+    """What is checked is what llama.cpp gets: a buffer someone else can still write to is
+    copied first; a read-only one (Ray's object store) is kept where it is."""
+    hybrid, _ = engines
+    head, state = _valid_parts(hybrid)
+    writable = bytearray(state)
+    kept = hybrid.cache.import_checkpoint((head, writable))
+    writable[:] = bytes(len(writable))
+    assert bytes(kept.state) == bytes(state)
+    shared = np.frombuffer(bytes(state), dtype=np.uint8)
+    assert not shared.flags.writeable
+    kept = hybrid.cache.import_checkpoint((head, shared))
+    assert np.shares_memory(np.frombuffer(kept.state, dtype=np.uint8), shared)
 
 
 def test_engine_still_serves_and_restores_after_the_hostile_suite(engines) -> None:

@@ -28,7 +28,7 @@ from baton_serve.replicas.engine.prompt import Prompt
 from baton_serve.replicas.engine.protocol import GenerationRequest, ReplicaRequest
 from baton_serve.replicas.engine.sampling import SamplingParams
 from baton_serve.replicas.replica import Replica
-from baton_serve.replicas.shipping import ShipPolicy
+from baton_serve.replicas.shipping import ShippedBlob, ShipPolicy
 from baton_serve.replicas.telemetry import tracing
 from baton_serve.replicas.telemetry.logs import configure_logging
 from baton_serve.router.gateway import GatewaySettings, create_app
@@ -164,11 +164,13 @@ class _LocalPeer:
 
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
-    ) -> np.ndarray | None:
+    ) -> ShippedBlob | None:
         blob = await self.peer.export_when_ready(tokens, min_tokens, wait_s)
         if blob is not None and self.flip_bit is not None:
-            blob = blob.copy()
-            blob[self.flip_bit // 8] ^= 1 << (self.flip_bit % 8)
+            head, state = blob
+            damaged = bytearray(head)  # the bit is one of the header's
+            damaged[self.flip_bit // 8] ^= 1 << (self.flip_bit % 8)
+            blob = bytes(damaged), state
         return blob
 
 

@@ -17,7 +17,7 @@ import pytest
 import ray
 
 from baton_serve.cache_store.index_connect import connect_index
-from baton_serve.cache_store.state_blob import encode_blob
+from baton_serve.cache_store.state_blob import encode_parts
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.prompt import Prompt
@@ -25,7 +25,7 @@ from baton_serve.replicas.engine.protocol import GenerationRequest, ReplicaReque
 from baton_serve.replicas.engine.sampling import SamplingParams
 from baton_serve.replicas.replica import Replica
 from baton_serve.replicas.replica_actor import spawn_replica
-from baton_serve.replicas.shipping import ShipPolicy
+from baton_serve.replicas.shipping import ShipPolicy, shipped_blob
 
 KEY = secrets.token_bytes(32)
 CONFIG = EngineConfig(n_ctx=2048, n_slots=2, n_threads=1)
@@ -158,24 +158,31 @@ class _TamperingPeers:
         blob = await self.peer.export_when_ready(tokens, min_tokens, wait_s)
         if blob is None:
             return None
+        head, state = blob  # (header + token ids, the state as a uint8 array)
         if self.flip_bit is not None:
-            blob = blob.copy()
-            blob[self.flip_bit // 8 % blob.size] ^= 1 << (self.flip_bit % 8)
+            byte, mask = self.flip_bit // 8 % (len(head) + state.size), 1 << (self.flip_bit % 8)
+            if byte < len(head):
+                head = bytearray(head)
+                head[byte] ^= mask
+                head = bytes(head)
+            else:
+                state = state.copy()
+                state[byte - len(head)] ^= mask
         if self.truncate:  # llama.cpp crashes on a short state: it must never see this one
-            blob = blob[: blob.size // 2]
+            state = state[: state.size // 2]
         if self.forge:  # intact contents, signed with a key that is not the cluster's
             engine = self.peer.engine
             checkpoint = engine.cache.store.longest_match(engine.cache.hasher, tokens, len(tokens))
-            blob = np.frombuffer(
-                encode_blob(
+            head, state = shipped_blob(
+                *encode_parts(
                     fingerprint=engine.fingerprint,
                     prefix_hash=checkpoint.prefix_hash,
                     tokens=checkpoint.tokens,
                     state=checkpoint.state,
                     key=b"not-the-cluster-key",
-                ),
-                dtype=np.uint8,
+                )
             )
+        blob = head, state
         return blob
 
 

@@ -4,6 +4,7 @@ import random
 import struct
 from typing import Any
 
+import blake3
 import numpy as np
 import pytest
 
@@ -15,12 +16,14 @@ from baton_serve.cache_store.state_blob import (
     BlobError,
     decode_blob,
     encode_blob,
+    encode_parts,
 )
 
-# The wire format, spelled out independently of the implementation.
+# The wire format, spelled out independently of the implementation: `digest` is the
+# BLAKE3-256 of the payload, `hmac` HMAC-SHA256 of the header before it.
 LAYOUT = struct.Struct("<8sHH32sI16sQ32s32s")
 FIELDS = ("magic", "version", "flags", "fingerprint", "n_tokens", "prefix_hash", "state_len",
-          "checksum", "hmac")  # fmt: skip
+          "digest", "hmac")  # fmt: skip
 SIGNED_SIZE = LAYOUT.size - 32
 
 RNG = random.Random(20240601)
@@ -54,7 +57,7 @@ def reseal(blob: bytes, *, key: bytes = KEY, payload: bytes | None = None, **fie
     if payload is None:
         payload = blob[HEADER_SIZE:]
     else:
-        header["checksum"] = hashlib.sha256(payload).digest()
+        header["digest"] = blake3.blake3(payload).digest()
     signed = LAYOUT.pack(*header.values())[:SIGNED_SIZE]
     return signed + hmac.new(key, signed, hashlib.sha256).digest() + payload
 
@@ -99,6 +102,11 @@ def hostile_cases() -> list[Any]:
         ),
         "bad-magic": (reseal(BLOB, magic=b"BATONSB2"), "bad_magic", {}),
         "version-0": (reseal(BLOB, version=0), "bad_version", {}),
+        "version-1-sha256": (
+            reseal(BLOB, version=1, digest=hashlib.sha256(BLOB[HEADER_SIZE:]).digest()),
+            "bad_version",
+            {},
+        ),
         "version-2": (reseal(BLOB, version=FORMAT_VERSION + 1), "bad_version", {}),
         "version-max": (reseal(BLOB, version=0xFFFF), "bad_version", {}),
         "flags-1": (reseal(BLOB, flags=1), "bad_flags", {}),
@@ -138,18 +146,91 @@ def test_enough_hostile_cases() -> None:
     assert len(HOSTILE) >= 200
 
 
+def split(blob: bytes) -> tuple[bytes, bytes]:
+    """A blob as its two travelling parts, cut where the valid blob's state begins."""
+    cut = HEADER_SIZE + 4 * len(TOKENS)
+    return blob[:cut], blob[cut:]
+
+
+@pytest.mark.parametrize("parts", [False, True], ids=["contiguous", "parts"])
 @pytest.mark.parametrize(("data", "reasons", "overrides"), HOSTILE)
 def test_hostile_input_rejected(
-    data: bytes, reasons: set[str] | None, overrides: dict[str, Any]
+    data: bytes, reasons: set[str] | None, overrides: dict[str, Any], parts: bool
 ) -> None:
     kwargs: dict[str, Any] = {"key": KEY, "fingerprint": FINGERPRINT, "hasher": HASHER}
     kwargs |= overrides
     with pytest.raises(BlobError) as info:
-        decode_blob(data, **kwargs)
+        decode_blob(split(data) if parts else data, **kwargs)
     if reasons is not None:
         assert info.value.reason in reasons, str(info.value)
     assert isinstance(info.value, ValueError)
     assert KEY.hex() not in str(info.value) and repr(KEY)[2:-1] not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        ((BLOB,), "bad_length"),
+        ((*split(BLOB), b""), "bad_length"),
+        (split(BLOB)[::-1], "bad_magic"),
+        ((BLOB[: HEADER_SIZE + 4 * len(TOKENS) + 1], split(BLOB)[1]), "bad_length"),
+        ((split(BLOB)[0], split(BLOB)[1][:-1]), "bad_length"),
+        ((split(BLOB)[0], split(BLOB)[1] + b"\0"), "bad_length"),
+        ((split(BLOB)[0], None), "bad_type"),
+        ((split(BLOB)[0], "text"), "bad_type"),
+        ((None, split(BLOB)[1]), "bad_type"),
+        ((split(BLOB)[0], np.frombuffer(STATE, dtype=np.uint8)[::2]), "bad_type"),
+    ],
+    ids=[
+        "one-part",
+        "three-parts",
+        "swapped",
+        "long-head",
+        "short-state",
+        "long-state",
+        "state-none",
+        "state-str",
+        "head-none",
+        "state-strided",
+    ],  # fmt: skip
+)
+def test_hostile_parts_rejected(data: tuple, reason: str) -> None:
+    with pytest.raises(BlobError) as info:
+        decode_blob(data, key=KEY, fingerprint=FINGERPRINT, hasher=HASHER)
+    assert info.value.reason == reason, str(info.value)
+
+
+def test_retired_version_is_named() -> None:
+    old = reseal(BLOB, version=1, digest=hashlib.sha256(BLOB[HEADER_SIZE:]).digest())
+    with pytest.raises(BlobError, match="version 1 .*SHA-256.* no longer accepted"):
+        decode_blob(old, key=KEY, fingerprint=FINGERPRINT)
+
+
+def test_parts_travel_without_copying_the_state() -> None:
+    state = np.frombuffer(STATE, dtype=np.uint8)
+    head, view = encode_parts(
+        fingerprint=FINGERPRINT,
+        prefix_hash=HASHER.prefix_hash(TOKENS),
+        tokens=TOKENS,
+        state=state,
+        key=KEY,
+    )
+    assert head + bytes(view) == BLOB
+    assert np.shares_memory(np.frombuffer(view, dtype=np.uint8), state)
+    blob = decode_blob((head, state), key=KEY, fingerprint=FINGERPRINT, hasher=HASHER)
+    assert np.shares_memory(np.frombuffer(blob.state, dtype=np.uint8), state)
+    assert blob.tokens.tolist() == TOKENS and blob.state.readonly
+    assert blob.digest == blake3.blake3(BLOB[HEADER_SIZE:]).digest()
+
+
+def test_a_known_digest_is_used_not_recomputed() -> None:
+    """An exporter passes its stored checkpoint's digest; a wrong one is caught on arrival."""
+    digest = blake3.blake3(BLOB[HEADER_SIZE:]).digest()
+    assert make_blob(digest=digest) == BLOB
+    wrong = make_blob(digest=bytes(32))
+    with pytest.raises(BlobError) as info:
+        decode_blob(wrong, key=KEY, fingerprint=FINGERPRINT)
+    assert info.value.reason == "bad_checksum"
 
 
 def test_round_trip() -> None:
@@ -171,7 +252,7 @@ def test_header_layout() -> None:
     assert header["fingerprint"] == FINGERPRINT
     assert header["n_tokens"] == len(TOKENS)
     assert header["state_len"] == len(STATE)
-    assert header["checksum"] == hashlib.sha256(BLOB[HEADER_SIZE:]).digest()
+    assert header["digest"] == blake3.blake3(BLOB[HEADER_SIZE:]).digest()
     assert header["hmac"] == hmac.new(KEY, BLOB[:SIGNED_SIZE], hashlib.sha256).digest()
     assert BLOB[HEADER_SIZE:] == np.array(TOKENS, dtype="<i4").tobytes() + STATE
 

@@ -145,14 +145,13 @@ class LlamaContext:
             return 0 <= oldest <= max(0, n_tokens - window)
         return True
 
-    def save_state(self, seq_id: int) -> bytes:
-        """The full state (KV and recurrent) of one sequence."""
+    def save_state(self, seq_id: int) -> memoryview:
+        """The full state (KV and recurrent) of one sequence, in a buffer of its own."""
         size = llama_cpp.llama_state_seq_get_size(self.pointer, seq_id)
-        buf = bytearray(size)
-        target = (ctypes.c_uint8 * size).from_buffer(buf)
+        buf = np.empty(size, dtype=np.uint8)  # llama.cpp writes all of it: no zero-fill
+        target = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
         written = llama_cpp.llama_state_seq_get_data(self.pointer, target, size, seq_id)
-        del target
-        return bytes(memoryview(buf)[:written])
+        return buf[:written].data.toreadonly()
 
     def state_size_line(self, seq_id: int, token: int) -> tuple[int, int]:
         """(fixed, per_token) byte sizes of a sequence state, measured on an empty sequence.
@@ -172,11 +171,12 @@ class LlamaContext:
             raise RuntimeError(f"sequence state sizes {sizes} for 2/4/8 tokens are not linear")
         return sizes[0] - 2 * per_token, per_token
 
-    def restore_state(self, seq_id: int, state: bytes | memoryview) -> None:
+    def restore_state(self, seq_id: int, state: bytes | memoryview | np.ndarray) -> None:
         """Load a state saved by `save_state` into `seq_id`.
 
         The caller must have validated `state` (length, checksum, model): llama.cpp trusts
-        it, and a truncated state crashes the process.
+        it, and a truncated state crashes the process. `state` is read in place (a view
+        of Ray's object store, say): never copied.
         """
         self.clear(seq_id)
         data = np.frombuffer(state, dtype=np.uint8)  # zero-copy, works for read-only buffers

@@ -15,14 +15,22 @@ Everything here runs on the engine thread, except `reusable_tokens` (a read-only
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Hashable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
-
-import numpy as np
 
 from baton_serve.cache_store.checkpoint_store import Checkpoint, CheckpointStore
 from baton_serve.cache_store.prefix_hash import PrefixHasher, common_prefix_length
-from baton_serve.cache_store.state_blob import BlobError, decode_blob, encode_blob
+from baton_serve.cache_store.state_blob import (
+    BlobError,
+    BlobParts,
+    Buffer,
+    byte_view,
+    decode_blob,
+    encode_parts,
+    payload_digest,
+)
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE, prefill_checkpoints
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_context import LlamaContext, StateRestoreError
@@ -70,28 +78,45 @@ class PrefixCache:
         self.listener: CheckpointListener | None = None
         self.state_size = self._measure_state_size()
         self._waits: dict[Hashable, tuple[Running, int]] = {}  # queued request -> its wait
+        # A saved state's blob digest is computed here, off the engine thread (the hash
+        # releases the GIL), so that shipping it later hashes it on the receiving side only.
+        self._digester = ThreadPoolExecutor(1, thread_name_prefix="baton-blob-digest")
 
-    def export_checkpoint(self, prefix_hash: bytes) -> bytes | None:
-        """A signed state blob of a stored checkpoint, or None if it is not here."""
+    def export_checkpoint(self, prefix_hash: bytes) -> tuple[bytes, memoryview] | None:
+        """A signed state blob of a stored checkpoint as its two parts, `(head, state)`,
+        the state not copied; None if it is not here.
+
+        Runs on any thread. A checkpoint's payload is hashed once: in the background after
+        it was saved, or by its first export if that has not happened yet.
+        """
         checkpoint = self.store.get(prefix_hash)
         if checkpoint is None:
             return None
-        return encode_blob(
+        started = time.perf_counter()
+        _fill_digest(checkpoint)  # usually done already, in the background
+        parts = encode_parts(
             fingerprint=self.fingerprint,
             prefix_hash=checkpoint.prefix_hash,
             tokens=checkpoint.tokens,
             state=checkpoint.state,
             key=self._hmac_key,
+            digest=checkpoint.digest,
         )
+        self.stats.blobs_exported += 1
+        self.stats.blob_export_seconds += time.perf_counter() - started
+        return parts
 
-    def import_checkpoint(self, blob: bytes | memoryview | np.ndarray) -> Checkpoint:
-        """Validate a state blob fully and keep it in the local store.
+    def import_checkpoint(self, blob: Buffer | BlobParts) -> Checkpoint:
+        """Validate a state blob (contiguous, or its two parts) fully and keep it in the
+        local store.
 
         Raises `BlobError` for anything that is not an authentic, intact blob of this
-        model: llama.cpp only ever sees a blob that passed every check.
+        model: llama.cpp only ever sees a blob that passed every check. A read-only blob
+        (what Ray's object store hands out) is kept where it is, not copied; a writable
+        one is copied first, so that nobody can change it after it was checked.
         """
         try:
-            checkpoint = self._checked_checkpoint(blob)
+            checkpoint = self._checked_checkpoint(_frozen(blob))
         except BlobError as exc:
             metrics.BLOBS_REJECTED.inc(reason=exc.reason)
             raise
@@ -105,7 +130,8 @@ class PrefixCache:
         self._added(checkpoint)
         return checkpoint
 
-    def _checked_checkpoint(self, blob: bytes | memoryview | np.ndarray) -> Checkpoint:
+    def _checked_checkpoint(self, blob: Buffer | BlobParts) -> Checkpoint:
+        started = time.perf_counter()
         state = decode_blob(
             blob, key=self._hmac_key, fingerprint=self.fingerprint, hasher=self.hasher
         )
@@ -118,15 +144,21 @@ class PrefixCache:
                     f"a {state.n_tokens}-token state of this model is {expected} bytes, "
                     f"the blob carries {len(state.state)}",
                 )
+        self.stats.blob_validate_seconds += time.perf_counter() - started
         return Checkpoint(
-            prefix_hash=state.prefix_hash, tokens=state.tokens, state=bytes(state.state)
+            prefix_hash=state.prefix_hash,
+            tokens=state.tokens,
+            state=state.state,
+            digest=state.digest,
         )
 
-    def export_best(self, tokens: tuple[int, ...] | list[int], min_tokens: int = 0) -> bytes | None:
-        """A signed blob of the stored checkpoint that gives the longest prefix of `tokens`,
-        if that is more than `min_tokens` (what a peer asks for before pulling): one that
-        prefixes them, or for attention models any that shares their beginning (the peer
-        cuts it back)."""
+    def export_best(
+        self, tokens: tuple[int, ...] | list[int], min_tokens: int = 0
+    ) -> tuple[bytes, memoryview] | None:
+        """The signed blob parts of the stored checkpoint that gives the longest prefix of
+        `tokens`, if that is more than `min_tokens` (what a peer asks for before pulling):
+        one that prefixes them, or for attention models any that shares their beginning (the
+        peer cuts it back)."""
         checkpoint, reused = self._stored_prefix(tuple(tokens), len(tokens), touch=False)
         if checkpoint is None or reused <= min_tokens:
             return None
@@ -321,8 +353,11 @@ class PrefixCache:
         slot.tokens = []
 
     def _restore(self, slot: Slot, checkpoint: Checkpoint) -> bool:
+        started = time.perf_counter()
         try:
             self.context.restore_state(slot.seq_id, checkpoint.state)
+            self.stats.last_restore_done = time.perf_counter()
+            self.stats.restore_seconds += self.stats.last_restore_done - started
         except StateRestoreError:
             logger.warning("dropping a checkpoint that llama.cpp refused to restore")
             self.store.remove(checkpoint.prefix_hash)
@@ -341,6 +376,7 @@ class PrefixCache:
             self.stats.checkpoints_saved += 1
             metrics.CHECKPOINTS_TAKEN.inc()
             self._added(checkpoint)
+            self._digester.submit(_fill_digest, checkpoint)
 
     def _added(self, checkpoint: Checkpoint) -> None:
         if self.listener is not None:
@@ -363,3 +399,18 @@ class PrefixCache:
         if checkpoint is None or not self._restore(slot, checkpoint):
             self.context.clear(slot.seq_id)
             slot.tokens = []
+
+
+def _fill_digest(checkpoint: Checkpoint) -> None:
+    if checkpoint.digest is None:
+        checkpoint.digest = payload_digest(checkpoint.tokens, checkpoint.state)
+
+
+def _frozen(blob: Buffer | BlobParts) -> Buffer | BlobParts:
+    """`blob` where it is read-only; a private copy of each writable part otherwise."""
+    try:
+        if isinstance(blob, tuple):
+            return tuple(part if byte_view(part).readonly else bytes(part) for part in blob)
+        return blob if byte_view(blob).readonly else bytes(blob)
+    except (TypeError, ValueError):
+        return blob  # not a buffer at all: `decode_blob` says so

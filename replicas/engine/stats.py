@@ -29,6 +29,11 @@ class EngineStats:
     checkpoints_imported: int = 0
     prefix_waits: int = 0  # requests that waited for a prefix another slot was computing
     prefill_seconds: float = 0.0
+    blobs_exported: int = 0
+    blob_export_seconds: float = 0.0  # signing stored states for peers (any thread)
+    blob_validate_seconds: float = 0.0  # checking peers' blobs before they are stored
+    restore_seconds: float = 0.0  # llama_state_seq_set_data
+    last_restore_done: float = 0.0  # time.perf_counter() when the last restore finished
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
