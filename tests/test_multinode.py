@@ -39,6 +39,7 @@ from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.sampling import SamplingParams
 
 REPLICA_RESOURCE = "baton_replica"  # only workers have it: replicas run there
+ROOM_PER_WORKER = 2  # room for two replicas: only max_replicas_per_node keeps them apart
 GATEWAY_RESOURCE = "baton_gateway"  # only the head has it: the gateway runs there
 NODE_CPUS = 1
 OBJECT_STORE_BYTES = 80 << 20  # each node's own store (Ray's minimum is 75 MiB)
@@ -52,7 +53,7 @@ START_TIMEOUT_S = 180.0
 
 @dataclass
 class ThreeNodes:
-    """The cluster, and the node id of its head and of each live worker."""
+    """The cluster, the node id of its head and of each live worker, and Serve's port."""
 
     cluster: Cluster
     head_id: str
@@ -62,7 +63,7 @@ class ThreeNodes:
     def add_worker(self) -> str:
         node = self.cluster.add_node(
             num_cpus=NODE_CPUS,
-            resources={REPLICA_RESOURCE: 1},
+            resources={REPLICA_RESOURCE: ROOM_PER_WORKER},
             object_store_memory=OBJECT_STORE_BYTES,
         )
         self.cluster.wait_for_nodes()
@@ -249,6 +250,7 @@ def test_a_conversation_moved_to_the_other_node_pulls_its_state_across(app: App)
     after = {s["replica_id"]: s for s in asyncio.run(replica_stats(APP_NAME))}
     assert after[server]["pulls"] > before[server]["pulls"]
     assert after[server]["pulled_bytes"] > before[server]["pulled_bytes"]
+    print(f"{app.index}: pulled {after[server]['pulled_bytes'] - before[server]['pulled_bytes']} B")
     usage = moved.json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0  # pulled, not recomputed
     config = EngineConfig(**ENGINE, prefix_cache=False)
