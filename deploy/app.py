@@ -10,12 +10,15 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
 from baton_serve.cache_store.fingerprint import file_fingerprint
+from baton_serve.cache_store.index import EMBEDDED_SPEC
 from baton_serve.deploy.config import BatonConfig, RouterPolicy, load_config
+from baton_serve.deploy.index_placement import start_embedded_index_on_head
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.models.model_source import resolve_model
 from baton_serve.replicas.serve_deployment import ReplicaDeployment, ReplicaSettings
@@ -75,6 +78,8 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
         engine = engine.model_copy(
             update={"n_threads": max(1, math.ceil(config.num_cpus_per_replica))}
         )
+    if config.index == EMBEDDED_SPEC and ray.is_initialized():
+        start_embedded_index_on_head()  # not on a worker, which may die
     replica = serve.deployment(
         ReplicaDeployment,
         name=REPLICA_DEPLOYMENT,
@@ -87,7 +92,9 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
         ray_actor_options={
             "num_cpus": config.num_cpus_per_replica,
             "num_gpus": config.num_gpus_per_replica,
+            "resources": dict(config.replica_resources),
         },
+        max_replicas_per_node=config.max_replicas_per_node,
         request_router_config=router_config(config, model_path),
         graceful_shutdown_timeout_s=5,
     ).bind(
@@ -98,6 +105,7 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
             index=config.index,
             ship=config.router is RouterPolicy.BATON,
             heartbeat_s=config.heartbeat_s,
+            liveness_ttl_s=config.liveness_ttl_s,
             startup_dir=startup_dir,
         )
     )
@@ -105,7 +113,7 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
         GatewayDeployment,
         name=GATEWAY_DEPLOYMENT,
         num_replicas=config.gateway_replicas,
-        ray_actor_options={"num_cpus": GATEWAY_CPUS},
+        ray_actor_options={"num_cpus": GATEWAY_CPUS, "resources": dict(config.gateway_resources)},
         max_ongoing_requests=1000,
     )
     settings = GatewaySettings(

@@ -7,6 +7,7 @@ defaults below. `to_serve_args` / `config_from_serve_args` carry a config to the
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 from collections.abc import Iterator, Mapping
@@ -15,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from baton_serve.cache_store.index import EMBEDDED_SPEC
 from baton_serve.replicas.engine.engine_config import EngineConfig
@@ -28,6 +37,8 @@ ENV_PREFIX = "BATON_"
 ENV_NESTING = "__"
 REDIS_SCHEMES = ("redis://", "rediss://")
 MIN_HMAC_KEY_CHARS = 16
+# Ray's built-in resources have settings of their own (or none to set): not custom resources.
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
 class ConfigError(ValueError):
@@ -62,6 +73,17 @@ class BatonConfig(BaseModel):
         default=1.0, gt=0, allow_inf_nan=False, description="logical Ray CPUs a replica asks for"
     )
     gateway_replicas: int = Field(default=1, ge=1)
+    replica_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description='custom Ray resources a replica asks for, e.g. {"baton_replica": 1}: '
+        "replicas run only on nodes started with them (`ray start --resources`)",
+    )
+    gateway_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources a gateway replica asks for"
+    )
+    max_replicas_per_node: int | None = Field(
+        default=None, ge=1, description="Serve's max_replicas_per_node for the replicas"
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig)
     index: str = Field(
         default=EMBEDDED_SPEC, description='"embedded" or a redis:// / rediss:// URL'
@@ -88,6 +110,12 @@ class BatonConfig(BaseModel):
         description="requests a gateway holds while every replica is full; more get 503",
     )
     heartbeat_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
+    liveness_ttl_s: float = Field(
+        default=15.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="a replica without a heartbeat for this long drops out of the index",
+    )
     stream_ping_s: float = Field(
         default=15.0,
         ge=0,
@@ -143,6 +171,27 @@ class BatonConfig(BaseModel):
         if value is not None and len(value.get_secret_value()) < MIN_HMAC_KEY_CHARS:
             raise ValueError(f"must be at least {MIN_HMAC_KEY_CHARS} characters")
         return value
+
+    @field_validator("replica_resources", "gateway_resources")
+    @classmethod
+    def _check_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if not name or name.startswith("node:") or name in RAY_BUILTIN_RESOURCES:
+                raise ValueError(
+                    f"{name!r} is not a custom resource (CPUs and GPUs have their own settings)"
+                )
+            if not (math.isfinite(amount) and amount > 0):
+                raise ValueError(f"{name!r}: the amount must be positive, got {amount}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_liveness(self) -> BatonConfig:
+        if self.liveness_ttl_s <= self.heartbeat_s:
+            raise ValueError(
+                f"liveness_ttl_s ({self.liveness_ttl_s:g}) must exceed heartbeat_s "
+                f"({self.heartbeat_s:g}), or live replicas drop out of the index"
+            )
+        return self
 
     @property
     def served_model_name(self) -> str:

@@ -38,20 +38,25 @@ def local_ray(
     if address:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     else:
-        ray.init(
-            # "local": always a new runtime; without it Ray joins any cluster another
-            # process of this machine started (`ray start`, ray.cluster_utils).
-            address="local",
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            log_to_driver=False,
-            namespace=NAMESPACE,
-            _metrics_export_port=metrics_port,
-        )
+        start_local_ray(num_cpus, metrics_port=metrics_port)
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def start_local_ray(num_cpus: int | None, *, metrics_port: int | None = None) -> None:
+    """`ray.init` of a new single-machine runtime, as `local_ray` starts it."""
+    ray.init(
+        # "local": always a new runtime; without it Ray joins any cluster another process
+        # of this machine started (`ray start`, ray.cluster_utils).
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        namespace=NAMESPACE,
+        _metrics_export_port=metrics_port,
+    )
 
 
 def metrics_export_port() -> int:

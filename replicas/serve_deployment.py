@@ -42,6 +42,7 @@ class ReplicaSettings(BaseModel):
     index: str | None = "embedded"
     ship: bool = True  # pull from peers (needs Baton's router to reach a given replica)
     heartbeat_s: float = 5.0
+    liveness_ttl_s: float = 15.0  # written with each heartbeat: the index's readers follow it
     startup_dir: str | None = None  # where to report start-up stages (a local cluster)
 
 
@@ -77,7 +78,9 @@ class ReplicaDeployment:
         if settings.index:
             report_stage(settings.startup_dir, self.replica_id, "connecting to the index")
             with contextlib.suppress(IndexUnavailable):
-                index = await connect_cluster_index(settings.index, engine.fingerprint)
+                index = await connect_cluster_index(
+                    settings.index, engine.fingerprint, liveness_ttl_s=settings.liveness_ttl_s
+                )
         peers = None
         if settings.ship and index is not None:
             peers = ServePeers(serve.get_deployment_handle(context.deployment, context.app_name))
