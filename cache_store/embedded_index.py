@@ -33,7 +33,9 @@ from baton_serve.cache_store.memory_index import IndexChange, IndexSnapshot, Mem
 
 ACTOR_NAME = "baton-index"
 ACTOR_NAMESPACE = "baton"
-SNAPSHOT_TIMEOUT_S = 30.0  # a whole model's entries (a million take a few seconds)
+SNAPSHOT_TIMEOUT_S = 30.0
+CONNECT_ATTEMPTS = 3
+CONNECT_RETRY_S = 1.0  # a whole model's entries (a million take a few seconds)
 
 # Ray destroys a non-detached actor once its creator drops the last handle, even a named
 # one; so each process keeps the handle it got, per Ray node id (a new `ray.init` starts
@@ -107,6 +109,24 @@ class IndexActor:
         return changes
 
 
+def _get_or_create(node: str, detached: bool) -> ActorHandle:
+    """The actor ``baton-index``, created here if it does not exist; its handle is kept."""
+    options: dict[str, Any] = {
+        "name": ACTOR_NAME,
+        "namespace": ACTOR_NAMESPACE,
+        "get_if_exists": True,
+    }
+    if detached:
+        options["lifetime"] = "detached"
+    try:
+        actor = IndexActor.options(**options).remote()  # type: ignore[attr-defined]
+    except RayError as exc:
+        raise IndexUnavailable(f"embedded index: cannot start the actor: {exc!r}") from exc
+    _handles.clear()  # handles of an earlier Ray session are useless
+    _handles[node] = actor
+    return actor
+
+
 async def _await_ref(what: str, method: ActorMethod, args: tuple[Any, ...], timeout: float) -> Any:
     """The call's result, or `IndexUnavailable` after `timeout`. `asyncio.wait`, not
     `wait_for`: the future of a call to an actor whose owner died may never settle, not even
@@ -152,23 +172,19 @@ class EmbeddedIndex:
         if not ray.is_initialized():
             raise RuntimeError("the embedded index needs Ray: call ray.init() first")
         node = ray.get_runtime_context().get_node_id()
-        actor = _handles.get(node)
-        if actor is None:
-            options: dict[str, Any] = {
-                "name": ACTOR_NAME,
-                "namespace": ACTOR_NAMESPACE,
-                "get_if_exists": True,
-            }
-            if detached:
-                options["lifetime"] = "detached"
+        for attempt in range(CONNECT_ATTEMPTS):
+            actor = _handles.get(node) or _get_or_create(node, detached)
             try:
-                actor = IndexActor.options(**options).remote()  # type: ignore[attr-defined]
-            except RayError as exc:
-                raise IndexUnavailable(f"embedded index: cannot start the actor: {exc!r}") from exc
-            _handles.clear()  # handles of an earlier Ray session are useless
-            _handles[node] = actor
-        await _await_ref("start", actor.ready, (), start_timeout_s)
-        return cls(actor, fingerprint, checked)
+                await _await_ref("start", actor.ready, (), start_timeout_s)
+                return cls(actor, fingerprint, checked)
+            except IndexUnavailable:
+                # A non-detached actor whose creator died keeps its name for a moment:
+                # drop the dead handle and ask again.
+                _handles.pop(node, None)
+                if attempt == CONNECT_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(CONNECT_RETRY_S)
+        raise AssertionError("unreachable")
 
     async def _call(self, what: str, method: ActorMethod, *args: Any, timeout: float) -> Any:
         return await _await_ref(what, method, (self.fingerprint, *args), timeout)
