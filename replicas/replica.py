@@ -90,7 +90,7 @@ class Replica:
         """Start publishing to the index (call once, on the loop that serves requests)."""
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        for checkpoint in self.engine.cache.store.checkpoints():
+        for checkpoint in self.engine.cache.store.entries():  # RAM and disk
             self.checkpoint_added(checkpoint)
         if self.index is not None:
             self._tasks += [
@@ -159,7 +159,7 @@ class Replica:
         if self.index is None or self.peers is None:
             return
         usable = len(tokens) - MIN_PIECE  # the engine always computes the last piece itself
-        local = self.engine.reusable_tokens(tokens)
+        local, local_restore_s = self.engine.local_reuse(tokens)
         if usable - local < self.policy.min_gain_tokens:
             return  # no peer can hold enough more to be worth a pull: skip the lookup
         chain = self.engine.cache.hasher.chain(tokens[:usable])
@@ -180,7 +180,7 @@ class Replica:
         best = max(peers, key=lambda m: m.n_tokens)
         gain = min(best.n_tokens, usable) - local
         prefill_speed = self.engine.stats.prefill_tokens_per_s
-        if not self.policy.should_pull(gain, best.nbytes, prefill_speed):
+        if not self.policy.should_pull(gain, best.nbytes, prefill_speed, local_restore_s):
             if gain > 0:
                 self.stats.pulls_skipped += 1
                 metrics.PULLS.inc(outcome="skipped")

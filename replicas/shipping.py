@@ -1,7 +1,7 @@
 """Deciding whether to pull a prefix state from a peer, and how peers are reached.
 
 Pulling pays a round trip plus the blob's bytes over the wire; recomputing pays prefill
-time. Both rates are measured as the replica runs (prefill speed from its own engine,
+time; a state on the replica's own disk tier pays a read (measured by the disk tier). Both rates are measured as the replica runs (prefill speed from its own engine,
 bandwidth from its own pulls), starting from conservative guesses.
 """
 
@@ -36,12 +36,20 @@ class ShipPolicy:
     latency_s: float = 0.01
     smoothing: float = 0.3  # weight of a new bandwidth measurement
 
-    def should_pull(self, gain_tokens: int, nbytes: int, measured_prefill: float | None) -> bool:
-        """True when pulling `nbytes` is clearly faster than computing `gain_tokens`."""
+    def should_pull(
+        self,
+        gain_tokens: int,
+        nbytes: int,
+        measured_prefill: float | None,
+        local_restore_s: float = 0.0,
+    ) -> bool:
+        """True when pulling `nbytes` is clearly faster than computing `gain_tokens` after
+        restoring what is local (`local_restore_s`: reading it from this node's disk, which
+        the pull makes unnecessary)."""
         if gain_tokens < self.min_gain_tokens:
             return False
         recompute_s = gain_tokens / (measured_prefill or self.prefill_tokens_per_s)
-        return self.pull_seconds(nbytes) < self.safety * recompute_s
+        return self.pull_seconds(nbytes) < self.safety * recompute_s + local_restore_s
 
     def pull_seconds(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bandwidth_bytes_per_s

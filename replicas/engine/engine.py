@@ -166,6 +166,10 @@ class Engine:
         """About how many tokens of `tokens` this engine could reuse right now."""
         return self.cache.reusable_tokens(tokens, self._slots)
 
+    def local_reuse(self, tokens: tuple[int, ...]) -> tuple[int, float]:
+        """`reusable_tokens`, and the estimated seconds to read that state from disk."""
+        return self.cache.local_reuse(tokens, self._slots)
+
     # ---- lifecycle -----------------------------------------------------------------------
 
     def load(self) -> EngineLoad:
@@ -189,6 +193,7 @@ class Engine:
             self._closed = True
             self._wakeup.notify()
         self._thread.join()
+        self.cache.close()
         self._context.close()
         self.model.close()
 

@@ -19,7 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
-from baton_serve.cache_store.checkpoint_store import Checkpoint, CheckpointStore
+from baton_serve.cache_store.checkpoint_store import Checkpoint, CheckpointStore, Stored
+from baton_serve.cache_store.disk_tier import DiskEntry, DiskTier
 from baton_serve.cache_store.prefix_hash import PrefixHasher, common_prefix_length
 from baton_serve.cache_store.state_blob import BlobError, decode_blob, encode_blob
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE, prefill_checkpoints
@@ -65,15 +66,18 @@ class PrefixCache:
         self.fingerprint = model.fingerprint
         self._hmac_key = hmac_key
         self.hasher = PrefixHasher(self.fingerprint, config.block_tokens)
-        self.store = CheckpointStore(config.store_budget_bytes, on_evict=self._evicted)
+        self.state_size = self._measure_state_size()  # before any blob is read
         self.listener: CheckpointListener | None = None
-        self.state_size = self._measure_state_size()
+        self.store = CheckpointStore(
+            config.store_budget_bytes, on_evict=self._evicted, disk=self._disk_tier()
+        )
 
     def export_checkpoint(self, prefix_hash: bytes) -> bytes | None:
         """A signed state blob of a stored checkpoint, or None if it is not here."""
         checkpoint = self.store.get(prefix_hash)
-        if checkpoint is None:
-            return None
+        return None if checkpoint is None else self._blob(checkpoint)
+
+    def _blob(self, checkpoint: Checkpoint) -> bytes:
         return encode_blob(
             fingerprint=self.fingerprint,
             prefix_hash=checkpoint.prefix_hash,
@@ -81,6 +85,29 @@ class PrefixCache:
             state=checkpoint.state,
             key=self._hmac_key,
         )
+
+    def _disk_tier(self) -> DiskTier | None:
+        """The disk tier of `checkpoint_dir`: the same signed blobs, checked the same way."""
+        if self.config.checkpoint_dir is None:
+            return None
+        disk = DiskTier(
+            self.config.checkpoint_dir,
+            self.fingerprint,
+            self.config.disk_budget_bytes,
+            encode=self._blob,
+            decode=self._checked_checkpoint,
+        )
+
+        def beats_recompute(entry: DiskEntry) -> bool:
+            speed = self.stats.prefill_tokens_per_s
+            return speed is None or disk.restore_seconds(entry.file_bytes) < entry.n_tokens / speed
+
+        disk.should_load = beats_recompute
+        return disk
+
+    def close(self) -> None:
+        """Keep what RAM holds on disk for a restart (with a disk tier); after the engine loop."""
+        self.store.close()
 
     def import_checkpoint(self, blob: bytes | memoryview | np.ndarray) -> Checkpoint:
         """Validate a state blob fully and keep it in the local store.
@@ -134,13 +161,22 @@ class PrefixCache:
         An estimate (idle slots are read without stopping the engine loop) for deciding
         whether pulling a longer prefix from a peer is worth it.
         """
+        return self.local_reuse(tokens, slots)[0]
+
+    def local_reuse(self, tokens: tuple[int, ...], slots: list[Slot]) -> tuple[int, float]:
+        """`reusable_tokens`, and the estimated seconds to read that state from disk first
+        (0 when it is in RAM or in a slot)."""
         limit = max(0, len(tokens) - MIN_PIECE)
-        _, stored = self._stored_prefix(tokens, limit, touch=False)
+        checkpoint, stored = self._stored_prefix(tokens, limit, touch=False)
         live = max(
             (self._live_reuse(s, tokens, limit) for s in slots if s.running is None),
             default=0,
         )
-        return max(live, stored)
+        if live >= stored:
+            return live, 0.0
+        on_disk = isinstance(checkpoint, DiskEntry) and self.store.disk is not None
+        restore_s = self.store.disk.restore_seconds(checkpoint.file_bytes) if on_disk else 0.0
+        return stored, restore_s
 
     def _measure_state_size(self) -> tuple[int, int] | None:
         """The exact size of a state, so a signed but malformed blob never reaches llama.cpp.
@@ -210,7 +246,7 @@ class PrefixCache:
 
     def _stored_prefix(
         self, prompt: tuple[int, ...], limit: int, *, touch: bool = True
-    ) -> tuple[Checkpoint | None, int]:
+    ) -> tuple[Stored | None, int]:
         """The stored checkpoint to restore for `prompt`, and how many tokens it gives.
 
         Hybrid and recurrent states only serve prompts they prefix exactly; an attention
@@ -275,7 +311,7 @@ class PrefixCache:
         if self.listener is not None:
             self.listener.checkpoint_added(checkpoint)
 
-    def _evicted(self, checkpoint: Checkpoint) -> None:
+    def _evicted(self, checkpoint: Stored) -> None:
         metrics.CHECKPOINTS_EVICTED.inc()
         if self.listener is not None:
             self.listener.checkpoint_removed(checkpoint)
