@@ -23,19 +23,16 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from baton_serve.cache_store.checkpoint import Checkpoint
 from baton_serve.cache_store.disk_dir import (
     PROBE_BYTES,
     check_checkpoint_dir,
     claim_subdir,
     probe_read_speed,
 )
-
-if TYPE_CHECKING:
-    from baton_serve.cache_store.checkpoint_store import Checkpoint
 
 logger = logging.getLogger("baton.disk")
 

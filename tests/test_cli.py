@@ -129,7 +129,9 @@ def test_serve_refuses_a_model_llama_cpp_cannot_load_in_one_line(tmp_path: Path)
 def test_serve_refuses_an_unusable_checkpoint_dir_or_budget_in_one_line(tmp_path: Path) -> None:
     a_file = tmp_path / "a-file"
     a_file.write_text("")
-    done = _baton("serve", "--model", "tiny:llama", "--checkpoint-dir", f"{a_file}/x", cache=tmp_path)
+    done = _baton(
+        "serve", "--model", "tiny:llama", "--checkpoint-dir", f"{a_file}/x", cache=tmp_path
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.startswith("baton: error: cannot use checkpoint directory"), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1

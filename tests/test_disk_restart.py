@@ -37,13 +37,9 @@ SYSTEM = "You are a careful assistant who answers in short sentences. " * 10
 
 
 def engine(path: Path, folder: Path | None, key: bytes = KEY, **settings: object) -> Engine:
-    config = EngineConfig(
-        n_ctx=1024,
-        n_slots=2,
-        n_threads=2,
-        checkpoint_dir=None if folder is None else str(folder),
-        **settings,
-    )
+    directory = None if folder is None else str(folder)
+    defaults = {"n_ctx": 1024, "n_slots": 2, "n_threads": 2, "checkpoint_dir": directory}
+    config = EngineConfig(**{**defaults, **settings})
     return Engine(str(path), config, hmac_key=key)
 
 
@@ -51,7 +47,11 @@ def first_turn(e: Engine) -> list[dict[str, str]]:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello!"}]
     reply = e.generate(e.chat_prompt(messages), GREEDY)
     e.wait_idle()
-    return [*messages, {"role": "assistant", "content": reply.text}, {"role": "user", "content": "And?"}]
+    return [
+        *messages,
+        {"role": "assistant", "content": reply.text},
+        {"role": "user", "content": "And?"},
+    ]
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -222,6 +222,7 @@ def _stop(process: subprocess.Popen) -> None:
         raise
 
 
+@pytest.mark.slow  # two starts of a local Ray cluster: about a minute on an idle 2-core machine
 def test_baton_serve_restarted_on_the_same_directory_serves_from_cache(tmp_path) -> None:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"

@@ -162,12 +162,9 @@ class Engine:
 
     # ---- the prefix cache ----------------------------------------------------------------
 
-    def reusable_tokens(self, tokens: tuple[int, ...]) -> int:
-        """About how many tokens of `tokens` this engine could reuse right now."""
-        return self.cache.reusable_tokens(tokens, self._slots)
-
     def local_reuse(self, tokens: tuple[int, ...]) -> tuple[int, float]:
-        """`reusable_tokens`, and the estimated seconds to read that state from disk."""
+        """About how many tokens of `tokens` this engine could reuse right now, and the
+        estimated seconds to read that state from its disk tier first (0 if in RAM)."""
         return self.cache.local_reuse(tokens, self._slots)
 
     # ---- lifecycle -----------------------------------------------------------------------

@@ -9,7 +9,7 @@
 - Signed state blobs move checkpoints between engines; each is validated completely
   (`state_blob`, then the exact state size measured here) before llama.cpp sees it.
 
-Everything here runs on the engine thread, except `reusable_tokens` (a read-only estimate).
+Everything here runs on the engine thread, except `local_reuse` (a read-only estimate).
 """
 
 from __future__ import annotations
@@ -155,17 +155,13 @@ class PrefixCache:
             return None
         return self.export_checkpoint(checkpoint.prefix_hash)
 
-    def reusable_tokens(self, tokens: tuple[int, ...], slots: list[Slot]) -> int:
-        """About how many tokens of `tokens` this engine could reuse right now.
+    def local_reuse(self, tokens: tuple[int, ...], slots: list[Slot]) -> tuple[int, float]:
+        """About how many tokens of `tokens` this engine could reuse right now, and the
+        estimated seconds to read that state from disk first (0 in RAM or in a slot).
 
         An estimate (idle slots are read without stopping the engine loop) for deciding
         whether pulling a longer prefix from a peer is worth it.
         """
-        return self.local_reuse(tokens, slots)[0]
-
-    def local_reuse(self, tokens: tuple[int, ...], slots: list[Slot]) -> tuple[int, float]:
-        """`reusable_tokens`, and the estimated seconds to read that state from disk first
-        (0 when it is in RAM or in a slot)."""
         limit = max(0, len(tokens) - MIN_PIECE)
         checkpoint, stored = self._stored_prefix(tokens, limit, touch=False)
         live = max(
