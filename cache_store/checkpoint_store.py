@@ -1,65 +1,47 @@
-"""Local checkpoint store with a byte budget and least-recently-used eviction."""
+"""Local checkpoint store with a byte budget and least-recently-used eviction.
+
+With a `DiskTier`, what RAM evicts goes to disk, and lookups see both tiers: a checkpoint
+found on disk is read, validated and brought back into RAM.
+"""
 
 from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
+from baton_serve.cache_store.checkpoint import Checkpoint
+from baton_serve.cache_store.disk_tier import DiskEntry, DiskTier
 from baton_serve.cache_store.prefix_hash import PrefixHasher, common_prefix_length, token_array
 
-
-@dataclass(eq=False)
-class Checkpoint:
-    """A llama.cpp sequence state saved after `tokens`; compares by identity.
-
-    `state` is kept as given, as a read-only byte view: the checkpoint takes the buffer
-    over (no copy; whoever made it must not write to it again). `digest` is the payload
-    digest of its signed blob once known (`state_blob`), so exporting it again does not
-    hash it again.
-    """
-
-    prefix_hash: bytes
-    tokens: np.ndarray
-    state: memoryview
-    digest: bytes | None = None
-
-    def __post_init__(self) -> None:
-        tokens = np.array(token_array(self.tokens))  # always a private copy
-        if len(tokens) == 0:
-            raise ValueError("a checkpoint needs at least one token")
-        tokens.flags.writeable = False
-        self.tokens = tokens
-        state = self.state.data if isinstance(self.state, np.ndarray) else memoryview(self.state)
-        self.state = state.cast("B").toreadonly()
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.state) + self.tokens.nbytes
+Stored = Checkpoint | DiskEntry  # what a lookup that does not load may return
 
 
 class CheckpointStore:
-    """Thread-safe LRU of checkpoints that never holds more than `budget_bytes`.
+    """Thread-safe LRU of checkpoints that never holds more than `budget_bytes` in RAM.
 
     `on_evict` is called for each checkpoint evicted to make room (not for `remove`
-    or for a replacement under the same hash). It runs outside the lock, in the
-    thread that called `put`, after that checkpoint has been stored.
+    or for a replacement under the same hash) once it has left every tier. Evicted from
+    RAM, it runs outside the lock, in the thread that called `put`, after that checkpoint
+    has been stored; evicted from disk, in the disk tier's writer thread.
     """
 
     def __init__(
-        self, budget_bytes: int, on_evict: Callable[[Checkpoint], None] | None = None
+        self,
+        budget_bytes: int,
+        on_evict: Callable[[Stored], None] | None = None,
+        *,
+        disk: DiskTier | None = None,
     ) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self._on_evict = on_evict
+        self.disk = disk
+        if disk is not None:
+            disk.on_drop = self._left_disk
         self._entries: OrderedDict[bytes, Checkpoint] = OrderedDict()
         self._lengths: Counter[int] = Counter()  # stored checkpoints per n_tokens
         self._used = 0
@@ -74,20 +56,24 @@ class CheckpointStore:
 
     def __contains__(self, prefix_hash: object) -> bool:
         with self._lock:
-            return prefix_hash in self._entries
+            if prefix_hash in self._entries:
+                return True
+        return self.disk is not None and prefix_hash in self.disk
 
     def put(self, checkpoint: Checkpoint) -> bool:
-        """Store `checkpoint`, evicting the least recently used; False if it can never fit."""
+        """Store `checkpoint`, evicting the least recently used; False if it can never fit
+        (one larger than the RAM budget goes straight to disk, where there is one)."""
         size = checkpoint.nbytes
         if size > self.budget_bytes:
-            return False
+            return self.disk is not None and self.disk.spill(checkpoint)
         evicted: list[Checkpoint] = []
         with self._lock:
             self._pop(checkpoint.prefix_hash)
             while self._used + size > self.budget_bytes:
                 _, oldest = self._entries.popitem(last=False)
                 self._forget(oldest)
-                evicted.append(oldest)
+                if self.disk is None or not self.disk.spill(oldest):
+                    evicted.append(oldest)
             self._entries[checkpoint.prefix_hash] = checkpoint
             self._lengths[checkpoint.n_tokens] += 1
             self._used += size
@@ -102,12 +88,16 @@ class CheckpointStore:
             checkpoint = self._entries.get(prefix_hash)
             if checkpoint is not None:
                 self._entries.move_to_end(prefix_hash)
-            return checkpoint
+                return checkpoint
+        return self._promote(prefix_hash)
 
     def remove(self, prefix_hash: bytes) -> Checkpoint | None:
-        """Drop and return the checkpoint stored under `prefix_hash`."""
+        """Drop and return the checkpoint stored under `prefix_hash` (from every tier)."""
         with self._lock:
-            return self._pop(prefix_hash)
+            checkpoint = self._pop(prefix_hash)
+        if self.disk is not None:
+            self.disk.discard(prefix_hash)
+        return checkpoint
 
     def longest_match(
         self,
@@ -116,46 +106,59 @@ class CheckpointStore:
         max_tokens: int,
         *,
         touch: bool = True,
-    ) -> Checkpoint | None:
+    ) -> Stored | None:
         """Return the longest checkpoint (at most `max_tokens`) that is a prefix of `tokens`.
 
-        `touch=False` looks without counting it as a use (for estimates).
+        A checkpoint found on disk is read, validated and brought into RAM. `touch=False`
+        looks without counting it as a use and without reading it (for estimates): it may
+        return a `DiskEntry`.
         """
         arr = token_array(tokens)
         limit = min(max_tokens, len(arr))
         with self._lock:
-            lengths = sorted((n for n in self._lengths if n <= limit), reverse=True)
+            held = set(self._lengths)
+        if self.disk is not None:
+            held |= self.disk.lengths()
+        lengths = sorted((n for n in held if n <= limit), reverse=True)
         if not lengths:
             return None
         hashes = hasher.hashes_at(arr, lengths)  # outside the lock: O(len(tokens))
-        with self._lock:
-            for n in lengths:
+        for n in lengths:
+            with self._lock:
                 checkpoint = self._entries.get(hashes[n])
-                if (
-                    checkpoint is not None
-                    and checkpoint.n_tokens == n
-                    and np.array_equal(checkpoint.tokens, arr[:n])
-                ):
+                if checkpoint is not None and _holds(checkpoint, arr, n):
                     if touch:
                         self._entries.move_to_end(checkpoint.prefix_hash)
                     return checkpoint
+            on_disk = self.disk.find(hashes[n]) if self.disk is not None else None
+            if on_disk is not None and _holds(on_disk, arr, n):
+                if not touch:
+                    return on_disk
+                if (loaded := self._promote(on_disk.prefix_hash)) is not None:
+                    return loaded
         return None
 
     def longest_shared_prefix(
         self, tokens: Sequence[int] | np.ndarray, max_tokens: int, *, touch: bool = True
-    ) -> tuple[Checkpoint | None, int]:
+    ) -> tuple[Stored | None, int]:
         """The checkpoint sharing the longest common prefix with `tokens` (at most
-        `max_tokens` of it), and that length; marks it used unless `touch=False`.
+        `max_tokens` of it), and that length; marks it used (reading it from disk) unless
+        `touch=False`.
 
         For states that can be cut back to any prefix (attention KV): a conversation's
         saved state also serves another that shares only its beginning.
         """
         arr = token_array(tokens)
         limit = min(max_tokens, len(arr))
-        best: Checkpoint | None = None
+        best: Stored | None = None
         best_n = 0
-        for checkpoint in self.checkpoints():
+        candidates: list[Stored] = list(self.checkpoints())  # RAM first: wins a tie
+        if self.disk is not None:
+            candidates += self.disk.entries()
+        for checkpoint in candidates:
             if min(limit, checkpoint.n_tokens) <= best_n:
+                continue
+            if isinstance(checkpoint, DiskEntry) and not self.disk_worth(checkpoint):
                 continue
             shared = common_prefix_length(checkpoint.tokens, arr, limit)
             if shared > best_n:
@@ -164,12 +167,48 @@ class CheckpointStore:
             with self._lock:
                 if best.prefix_hash in self._entries:
                     self._entries.move_to_end(best.prefix_hash)
+                    return best, best_n
+            loaded = self._promote(best.prefix_hash)
+            return (loaded, best_n) if loaded is not None else (None, 0)
         return best, best_n
+
+    def entries(self) -> list[Stored]:
+        """Every checkpoint held, in RAM or on disk (each once)."""
+        in_ram = self.checkpoints()
+        if self.disk is None:
+            return list(in_ram)
+        keys = {c.prefix_hash for c in in_ram}
+        return [*in_ram, *(e for e in self.disk.entries() if e.prefix_hash not in keys)]
+
+    def disk_worth(self, entry: DiskEntry) -> bool:
+        """Whether restoring `entry` from disk is estimated to beat recomputing it."""
+        return self.disk is not None and self.disk.should_load(entry)
+
+    def close(self) -> None:
+        """Write what RAM holds to disk (as far as its budget allows) and release the disk
+        directory: a restart with the same directory adopts them."""
+        if self.disk is not None:
+            self.disk.close(reversed(self.checkpoints()))
 
     def checkpoints(self) -> list[Checkpoint]:
         """Return a snapshot of the stored checkpoints, most recently used last."""
         with self._lock:
             return list(self._entries.values())
+
+    def _promote(self, prefix_hash: bytes) -> Checkpoint | None:
+        """Read a checkpoint back from disk into RAM; None if it is not there or invalid."""
+        if self.disk is None or (checkpoint := self.disk.load(prefix_hash)) is None:
+            return None
+        self.put(checkpoint)  # its file stays: evicting it again costs no write
+        return checkpoint
+
+    def _left_disk(self, entry: Stored) -> None:
+        """The disk tier dropped `entry`: evicted, unless RAM still holds it."""
+        with self._lock:
+            if entry.prefix_hash in self._entries:
+                return
+        if self._on_evict is not None:
+            self._on_evict(entry)
 
     def _pop(self, prefix_hash: bytes) -> Checkpoint | None:
         checkpoint = self._entries.pop(prefix_hash, None)
@@ -182,3 +221,7 @@ class CheckpointStore:
         self._lengths[checkpoint.n_tokens] -= 1
         if not self._lengths[checkpoint.n_tokens]:
             del self._lengths[checkpoint.n_tokens]
+
+
+def _holds(checkpoint: Stored, tokens: np.ndarray, n: int) -> bool:
+    return checkpoint.n_tokens == n and np.array_equal(checkpoint.tokens, tokens[:n])

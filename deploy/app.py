@@ -96,7 +96,8 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
         },
         max_replicas_per_node=config.max_replicas_per_node,
         request_router_config=router_config(config, model_path),
-        graceful_shutdown_timeout_s=5,
+        # A disk tier writes what RAM holds on the way out, for the next start to adopt.
+        graceful_shutdown_timeout_s=5 if engine.checkpoint_dir is None else 30,
     ).bind(
         ReplicaSettings(
             model_path=str(model_path),

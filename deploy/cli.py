@@ -131,6 +131,19 @@ def _parser() -> argparse.ArgumentParser:
         help="a Jinja chat template to use instead of the model's own (or where it has none)",
     )
     serve.add_argument("--slots", type=int, help="concurrent sequences per replica")
+    serve.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="keep checkpoints evicted from RAM in DIR (a local disk); a restart with the "
+        "same DIR and BATON_HMAC_KEY serves from them",
+    )
+    serve.add_argument(
+        "--disk-budget",
+        type=_byte_size,
+        metavar="BYTES",
+        help="most bytes of checkpoint files in --checkpoint-dir (suffixes K, M, G, T: "
+        "binary; default 16G)",
+    )
     serve.add_argument("--index", help="'embedded' (default) or a redis:// URL")
     serve.add_argument("--router", choices=[p.value for p in RouterPolicy])
     serve.add_argument(
@@ -191,6 +204,8 @@ def _serve(args: argparse.Namespace) -> int:
         "n_ctx": args.n_ctx,
         "n_slots": args.slots,
         "chat_template": _read_chat_template(args.chat_template),
+        "checkpoint_dir": args.checkpoint_dir,
+        "disk_budget_bytes": args.disk_budget,
     }
     config = load_config(args.config, overrides=overrides)
     if args.log_format:  # the Ray workers started from here inherit the environment
@@ -202,6 +217,21 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"baton: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+_SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _byte_size(text: str) -> int:
+    """`1073741824`, `512M`, `20G` (binary multiples; a trailing `i`/`B` is allowed)."""
+    value = text.strip().upper().removesuffix("B").removesuffix("I")
+    number, suffix = (value[:-1], value[-1]) if value[-1:].isalpha() else (value, "")
+    try:
+        return int(float(number) * _SIZE_SUFFIXES[suffix])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"expected a size in bytes such as 1073741824, 512M or 20G, got {text!r}"
+        ) from None
 
 
 def _read_chat_template(path: str | None) -> str | None:

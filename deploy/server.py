@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 from ray import serve
 
+from baton_serve.cache_store.disk_dir import check_checkpoint_dir
 from baton_serve.deploy.app import APP_NAME, build_app, logical_cpus
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.local_ray import local_ray, metrics_export_port
@@ -27,8 +28,16 @@ def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) 
             "metrics_port sets the metrics port of the cluster baton serve starts; a joined "
             "cluster serves metrics where `ray start --metrics-export-port` put them"
         )
+    if config.engine.checkpoint_dir is not None and config.hmac_key is None:
+        print(
+            "note: no hmac_key (BATON_HMAC_KEY) is set, so one is generated: the next start "
+            "cannot adopt the checkpoints this one leaves in --checkpoint-dir",
+            flush=True,
+        )
     config = config.with_hmac_key()
     if not address:  # a joined cluster's replicas may not run on this machine
+        if config.engine.checkpoint_dir is not None:
+            check_checkpoint_dir(config.engine.checkpoint_dir)
         print(f"checking {config.served_model_name} ...", flush=True)
         report = check_model(
             resolve_model(config.model),

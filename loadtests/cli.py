@@ -73,6 +73,15 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     ship.add_argument("--json", action="store_true", help="print one JSON object")
     ship.set_defaults(run=_bench_ship)
 
+    disk = benches.add_parser(
+        "disk", help="restore a prefix state from the disk tier vs recompute it"
+    )
+    disk.add_argument("--model", help=MODEL_HELP)
+    disk.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
+    disk.add_argument("--runs", type=int, default=3)
+    disk.add_argument("--json", action="store_true", help="print one JSON object")
+    disk.set_defaults(run=_bench_disk)
+
     served = benches.add_parser(
         "serve", help="routing overhead, and decode tokens/s over HTTP vs the engine"
     )
@@ -229,6 +238,15 @@ def _bench_ship(args: argparse.Namespace) -> int:
         progress.step("plotting")
         written = ship_plots(result, Path(args.out))
     _report(args, result, format_report(result), written)
+    return 0
+
+
+def _bench_disk(args: argparse.Namespace) -> int:
+    from baton_serve.loadtests.disk_bench import disk_benchmark, format_report
+
+    with _progress(args, "disk") as progress:
+        result = disk_benchmark(resolve_model(args.model), args.tokens, args.runs, progress)
+    _report(args, result, format_report(result), [])
     return 0
 
 

@@ -57,7 +57,7 @@ class IndexPublisher:
         tasks to cancel at close."""
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        for checkpoint in self.engine.cache.store.checkpoints():
+        for checkpoint in self.engine.cache.store.entries():  # RAM and disk
             self.checkpoint_added(checkpoint)
         if self.index is None:
             return []

@@ -162,7 +162,7 @@ class Replica:
         if self.index is None or self.peers is None:
             return
         usable = len(tokens) - MIN_PIECE  # the engine always computes the last piece itself
-        local = self.engine.reusable_tokens(tokens)
+        local, local_restore_s = self.engine.local_reuse(tokens)
         if usable - local < self.policy.min_gain_tokens:
             return  # no peer can hold enough more to be worth a pull: skip the lookup
         chain = self.engine.cache.hasher.chain(tokens[:usable])
@@ -184,7 +184,10 @@ class Replica:
         gain = min(best.n_tokens, usable) - local
         prefill_speed = self.engine.stats.prefill_tokens_per_s
         wait_s = max(0.0, best.ready_at - time.time()) if best.in_flight else 0.0
-        if not self.policy.should_pull(gain, best.nbytes, prefill_speed, wait_s=wait_s):
+        pays = self.policy.should_pull(
+            gain, best.nbytes, prefill_speed, wait_s=wait_s, local_restore_s=local_restore_s
+        )
+        if not pays:
             if gain > 0:
                 self.stats.pulls_skipped += 1
                 metrics.PULLS.inc(outcome="skipped")

@@ -1,7 +1,7 @@
 """Deciding whether to pull a prefix state from a peer, and how peers are reached.
 
 Pulling pays a round trip plus the blob's bytes over the wire; recomputing pays prefill
-time. Both rates are measured as the replica runs (prefill speed from its own engine,
+time; a state on the replica's own disk tier pays a read (measured by the disk tier). Both rates are measured as the replica runs (prefill speed from its own engine,
 bandwidth from its own pulls), starting from conservative guesses.
 """
 
@@ -66,13 +66,16 @@ class ShipPolicy:
         measured_prefill: float | None,
         *,
         wait_s: float = 0.0,
+        local_restore_s: float = 0.0,
     ) -> bool:
         """True when waiting `wait_s` for a peer's state (one it is computing right now),
-        then pulling its `nbytes`, is clearly faster than computing `gain_tokens`."""
+        then pulling its `nbytes`, is clearly faster than computing `gain_tokens` after
+        restoring what is local (`local_restore_s`: reading it from this node's disk, which
+        the pull makes unnecessary)."""
         if gain_tokens < self.min_gain_tokens:
             return False
         recompute_s = gain_tokens / (measured_prefill or self.prefill_tokens_per_s)
-        return wait_s + self.pull_seconds(nbytes) < self.safety * recompute_s
+        return wait_s + self.pull_seconds(nbytes) < self.safety * recompute_s + local_restore_s
 
     def pull_seconds(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bandwidth_bytes_per_s

@@ -132,6 +132,22 @@ def test_serve_refuses_a_model_llama_cpp_cannot_load_in_one_line(tmp_path: Path)
     assert "broken.gguf" in done.stderr and "could not load" in done.stderr
 
 
+def test_serve_refuses_an_unusable_checkpoint_dir_or_budget_in_one_line(tmp_path: Path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    done = _baton(
+        "serve", "--model", "tiny:llama", "--checkpoint-dir", f"{a_file}/x", cache=tmp_path
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("baton: error: cannot use checkpoint directory"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    done = _baton("serve", "--checkpoint-dir", str(tmp_path), "--disk-budget", "-1", cache=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "engine.disk_budget_bytes: Input should be greater than or equal to 0" in done.stderr
+    done = _baton("serve", "--disk-budget", "lots", cache=tmp_path)
+    assert done.returncode == 2 and "expected a size in bytes" in done.stderr
+
+
 def test_a_benchmark_without_its_extra_says_what_to_install(tmp_path: Path) -> None:
     """httpx made unimportable (as where the bench extra is not installed)."""
     code = (

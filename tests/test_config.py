@@ -147,6 +147,11 @@ def test_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
             "engine: n_slots (8) exceeds n_batch (4)",
         ),
         ({"engine": {"bogus": 1}}, "engine.bogus: unknown setting"),
+        (
+            {"engine": {"disk_budget_bytes": -1}},
+            "engine.disk_budget_bytes: Input should be greater than or equal to 0",
+        ),
+        ({"engine": {"checkpoint_dir": ""}}, "engine.checkpoint_dir: String should have at least"),
         ({"index": "memcached://x"}, "index: expected 'embedded' or a redis:// or rediss:// URL"),
         ({"router": "random"}, "router: Input should be 'baton', 'pow2', 'prefix-affinity' or"),
         ({"port": 0}, "port: Input should be greater than or equal to 1"),

@@ -312,6 +312,7 @@ EXPECTED_OBJECTS = {
     "extra-env-tracing": LOCKED_DOWN + CHART_REDIS + AUTH,
     "ingress-pvc": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT + [("Ingress", "baton")],
     "lockdown-off": CHART_REDIS[1:] + [("Secret", "baton-auth")],  # no NetworkPolicy
+    "disk-tier": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT,
 }
 
 
@@ -668,6 +669,31 @@ def test_serve_builds_and_deploys_the_app_the_chart_describes(
     else:
         assert autoscaling is None
         assert deployed.deployment_config.num_replicas == args["replicas"]
+
+
+def test_the_disk_tier_is_a_volume_and_the_engines_checkpoint_dir(
+    render_with: Callable[[dict[str, Any]], Docs],
+) -> None:
+    path = "/mnt/checkpoints"
+    for volume, source in (
+        ("emptyDir", {"emptyDir": {"sizeLimit": "30Gi"}}),
+        ("hostPath", {"hostPath": {"path": "/nvme/baton", "type": "DirectoryOrCreate"}}),
+    ):
+        disk = {"enabled": True, "path": path, "volume": volume, **source}
+        if volume == "hostPath":
+            disk["hostPath"] = {"path": "/nvme/baton"}
+        docs = render_with({"diskTier": disk, "engine": {"disk_budget_bytes": 1 << 30}})
+        engine = serve_config_v2(docs)["applications"][0]["args"]["engine"]
+        assert engine["checkpoint_dir"] == path and engine["disk_budget_bytes"] == 1 << 30
+        assert EngineConfig(**engine).checkpoint_dir == path
+        for pod in ray_pods(docs).values():
+            spec = pod["spec"]
+            assert {"name": "checkpoints", **source} in spec["volumes"]
+            (container,) = spec["containers"]
+            assert {"name": "checkpoints", "mountPath": path} in container["volumeMounts"]
+    docs = render_with({})  # off by default: no volume, no checkpoint_dir
+    assert "checkpoint_dir" not in serve_config_v2(docs)["applications"][0]["args"]["engine"]
+    assert "checkpoints" not in yaml.safe_dump(ray_pods(docs)["head"])
 
 
 # --- services, secrets, Redis, metrics, notes ----------------------------------------------

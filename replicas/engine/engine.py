@@ -157,9 +157,10 @@ class Engine:
         )
         return self.submit(request).result()
 
-    def reusable_tokens(self, tokens: tuple[int, ...]) -> int:
-        """About how many tokens of `tokens` this engine could reuse right now."""
-        return self.cache.reusable_tokens(tokens, self._slots)
+    def local_reuse(self, tokens: tuple[int, ...]) -> tuple[int, float]:
+        """About how many tokens of `tokens` this engine could reuse right now, and the
+        estimated seconds to read that state from its disk tier first (0 if in RAM)."""
+        return self.cache.local_reuse(tokens, self._slots)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -170,12 +171,8 @@ class Engine:
             queued = [len(h.request.prompt) for h in self._waiting]
         runs = [s.running for s in self._slots if s.running is not None]
         prefilling = (len(r.feed) - len(r.slot.tokens) for r in runs if r.phase is Phase.PREFILL)
-        return EngineLoad(
-            queued=len(queued),
-            running=len(runs),
-            free_slots=len(self._slots) - len(runs),
-            backlog_tokens=sum(queued) + sum(prefilling),
-        )
+        free = len(self._slots) - len(runs)
+        return EngineLoad(len(queued), len(runs), free, sum(queued) + sum(prefilling))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -192,6 +189,7 @@ class Engine:
             self._closed = True
             self._wakeup.notify()
         self._thread.join()
+        self.cache.close()
         self._context.close()
         self.model.close()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -50,6 +51,15 @@ class EngineConfig(BaseModel):
     )
     max_interval_checkpoints: int = Field(default=4, ge=0, description="per request")
     store_budget_bytes: int = Field(default=2 << 30, ge=0, description="local checkpoint store")
+    checkpoint_dir: str | None = Field(
+        default=None,
+        min_length=1,
+        description="disk tier: checkpoints evicted from RAM are kept in this directory (a "
+        "node's NVMe), and a restart with the same model and HMAC key adopts them (None: off)",
+    )
+    disk_budget_bytes: int = Field(
+        default=16 << 30, ge=0, description="bytes of checkpoint files in checkpoint_dir"
+    )
 
     @field_validator("n_ctx")
     @classmethod
@@ -57,6 +67,12 @@ class EngineConfig(BaseModel):
         if 0 < value < MIN_N_CTX:
             raise ValueError(f"must be 0 (the model's training context) or at least {MIN_N_CTX}")
         return value
+
+    @field_validator("checkpoint_dir")
+    @classmethod
+    def _absolute_dir(cls, value: str | None) -> str | None:
+        # Replicas run in other processes, from other working directories.
+        return None if value is None else str(Path(value).expanduser().absolute())
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

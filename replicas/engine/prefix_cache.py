@@ -6,10 +6,10 @@
 - Hybrid and recurrent models cannot cut their recurrent state back, so full sequence
   states are saved at exact positions (`checkpoint_policy`) and the longest one that
   prefixes a new prompt is restored.
-- Signed state blobs move checkpoints between engines; each is validated completely
-  (`state_blob`, then the exact state size measured here) before llama.cpp sees it.
+- Signed state blobs (`checkpoint_codec`) move checkpoints between engines and to disk;
+  each is validated completely before llama.cpp sees it.
 
-Everything here runs on the engine thread, except `reusable_tokens` (a read-only estimate).
+Everything here runs on the engine thread, except `local_reuse` (a read-only estimate).
 """
 
 from __future__ import annotations
@@ -17,20 +17,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Hashable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from baton_serve.cache_store.checkpoint_store import Checkpoint, CheckpointStore
+from baton_serve.cache_store.checkpoint_store import Checkpoint, CheckpointStore, Stored
+from baton_serve.cache_store.disk_tier import DiskEntry, DiskTier
 from baton_serve.cache_store.prefix_hash import PrefixHasher, common_prefix_length
-from baton_serve.cache_store.state_blob import (
-    BlobError,
-    BlobParts,
-    Buffer,
-    byte_view,
-    decode_blob,
-    encode_parts,
-    payload_digest,
-)
+from baton_serve.cache_store.state_blob import BlobError, BlobParts, Buffer
+from baton_serve.replicas.engine.checkpoint_codec import CheckpointCodec, frozen
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE, prefill_checkpoints
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_context import LlamaContext, StateRestoreError
@@ -74,13 +67,15 @@ class PrefixCache:
         self.fingerprint = model.fingerprint
         self._hmac_key = hmac_key
         self.hasher = PrefixHasher(self.fingerprint, config.block_tokens)
-        self.store = CheckpointStore(config.store_budget_bytes, on_evict=self._evicted)
+        self.state_size = self._measure_state_size()  # before any blob is read
         self.listener: CheckpointListener | None = None
-        self.state_size = self._measure_state_size()
+        self.codec = CheckpointCodec(
+            self.fingerprint, self.hasher, hmac_key, self.state_size, stats
+        )
         self._waits: dict[Hashable, tuple[Running, int]] = {}  # queued request -> its wait
-        # A saved state's blob digest is computed here, off the engine thread (the hash
-        # releases the GIL), so that shipping it later hashes it on the receiving side only.
-        self._digester = ThreadPoolExecutor(1, thread_name_prefix="baton-blob-digest")
+        self.store = CheckpointStore(
+            config.store_budget_bytes, on_evict=self._evicted, disk=self._disk_tier()
+        )
 
     def export_checkpoint(self, prefix_hash: bytes) -> tuple[bytes, memoryview] | None:
         """A signed state blob of a stored checkpoint as its two parts, `(head, state)`,
@@ -90,21 +85,30 @@ class PrefixCache:
         it was saved, or by its first export if that has not happened yet.
         """
         checkpoint = self.store.get(prefix_hash)
-        if checkpoint is None:
+        return None if checkpoint is None else self.codec.parts(checkpoint)
+
+    def _disk_tier(self) -> DiskTier | None:
+        """The disk tier of `checkpoint_dir`: the same signed blobs, checked the same way."""
+        if self.config.checkpoint_dir is None:
             return None
-        started = time.perf_counter()
-        _fill_digest(checkpoint)  # usually done already, in the background
-        parts = encode_parts(
-            fingerprint=self.fingerprint,
-            prefix_hash=checkpoint.prefix_hash,
-            tokens=checkpoint.tokens,
-            state=checkpoint.state,
-            key=self._hmac_key,
-            digest=checkpoint.digest,
+        disk = DiskTier(
+            self.config.checkpoint_dir,
+            self.fingerprint,
+            self.config.disk_budget_bytes,
+            encode=self.codec.blob,
+            decode=self.codec.checked,
         )
-        self.stats.blobs_exported += 1
-        self.stats.blob_export_seconds += time.perf_counter() - started
-        return parts
+
+        def beats_recompute(entry: DiskEntry) -> bool:
+            speed = self.stats.prefill_tokens_per_s
+            return speed is None or disk.restore_seconds(entry.file_bytes) < entry.n_tokens / speed
+
+        disk.should_load = beats_recompute
+        return disk
+
+    def close(self) -> None:
+        """Keep what RAM holds on disk for a restart (with a disk tier); after the engine loop."""
+        self.store.close()
 
     def import_checkpoint(self, blob: Buffer | BlobParts) -> Checkpoint:
         """Validate a state blob (contiguous, or its two parts) fully and keep it in the
@@ -116,7 +120,7 @@ class PrefixCache:
         one is copied first, so that nobody can change it after it was checked.
         """
         try:
-            checkpoint = self._checked_checkpoint(_frozen(blob))
+            checkpoint = self.codec.checked(frozen(blob))
         except BlobError as exc:
             metrics.BLOBS_REJECTED.inc(reason=exc.reason)
             raise
@@ -129,28 +133,6 @@ class PrefixCache:
         self.stats.checkpoints_imported += 1
         self._added(checkpoint)
         return checkpoint
-
-    def _checked_checkpoint(self, blob: Buffer | BlobParts) -> Checkpoint:
-        started = time.perf_counter()
-        state = decode_blob(
-            blob, key=self._hmac_key, fingerprint=self.fingerprint, hasher=self.hasher
-        )
-        if self.state_size is not None:
-            fixed, per_token = self.state_size
-            expected = fixed + per_token * state.n_tokens
-            if len(state.state) != expected:
-                raise BlobError(
-                    "bad_state_size",
-                    f"a {state.n_tokens}-token state of this model is {expected} bytes, "
-                    f"the blob carries {len(state.state)}",
-                )
-        self.stats.blob_validate_seconds += time.perf_counter() - started
-        return Checkpoint(
-            prefix_hash=state.prefix_hash,
-            tokens=state.tokens,
-            state=state.state,
-            digest=state.digest,
-        )
 
     def export_best(
         self, tokens: tuple[int, ...] | list[int], min_tokens: int = 0
@@ -171,19 +153,24 @@ class PrefixCache:
         fixed, per_token = self.state_size
         return fixed + per_token * n_tokens
 
-    def reusable_tokens(self, tokens: tuple[int, ...], slots: list[Slot]) -> int:
-        """About how many tokens of `tokens` this engine could reuse right now.
+    def local_reuse(self, tokens: tuple[int, ...], slots: list[Slot]) -> tuple[int, float]:
+        """About how many tokens of `tokens` this engine could reuse right now, and the
+        estimated seconds to read that state from disk first (0 in RAM or in a slot).
 
         An estimate (idle slots are read without stopping the engine loop) for deciding
         whether pulling a longer prefix from a peer is worth it.
         """
         limit = max(0, len(tokens) - MIN_PIECE)
-        _, stored = self._stored_prefix(tokens, limit, touch=False)
+        checkpoint, stored = self._stored_prefix(tokens, limit, touch=False)
         live = max(
             (self._live_reuse(s, tokens, limit) for s in slots if s.running is None),
             default=0,
         )
-        return max(live, stored)
+        if live >= stored:
+            return live, 0.0
+        on_disk = isinstance(checkpoint, DiskEntry) and self.store.disk is not None
+        restore_s = self.store.disk.restore_seconds(checkpoint.file_bytes) if on_disk else 0.0
+        return stored, restore_s
 
     def _measure_state_size(self) -> tuple[int, int] | None:
         """The exact size of a state, so a signed but malformed blob never reaches llama.cpp.
@@ -275,7 +262,7 @@ class PrefixCache:
             shared = common_prefix_length(run.feed, prompt, limit)
             if shared >= self.hasher.block_tokens and (best is None or shared > best[1]):
                 best = (run, shared)
-        if best is None or self.reusable_tokens(prompt, slots) >= best[1]:
+        if best is None or self.local_reuse(prompt, slots)[0] >= best[1]:
             return None
         run, shared = best
         return best if run.checkpoint_at(shared, self.config.prefill_chunk) else None
@@ -313,7 +300,7 @@ class PrefixCache:
 
     def _stored_prefix(
         self, prompt: tuple[int, ...], limit: int, *, touch: bool = True
-    ) -> tuple[Checkpoint | None, int]:
+    ) -> tuple[Stored | None, int]:
         """The stored checkpoint to restore for `prompt`, and how many tokens it gives.
 
         Hybrid and recurrent states only serve prompts they prefix exactly; an attention
@@ -376,13 +363,13 @@ class PrefixCache:
             self.stats.checkpoints_saved += 1
             metrics.CHECKPOINTS_TAKEN.inc()
             self._added(checkpoint)
-            self._digester.submit(_fill_digest, checkpoint)
+            self.codec.digest_later(checkpoint)
 
     def _added(self, checkpoint: Checkpoint) -> None:
         if self.listener is not None:
             self.listener.checkpoint_added(checkpoint)
 
-    def _evicted(self, checkpoint: Checkpoint) -> None:
+    def _evicted(self, checkpoint: Stored) -> None:
         metrics.CHECKPOINTS_EVICTED.inc()
         if self.listener is not None:
             self.listener.checkpoint_removed(checkpoint)
@@ -399,18 +386,3 @@ class PrefixCache:
         if checkpoint is None or not self._restore(slot, checkpoint):
             self.context.clear(slot.seq_id)
             slot.tokens = []
-
-
-def _fill_digest(checkpoint: Checkpoint) -> None:
-    if checkpoint.digest is None:
-        checkpoint.digest = payload_digest(checkpoint.tokens, checkpoint.state)
-
-
-def _frozen(blob: Buffer | BlobParts) -> Buffer | BlobParts:
-    """`blob` where it is read-only; a private copy of each writable part otherwise."""
-    try:
-        if isinstance(blob, tuple):
-            return tuple(part if byte_view(part).readonly else bytes(part) for part in blob)
-        return blob if byte_view(blob).readonly else bytes(blob)
-    except (TypeError, ValueError):
-        return blob  # not a buffer at all: `decode_blob` says so

@@ -139,6 +139,10 @@ podSelector:
 {{- if semverCompare "<2.53.0" .Values.rayVersion }}
 {{- fail (printf "rayVersion %s: the chart needs Ray 2.53.0 or later (token auth, the Ray node's /api/healthz)" .Values.rayVersion) }}
 {{- end }}
+{{- $disk := .Values.diskTier }}
+{{- if and $disk.enabled (eq $disk.volume "hostPath") (not ($disk.hostPath | default dict).path) }}
+{{- fail "diskTier.volume is hostPath: set diskTier.hostPath.path (a directory on every GPU node)" }}
+{{- end }}
 {{- $gcs := .Values.gcsFaultTolerance }}
 {{- if and $gcs.enabled (eq $gcs.redis "chart") (ne .Values.redis.mode "chart") }}
 {{- fail (printf "gcsFaultTolerance.redis is chart but redis.mode is %s: set gcsFaultTolerance.redis external (and external.address), or gcsFaultTolerance.enabled false" .Values.redis.mode) }}

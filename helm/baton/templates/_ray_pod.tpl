@@ -67,6 +67,33 @@ envFrom:
 {{- end }}
 {{- end }}
 
+{{/* Every volume of a Ray pod: the model's, and the disk tier's. */}}
+{{- define "baton.rayVolumes" -}}
+{{ include "baton.modelVolumes" . }}
+{{- $disk := .Values.diskTier }}
+{{- if $disk.enabled }}
+- name: checkpoints
+{{- if eq $disk.volume "hostPath" }}
+  hostPath: {path: {{ $disk.hostPath.path }}, type: DirectoryOrCreate}
+{{- else }}
+  emptyDir:
+    {{- with $disk.emptyDir.sizeLimit }}
+    sizeLimit: {{ . }}
+    {{- end }}
+    {{- with $disk.emptyDir.medium }}
+    medium: {{ . }}
+    {{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "baton.rayVolumeMounts" -}}
+{{ include "baton.modelVolumeMounts" . }}
+{{- if .Values.diskTier.enabled }}
+- {name: checkpoints, mountPath: {{ .Values.diskTier.path }}}
+{{- end }}
+{{- end }}
+
 {{- define "baton.modelVolumeMounts" -}}
 {{- if ne .Values.model.source "image" }}
 - {name: model, mountPath: {{ .Values.model.mountPath }}, readOnly: true}

@@ -1,7 +1,7 @@
 {{/*
 The RayService's serveConfigV2: files/serve_config.yaml, which deploy/serve_config.py writes
 (the same Serve config `serve run` deploys), with the application's `args` and the HTTP port
-set from the values, and Ray Serve autoscaling on the Replica deployment (the file's one
+set from the values (the disk tier's mount path as the engine's checkpoint_dir), and Ray Serve autoscaling on the Replica deployment (the file's one
 `deployments` entry). Secrets never appear here: API keys, the HMAC key and a Redis URL with
 a password reach the app builder as BATON_* environment variables (see baton.rayEnv).
 */}}
@@ -16,8 +16,11 @@ a password reach the app builder as BATON_* environment variables (see baton.ray
   "num_gpus_per_replica" .Values.replicas.gpus
   "num_cpus_per_replica" .Values.replicas.cpus
   "gateway_replicas" (int .Values.gateway.replicas)
-  "engine" .Values.engine
+  "engine" (deepCopy .Values.engine)
 }}
+{{- if .Values.diskTier.enabled }}
+{{- $_ := set $args.engine "checkpoint_dir" .Values.diskTier.path }}
+{{- end }}
 {{- with .Values.serve.maxBodyBytes }}
 {{- $_ := set $args "max_body_bytes" (int64 .) }}
 {{- end }}

@@ -1,0 +1,42 @@
+"""A checkpoint: a llama.cpp sequence state saved after a prefix of tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from baton_serve.cache_store.prefix_hash import token_array
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    """A llama.cpp sequence state saved after `tokens`; compares by identity.
+
+    `state` is kept as given, as a read-only byte view: the checkpoint takes the buffer
+    over (no copy; whoever made it must not write to it again). `digest` is the payload
+    digest of its signed blob once known (`state_blob`), so exporting it again does not
+    hash it again.
+    """
+
+    prefix_hash: bytes
+    tokens: np.ndarray
+    state: memoryview
+    digest: bytes | None = None
+
+    def __post_init__(self) -> None:
+        tokens = np.array(token_array(self.tokens))  # always a private copy
+        if len(tokens) == 0:
+            raise ValueError("a checkpoint needs at least one token")
+        tokens.flags.writeable = False
+        self.tokens = tokens
+        state = self.state.data if isinstance(self.state, np.ndarray) else memoryview(self.state)
+        self.state = state.cast("B").toreadonly()
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.state) + self.tokens.nbytes

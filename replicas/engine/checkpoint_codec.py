@@ -1,0 +1,116 @@
+"""Signed state blobs of one engine's checkpoints (`state_blob`), and their last check.
+
+A checkpoint's payload is hashed once — in the background after it is saved, or by its
+first export — so an export signs only a header. A blob is validated completely (the
+blob's own checks, then the exact state size this engine measured) before llama.cpp sees a
+byte of it.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from baton_serve.cache_store.checkpoint import Checkpoint
+from baton_serve.cache_store.prefix_hash import PrefixHasher
+from baton_serve.cache_store.state_blob import (
+    BlobError,
+    BlobParts,
+    Buffer,
+    byte_view,
+    decode_blob,
+    encode_blob,
+    encode_parts,
+    payload_digest,
+)
+from baton_serve.replicas.engine.stats import EngineStats
+
+
+class CheckpointCodec:
+    """Encodes and checks the blobs of one model's checkpoints (thread-safe)."""
+
+    def __init__(
+        self,
+        fingerprint: bytes,
+        hasher: PrefixHasher,
+        hmac_key: bytes,
+        state_size: tuple[int, int] | None,
+        stats: EngineStats,
+    ) -> None:
+        self.fingerprint = fingerprint
+        self.hasher = hasher
+        self.state_size = state_size  # (fixed, per token); None where it is not linear
+        self.stats = stats
+        self._key = hmac_key
+        # Off the engine thread: the hash releases the GIL.
+        self._digester = ThreadPoolExecutor(1, thread_name_prefix="baton-blob-digest")
+
+    def digest_later(self, checkpoint: Checkpoint) -> None:
+        """Hash a new checkpoint's payload in the background, ready for its exports."""
+        self._digester.submit(_fill_digest, checkpoint)
+
+    def parts(self, checkpoint: Checkpoint) -> tuple[bytes, memoryview]:
+        """The signed blob of `checkpoint` as `(head, state)`, the state not copied."""
+        started = time.perf_counter()
+        _fill_digest(checkpoint)  # usually done already, in the background
+        parts = encode_parts(
+            fingerprint=self.fingerprint,
+            prefix_hash=checkpoint.prefix_hash,
+            tokens=checkpoint.tokens,
+            state=checkpoint.state,
+            key=self._key,
+            digest=checkpoint.digest,
+        )
+        self.stats.blobs_exported += 1
+        self.stats.blob_export_seconds += time.perf_counter() - started
+        return parts
+
+    def blob(self, checkpoint: Checkpoint) -> bytes:
+        """The signed blob of `checkpoint` in one piece (a disk tier's file)."""
+        _fill_digest(checkpoint)
+        return encode_blob(
+            fingerprint=self.fingerprint,
+            prefix_hash=checkpoint.prefix_hash,
+            tokens=checkpoint.tokens,
+            state=checkpoint.state,
+            key=self._key,
+            digest=checkpoint.digest,
+        )
+
+    def checked(self, blob: Buffer | BlobParts) -> Checkpoint:
+        """The checkpoint in `blob` (contiguous, or its two parts); `BlobError` for anything
+        that is not an authentic, intact blob of this model."""
+        started = time.perf_counter()
+        state = decode_blob(blob, key=self._key, fingerprint=self.fingerprint, hasher=self.hasher)
+        if self.state_size is not None:
+            fixed, per_token = self.state_size
+            expected = fixed + per_token * state.n_tokens
+            if len(state.state) != expected:
+                raise BlobError(
+                    "bad_state_size",
+                    f"a {state.n_tokens}-token state of this model is {expected} bytes, "
+                    f"the blob carries {len(state.state)}",
+                )
+        self.stats.blob_validate_seconds += time.perf_counter() - started
+        return Checkpoint(
+            prefix_hash=state.prefix_hash,
+            tokens=state.tokens,
+            state=state.state,
+            digest=state.digest,
+        )
+
+
+def _fill_digest(checkpoint: Checkpoint) -> None:
+    if checkpoint.digest is None:
+        checkpoint.digest = payload_digest(checkpoint.tokens, checkpoint.state)
+
+
+def frozen(blob: Buffer | BlobParts) -> Buffer | BlobParts:
+    """`blob` where it is read-only; a private copy of each writable part otherwise (so that
+    nobody can change it after it was checked)."""
+    try:
+        if isinstance(blob, tuple):
+            return tuple(part if byte_view(part).readonly else bytes(part) for part in blob)
+        return blob if byte_view(blob).readonly else bytes(blob)
+    except (TypeError, ValueError):
+        return blob  # not a buffer at all: `decode_blob` says so
