@@ -38,7 +38,6 @@ from baton_serve.replicas.telemetry import tracing
 from baton_serve.replicas.telemetry.logs import request_fields
 from baton_serve.router.route_cost import (
     CACHED,
-    COMPUTE,
     IN_FLIGHT,
     PULL,
     CostSettings,
@@ -317,7 +316,7 @@ class _Plan:
     estimates: list[Estimate]
 
 
-_REASONS = {CACHED: "prefix_hit", IN_FLIGHT: "in_flight", PULL: "peer_pull", COMPUTE: "prefix_hit"}
+_REASONS = {CACHED: "prefix_hit", IN_FLIGHT: "in_flight", PULL: "peer_pull"}  # what it reuses
 
 
 class RoundRobinRouter(SafeRequestRouter):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from baton_serve.cache_store.prefix_hash import common_prefix_length
+from baton_serve.replicas.engine.prompt import Prompt
 from baton_serve.replicas.engine.protocol import GenerationRequest
 from baton_serve.replicas.engine.sampling import SamplingParams
 
@@ -91,3 +92,17 @@ def test_a_cancelled_prefill_releases_the_requests_waiting_on_it(tiny_model, mak
     running.cancel()
     assert running.result(timeout=60).finish_reason == "cancelled"
     assert waiting.result(timeout=120).finish_reason == "length"
+
+
+def test_a_short_prompt_is_not_held_up_behind_a_long_one(tiny_model, make_engine) -> None:
+    """Of two prompts being computed, the one with less left goes first: a follow-up's few
+    tokens are answered while another session's long document is still being computed."""
+    path = tiny_model("llama")
+    engine = make_engine(path, n_slots=2, prefill_chunk=16, block_tokens=32)
+    long_prompt = Prompt(tokens=tuple(range(1000, 1600)))  # about 38 prefill steps
+    short_prompt = Prompt(tokens=tuple(range(3000, 3020)))  # two
+    long_run = engine.submit(GenerationRequest(prompt=long_prompt, sampling=FIRST_TOKEN))
+    short_run = engine.submit(GenerationRequest(prompt=short_prompt, sampling=FIRST_TOKEN))
+    short_run.result(timeout=60)
+    assert not long_run.done
+    assert long_run.result(timeout=60).usage.computed_tokens == len(long_prompt)

@@ -7,11 +7,12 @@ wait, steps alternate, so a long prompt never stalls running streams for more th
 piece. (Mixing both in one call buys nothing here: with one KV stream per sequence and
 with recurrent memory, llama.cpp splits a batch into equal-length sub-batches anyway.)
 
-Which cached state serves a prompt is `prefix_cache`'s job. The loop keeps those states
-exact: prompts are computed in pieces of two or more tokens, and after a reply is sent it is
-recomputed as a prefill (a *replay*) instead of keeping the state built one token at a time,
-whose kernels round differently. A resumed conversation thus gives the same logits as a
-cold one.
+Of several prompts, the one with the least left to compute goes first (aged: none
+starves). Which cached state serves a prompt is `prefix_cache`'s job. The loop keeps those
+states exact: prompts are computed in pieces of two or more tokens, and after a reply is
+sent it is recomputed as a prefill (a *replay*) instead of keeping the state built one
+token at a time, whose kernels round differently. A resumed conversation thus gives the
+same logits as a cold one.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from baton_serve.replicas.telemetry import metrics
 from baton_serve.replicas.telemetry.logs import request_fields
 
 logger = logging.getLogger("baton.engine")
+PREFILL_AGING_TOKENS_PER_S = 200.0  # until the engine has measured its own prefill speed
 
 
 class Engine:
@@ -233,7 +235,8 @@ class Engine:
             self._decode_step(decoding)
             self._last_step_was_prefill = False
         elif prefilling:
-            self._prefill_step(min(prefilling, key=lambda r: r.submitted_at))
+            speed = self.stats.prefill_tokens_per_s or PREFILL_AGING_TOKENS_PER_S
+            self._prefill_step(min(prefilling, key=lambda r: r.prefill_priority(speed)))
             self._last_step_was_prefill = True
 
     def _drop_cancelled(self) -> None:

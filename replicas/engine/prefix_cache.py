@@ -251,8 +251,8 @@ class PrefixCache:
         """A prefill in progress that will compute a long prefix of `prompt` this engine
         does not hold yet: that run and the shared length, with a checkpoint added there.
 
-        Prefills run one at a time, oldest first, so a request waiting for that
-        checkpoint loses nothing, and the shared prefix is computed once, not twice.
+        That run is computing the prefix already, so a request waiting for its
+        checkpoint waits no longer than computing it would take, and it is computed once.
         """
         limit = len(prompt) - MIN_PIECE
         best: tuple[Running, int] | None = None

@@ -63,6 +63,12 @@ class Running:
     index: int = 0  # which choice of the request
     forks: list[Running] = field(default_factory=list)  # choices that start from this prompt
 
+    def prefill_priority(self, tokens_per_s: float) -> tuple[float, float]:
+        """Lowest first: the tokens left to compute, less those computable in the time it
+        has waited (so a long prompt is not starved by short ones), then age."""
+        waited = time.perf_counter() - self.submitted_at
+        return len(self.feed) - len(self.slot.tokens) - tokens_per_s * waited, self.submitted_at
+
     def checkpoint_at(self, position: int, max_piece: int) -> bool:
         """Also save the state after `position` of a prefill still short of it, if a piece
         can end there; False if it cannot."""
