@@ -182,7 +182,7 @@ class BatonRouter(SafeRequestRouter):
         parent = tracing.extract(request.trace_context)
         with tracing.span("route", parent=parent, attributes=attributes) as span:
             estimates, reason = await self._decide(candidates, request, tracing.context_of(span))
-            self._plans[id(pending_request.metadata)] = _Plan(request, estimates)
+            self._record_plan(pending_request, request, estimates)
             record_decision(reason)
             if span.is_recording() and estimates:
                 span.set_attributes(
@@ -278,27 +278,45 @@ class BatonRouter(SafeRequestRouter):
 
     # ---- what this router sent where -----------------------------------------------------
 
-    def request_routed(self, pending_request: PendingRequest, replica: RunningReplica) -> None:
-        plan = self._plans.pop(id(pending_request.metadata), None)
-        if plan is None:
-            return
-        rid = replica.replica_id.unique_id
-        chosen = next((e for e in plan.estimates if e.replica_id == rid), None)
-        if chosen is None:
-            return
-        request = plan.request
-        n_prompt = len(request.generation.prompt)
-        held = self._ledger.entries_for(request.generation.prompt, request.prefix_hashes)
+    def _record_plan(
+        self, pending_request: PendingRequest, request: ReplicaRequest, estimates: list[Estimate]
+    ) -> None:
+        """Count the request for its first-ranked replica at once — the next decision, a
+        moment later in the same burst, must see it — replacing an earlier attempt's plan."""
+        key = pending_request.metadata.internal_request_id
+        earlier = self._plans.pop(id(pending_request.metadata), None)
+        if earlier is not None:
+            self._ledger.withdraw(earlier.replica_id, key)
+        if estimates:
+            self._plans[id(pending_request.metadata)] = _Plan(request, estimates)
+            self._send(estimates[0], request, key)
+
+    def _send(self, chosen: Estimate, request: ReplicaRequest, key: str) -> None:
+        prompt = request.generation.prompt
         self._ledger.sent(
-            rid,
-            pending_request.metadata.internal_request_id,
-            held,
-            tokens=n_prompt - chosen.reused_tokens,
+            chosen.replica_id,
+            key,
+            self._ledger.entries_for(prompt, request.prefix_hashes),
+            tokens=len(prompt) - chosen.reused_tokens,
             ready_at=time.time() + chosen.seconds,
         )
 
+    def request_routed(self, pending_request: PendingRequest, replica: RunningReplica) -> None:
+        """Ray sent it to `replica`: move the record there if that was not the first rank."""
+        plan = self._plans.pop(id(pending_request.metadata), None)
+        rid = replica.replica_id.unique_id
+        if plan is None or rid == plan.replica_id:
+            return
+        key = pending_request.metadata.internal_request_id
+        self._ledger.withdraw(plan.replica_id, key)
+        chosen = next((e for e in plan.estimates if e.replica_id == rid), None)
+        if chosen is not None:
+            self._send(chosen, plan.request, key)
+
     def _remove_pending_request_from_indices(self, pending_request: PendingRequest) -> None:
-        self._plans.pop(id(pending_request.metadata), None)
+        plan = self._plans.pop(id(pending_request.metadata), None)
+        if plan is not None:  # it was never sent (cancelled)
+            self._ledger.withdraw(plan.replica_id, pending_request.metadata.internal_request_id)
         super()._remove_pending_request_from_indices(pending_request)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
@@ -312,8 +330,15 @@ class BatonRouter(SafeRequestRouter):
 
 @dataclass(frozen=True)
 class _Plan:
+    """A decision recorded in the ledger: the request, and every replica's estimate."""
+
     request: ReplicaRequest
     estimates: list[Estimate]
+
+    @property
+    def replica_id(self) -> str:
+        """Where the ledger counts it (the first rank)."""
+        return self.estimates[0].replica_id
 
 
 _REASONS = {CACHED: "prefix_hit", IN_FLIGHT: "in_flight", PULL: "peer_pull"}  # what it reuses

@@ -1,5 +1,6 @@
 """What one router has sent where, known the moment it decides — before any replica or
-index has heard of it.
+index has heard of it (a decision is recorded when it is made, and moved if Ray then sends
+the request to another replica of the ranking).
 
 - Per replica, the requests in flight and the prompt tokens they still make it compute:
   exact for this router, where routing stats are a second old.
@@ -103,6 +104,24 @@ class RoutingLedger:
         held = [IndexEntry(e.prefix_hash, e.n_tokens, e.nbytes) for e in sent.entries]
         self._prefixes.alive[replica_id] = max(self._prefixes.alive.get(replica_id, 0), expires)
         self._prefixes.publish(replica_id, held, expires)
+
+    def withdraw(self, replica_id: str, request_key: str) -> None:
+        """A request recorded for `replica_id` went elsewhere (or nowhere): it counts there
+        no more, and the prefixes only it would have left there are forgotten."""
+        siblings = self._sent.get((replica_id, request_key))
+        if not siblings:
+            return
+        sent = siblings.pop()
+        if not siblings:
+            del self._sent[(replica_id, request_key)]
+        self._load[replica_id] -= 1
+        self._tokens[replica_id] -= sent.tokens
+        self._prefixes.forget(replica_id, [e.prefix_hash for e in sent.entries])
+        expires = self._now() + self.ttl_s
+        for (rid, _), others in self._sent.items():  # what other requests there still leave
+            if rid == replica_id:
+                for other in others:
+                    self._prefixes.publish(replica_id, other.entries, expires)
 
     def forget_replica(self, replica_id: str) -> None:
         """A replica died: nothing it was sent counts any more."""

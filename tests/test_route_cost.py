@@ -1,14 +1,25 @@
 """The routing cost model and the router's ledger, on their own: bursts spread evenly, a
 hot prefix stays within its load bound, in-flight prefixes are joined or waited for, and
-what this router sent shows at once. (Pure code: no Ray here; the Serve tests route real
-requests with it.)"""
+what this router sent shows at once. (No Ray cluster here: the router is built as Ray
+builds one and called directly; the Serve tests route real requests with it.)"""
 
 from __future__ import annotations
 
+import asyncio
 import math
+
+from ray.serve._private.common import (
+    DeploymentHandleSource,
+    DeploymentID,
+    ReplicaID,
+    RequestMetadata,
+)
+from ray.serve.request_router import PendingRequest
 
 from baton_serve.cache_store.prefix_hash import PrefixHasher
 from baton_serve.replicas.engine.prompt import Prompt
+from baton_serve.replicas.engine.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.router.request_router import BatonRouter
 from baton_serve.router.route_cost import (
     CACHED,
     COMPUTE,
@@ -127,3 +138,39 @@ def test_the_ledger_knows_its_decisions_at_once() -> None:
     assert hybrid.lookup(chain[:4])["b"].n_tokens == 300  # ...one at 300 (anchored at 256)
     hybrid.forget_replica("b")
     assert hybrid.lookup(chain) == {} and hybrid.load("b") == 0
+
+
+class _Replica:
+    """What `BatonRouter` reads of a `RunningReplica`: its id and routing stats (a live
+    replica actor is not needed to rank)."""
+
+    def __init__(self, name: str, deployment: DeploymentID) -> None:
+        self.replica_id = ReplicaID(unique_id=name, deployment_id=deployment)
+        self.routing_stats: dict = {}
+
+
+def test_a_burst_ranked_before_any_request_is_sent_still_spreads() -> None:
+    """Ray ranks the requests of a burst before it sends the first: each decision is in the
+    ledger the moment it is made, so the next one sees it (no index answers here)."""
+    deployment = DeploymentID(name="Replica", app_name="burst")
+    router = BatonRouter(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(
+        index="redis://127.0.0.1:1", fingerprint_hex="ab" * 32, follow_index=False
+    )
+    candidates = [_Replica("a", deployment), _Replica("b", deployment)]
+    chain = tuple(PrefixHasher(b"fp", 64).chain(range(1000)))
+    request = ReplicaRequest(
+        generation=GenerationRequest(prompt=Prompt(tokens=tuple(range(1000)))),
+        prefix_hashes=chain,
+    )
+
+    async def burst() -> list[str]:
+        firsts = []
+        for i in range(4):
+            metadata = RequestMetadata(request_id=f"r{i}", internal_request_id=f"r{i}")
+            pending = PendingRequest(args=[request], kwargs={}, metadata=metadata)
+            ranks = await router.choose_replicas(candidates, pending)
+            firsts.append(ranks[0][0].replica_id.unique_id)
+        return firsts
+
+    assert sorted(asyncio.run(burst())) == ["a", "a", "b", "b"]
