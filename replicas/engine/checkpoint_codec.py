@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from baton_serve.cache_store.checkpoint import Checkpoint
 from baton_serve.cache_store.prefix_hash import PrefixHasher
@@ -52,30 +53,25 @@ class CheckpointCodec:
     def parts(self, checkpoint: Checkpoint) -> tuple[bytes, memoryview]:
         """The signed blob of `checkpoint` as `(head, state)`, the state not copied."""
         started = time.perf_counter()
-        _fill_digest(checkpoint)  # usually done already, in the background
-        parts = encode_parts(
-            fingerprint=self.fingerprint,
-            prefix_hash=checkpoint.prefix_hash,
-            tokens=checkpoint.tokens,
-            state=checkpoint.state,
-            key=self._key,
-            digest=checkpoint.digest,
-        )
+        parts = encode_parts(**self._fields(checkpoint))
         self.stats.blobs_exported += 1
         self.stats.blob_export_seconds += time.perf_counter() - started
         return parts
 
     def blob(self, checkpoint: Checkpoint) -> bytes:
         """The signed blob of `checkpoint` in one piece (a disk tier's file)."""
-        _fill_digest(checkpoint)
-        return encode_blob(
-            fingerprint=self.fingerprint,
-            prefix_hash=checkpoint.prefix_hash,
-            tokens=checkpoint.tokens,
-            state=checkpoint.state,
-            key=self._key,
-            digest=checkpoint.digest,
-        )
+        return encode_blob(**self._fields(checkpoint))
+
+    def _fields(self, checkpoint: Checkpoint) -> dict[str, Any]:
+        _fill_digest(checkpoint)  # usually done already, in the background
+        return {
+            "fingerprint": self.fingerprint,
+            "prefix_hash": checkpoint.prefix_hash,
+            "tokens": checkpoint.tokens,
+            "state": checkpoint.state,
+            "key": self._key,
+            "digest": checkpoint.digest,
+        }
 
     def checked(self, blob: Buffer | BlobParts) -> Checkpoint:
         """The checkpoint in `blob` (contiguous, or its two parts); `BlobError` for anything
