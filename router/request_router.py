@@ -181,6 +181,7 @@ class BatonRouter(SafeRequestRouter):
         }
         parent = tracing.extract(request.trace_context)
         with tracing.span("route", parent=parent, attributes=attributes) as span:
+            span.set_attribute("baton.route.index", "copy" if self._view.synced else "lookup")
             estimates, reason = await self._decide(candidates, request, tracing.context_of(span))
             self._record_plan(pending_request, request, estimates)
             record_decision(reason)

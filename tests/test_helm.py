@@ -643,7 +643,7 @@ def test_serve_builds_and_deploys_the_app_the_chart_describes(
     built = {d.name: d for d in build_app(app, name=app_config["name"]).deployments}
 
     gateway = built[GATEWAY_DEPLOYMENT]
-    assert gateway.ray_actor_options == {"num_cpus": GATEWAY_CPUS}
+    assert gateway.ray_actor_options == {"num_cpus": GATEWAY_CPUS, "resources": {}}
     keys = os.environ.get("BATON_API_KEYS")
     assert gateway.init_args[0].api_keys == (tuple(keys.split(",")) if keys else ())
     replica = built[REPLICA_DEPLOYMENT]
