@@ -44,6 +44,7 @@ class RedisIndex(Protocol):
 logger = logging.getLogger("baton.index")
 
 SCAN_BATCH = 1000
+HEALTH_CHECK_S = 10  # seconds without traffic before the subscriber pings the server
 _KINDS = {"publish", "touch", "forget", "forget_all", "alive"}
 
 
@@ -51,7 +52,9 @@ async def follow_changes(index: RedisIndex, view: IndexView, *, retry_s: float) 
     """Keep `view` current until cancelled (see the module's docstring)."""
     while True:
         subscriber = Redis.from_url(
-            index.url, socket_connect_timeout=index.settings.write_timeout_s
+            index.url,
+            socket_connect_timeout=index.settings.write_timeout_s,
+            health_check_interval=HEALTH_CHECK_S,  # a silently dead connection is noticed
         )
         pubsub = subscriber.pubsub(ignore_subscribe_messages=False)
         try:
