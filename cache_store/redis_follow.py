@@ -99,38 +99,34 @@ async def read_snapshot(index: RedisIndex) -> IndexSnapshot:
     seq = int(await index.call("snapshot", index.redis.get(index.seq_key), timeout) or 0)
     now_ms = time.time() * 1000
     entries: list[tuple[str, IndexEntry, float]] = []
-    start = len(f"{index.prefix}h:")
-    async for keys in _scan(index, f"{index.prefix}h:*"):
-        pipe = index.redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.hgetall(key)
-        for key, fields in zip(keys, await index.call("snapshot", pipe.execute(), timeout)):
-            prefix_hash = bytes.fromhex(key.decode()[start:])
-            for replica, value in fields.items():
-                n_tokens, nbytes, expires, ready = (int(v) for v in value.split(b":"))
-                if expires > now_ms:
-                    entry = IndexEntry(prefix_hash, n_tokens, nbytes, ready / 1000)
-                    entries.append((replica.decode(), entry, (expires - now_ms) / 1000))
-    alive: dict[str, float] = {}
-    start = len(f"{index.prefix}alive:")
-    async for keys in _scan(index, f"{index.prefix}alive:*"):
-        pipe = index.redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.pttl(key)
-        for key, ttl_ms in zip(keys, await index.call("snapshot", pipe.execute(), timeout)):
-            if ttl_ms > 0:
-                alive[key.decode()[start:]] = ttl_ms / 1000
+    async for hex_hash, fields in _each(index, "h:", "hgetall"):
+        for replica, value in fields.items():
+            n_tokens, nbytes, expires, ready = (int(v) for v in value.split(b":"))
+            if expires > now_ms:
+                entry = IndexEntry(bytes.fromhex(hex_hash), n_tokens, nbytes, ready / 1000)
+                entries.append((replica.decode(), entry, (expires - now_ms) / 1000))
+    alive = {
+        replica: ttl_ms / 1000
+        async for replica, ttl_ms in _each(index, "alive:", "pttl")
+        if ttl_ms > 0
+    }
     return IndexSnapshot(seq=seq, entries=tuple(entries), alive=alive, origin=index.where)
 
 
-async def _scan(index: RedisIndex, pattern: str) -> AsyncIterator[list[bytes]]:
-    """Keys matching `pattern`, in batches."""
-    cursor = 0
+async def _each(index: RedisIndex, kind: str, command: str) -> AsyncIterator[tuple[str, Any]]:
+    """(key suffix, `command`'s answer) for every key of the model under `kind`, scanned and
+    asked in pipelined batches."""
+    prefix, timeout, cursor = f"{index.prefix}{kind}", index.settings.write_timeout_s, 0
     while True:
-        call = index.redis.scan(cursor, match=pattern, count=SCAN_BATCH)
-        cursor, keys = await index.call("snapshot", call, index.settings.write_timeout_s)
+        call = index.redis.scan(cursor, match=f"{prefix}*", count=SCAN_BATCH)
+        cursor, keys = await index.call("snapshot", call, timeout)
         if keys:
-            yield keys
+            pipe = index.redis.pipeline(transaction=False)
+            for key in keys:
+                getattr(pipe, command)(key)
+            answers = await index.call("snapshot", pipe.execute(), timeout)
+            for key, answer in zip(keys, answers):
+                yield key.decode()[len(prefix) :], answer
         if cursor == 0:
             return
 
