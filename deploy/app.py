@@ -67,6 +67,16 @@ def logical_cpus(config: BatonConfig) -> float:
     return config.replicas * config.num_cpus_per_replica + config.gateway_replicas * GATEWAY_CPUS
 
 
+def replica_actor_options(config: BatonConfig) -> dict:
+    """The replica deployment's `ray_actor_options` (a Serve config that overrides them
+    replaces them whole, so it starts from these)."""
+    return {
+        "num_cpus": config.num_cpus_per_replica,
+        "num_gpus": config.num_gpus_per_replica,
+        "resources": dict(config.replica_resources),
+    }
+
+
 def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Application:
     """The application for `config`. Without an HMAC key, one is generated here: every
     replica of this application receives the same one. With `startup_dir`, replicas on
@@ -89,11 +99,7 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
         # Beyond that, each gateway holds this many; the next get 503 with Retry-After.
         max_queued_requests=config.max_queued_requests,
         backpressure_config={"status_code": 503, "retry_after_s": RETRY_AFTER_S},
-        ray_actor_options={
-            "num_cpus": config.num_cpus_per_replica,
-            "num_gpus": config.num_gpus_per_replica,
-            "resources": dict(config.replica_resources),
-        },
+        ray_actor_options=replica_actor_options(config),
         max_replicas_per_node=config.max_replicas_per_node,
         request_router_config=router_config(config, model_path),
         # A disk tier writes what RAM holds on the way out, for the next start to adopt.

@@ -1,6 +1,8 @@
 """Locust token accounting for Baton's workloads: prompt and cached tokens per user class
 (from each stream's usage chunk) and the follow-ups that kept their cache, merged from
 locust workers, printed when locust quits and written to `PREFIX_tokens.csv` with `--csv`.
+A local run with `--csv` also writes each request's tokens, timestamped, to
+`PREFIX_turns.csv` (`baton bench restart` reads the cached share of follow-ups over time).
 Importing this module registers its event listeners."""
 
 from __future__ import annotations
@@ -11,10 +13,22 @@ from collections import defaultdict
 from locust import events
 from locust.runners import MasterRunner, WorkerRunner
 
+from baton_serve.loadtests.sample_log import SampleLog
+
 _TOKENS: dict[str, dict[str, int]] = defaultdict(
     lambda: {"requests": 0, "prompt": 0, "cached": 0, "follow_ups": 0, "kept": 0}
 )
 KEPT_SHARE = 0.9  # a follow-up keeps its cache when this much of the previous prompt is cached
+# previous_prompt_tokens: of the request whose history this one continues (0: not a follow-up).
+TURN_FIELDS = (
+    "time_s",
+    "user_class",
+    "previous_prompt_tokens",
+    "prompt_tokens",
+    "cached_tokens",
+    "ttft_ms",
+)
+_TURNS = SampleLog("turns", TURN_FIELDS)
 
 
 def record_usage(user_class: str, usage: dict | None) -> None:
@@ -28,6 +42,15 @@ def record_usage(user_class: str, usage: dict | None) -> None:
 
 def _cached(usage: dict) -> int:
     return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def record_turn(
+    user_class: str, previous_prompt: int, usage: dict, ttft_s: float | None, at: float
+) -> None:
+    """One answered request's tokens, in `PREFIX_turns.csv`; `at` is when it ended."""
+    ttft_ms = "" if ttft_s is None else round(ttft_s * 1000, 3)
+    prompt = int(usage.get("prompt_tokens") or 0)
+    _TURNS.write((at, user_class, previous_prompt, prompt, _cached(usage), ttft_ms))
 
 
 def record_follow_up(user_class: str, previous_prompt: int, usage: dict) -> None:

@@ -7,7 +7,8 @@ Mix user classes on the command line, e.g.
         MultiTurnChatUser AgentLoopUser NoSharingUser
 
 - `MultiTurnChatUser`: a system prompt shared by every user (`--system-tokens`), each user a
-  session whose history grows turn by turn, the previous assistant reply sent back.
+  session whose history grows turn by turn (`--chat-turns`, default 8), the previous assistant
+  reply sent back.
 - `AgentLoopUser`: a large fixed tool/instruction header, many short turns with no pause
   between them (the next request the instant the answer arrives, a tool result appended);
   now and then (seeded) the previous turn's reasoning is dropped from the history, which
@@ -25,17 +26,16 @@ with `--csv PREFIX`, written to `PREFIX_tokens.csv`. A non-200 status, a malform
 error event or a stream without `data: [DONE]` is a failure.
 
 A local run with `--csv PREFIX` also writes every sample, timestamped, to `PREFIX_samples.csv`
-(`baton bench soak` reads it for figures over time): to `PREFIX_samples.csv.part` as they come,
-renamed when locust quits.
+(`baton bench soak` reads it for figures over time), and every answered request's prompt and
+cached tokens, and whether it continues the previous one's history, to `PREFIX_turns.csv`
+(`baton bench restart`): each to `….csv.part` as they come, renamed when locust quits.
 
 Sizes are in words, a client-side stand-in for tokens (no tokenizer needed here).
 """
 
 from __future__ import annotations
 
-import csv
 import itertools
-import os
 import random
 import time
 from collections.abc import Iterable
@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 
 from gevent.lock import Semaphore
 from locust import HttpUser, between, constant, events, task
-from locust.runners import MasterRunner, WorkerRunner
 
 from baton_serve.loadtests import sse
-from baton_serve.loadtests.locust_tokens import record_follow_up, record_usage
+from baton_serve.loadtests.locust_tokens import record_follow_up, record_turn, record_usage
+from baton_serve.loadtests.sample_log import SampleLog
 from baton_serve.loadtests.synthetic_text import filler_text
 
 CHAT_PATH = "/v1/chat/completions"
@@ -73,6 +73,9 @@ def _add_arguments(parser) -> None:
         help="size of the shared system prompt / agent header, in words (≈ tokens)",
     )
     group.add_argument("--seed", type=int, default=0, help="seed of prompts and agent choices")
+    group.add_argument(
+        "--chat-turns", type=int, default=8, help="turns of a MultiTurnChatUser session"
+    )
 
 
 # ---- SSE parsing ------------------------------------------------------------------------------
@@ -112,38 +115,12 @@ def read_stream(lines: Iterable[bytes], start: float) -> StreamResult:
 # ---- per-request samples (local runs) ----------------------------------------------------------
 
 SAMPLE_FIELDS = ("time_s", "type", "name", "response_time_ms", "ok")
-_SAMPLES: dict = {}  # "file", "writer": where samples go once the test starts
-
-
-@events.test_start.add_listener
-def _open_samples(environment, **_kwargs) -> None:
-    """With `--csv PREFIX`, every request, TTFT and ITL sample of a local (not distributed)
-    run, timestamped, in `PREFIX_samples.csv.part` as it comes: figures over time."""
-    prefix = getattr(environment.parsed_options, "csv_prefix", None)
-    if not prefix or isinstance(environment.runner, (MasterRunner, WorkerRunner)):
-        return
-    _SAMPLES["file"] = open(f"{prefix}_samples.csv.part", "w", newline="")  # noqa: SIM115
-    _SAMPLES["writer"] = csv.writer(_SAMPLES["file"])
-    _SAMPLES["writer"].writerow(SAMPLE_FIELDS)
+_SAMPLES = SampleLog("samples", SAMPLE_FIELDS)
 
 
 @events.request.add_listener
 def _keep_sample(request_type, name, response_time, exception=None, **_kwargs) -> None:
-    if "writer" in _SAMPLES:
-        _SAMPLES["writer"].writerow(
-            (time.time(), request_type, name, response_time, exception is None)
-        )
-        _SAMPLES["file"].flush()
-
-
-@events.quitting.add_listener
-def _close_samples(environment, **_kwargs) -> None:
-    """The run is over: `PREFIX_samples.csv` holds all of its samples."""
-    if "file" in _SAMPLES:
-        _SAMPLES.pop("writer")
-        part = _SAMPLES.pop("file")
-        part.close()
-        os.replace(part.name, part.name.removesuffix(".part"))
+    _SAMPLES.write((time.time(), request_type, name, response_time, exception is None))
 
 
 # ---- the users --------------------------------------------------------------------------------
@@ -158,6 +135,7 @@ class BatonUser(HttpUser):
 
     abstract = True
     wait_time = between(0.05, 0.3)
+    previous_prompt = 0  # prompt tokens of the request the next one continues (0: none)
 
     def on_start(self) -> None:
         options = self.environment.parsed_options
@@ -218,6 +196,7 @@ class BatonUser(HttpUser):
                 return None
             response.success()
         record_usage(name, result.usage)
+        record_turn(name, self.previous_prompt, result.usage, result.ttft_s, time.time())
         self.last_usage = result.usage
         fire = self.environment.events.request.fire
         if result.ttft_s is not None:
@@ -245,10 +224,9 @@ class BatonUser(HttpUser):
 class MultiTurnChatUser(BatonUser):
     """A shared system prompt; a session's history grows turn by turn."""
 
-    max_turns = 8
-
     def on_start(self) -> None:
         super().on_start()
+        self.max_turns = getattr(self.environment.parsed_options, "chat_turns", 8)
         self.system = filler_text(
             self.system_words, _words, seed=self.seed, topic="You are Baton's assistant."
         )
@@ -257,6 +235,7 @@ class MultiTurnChatUser(BatonUser):
     def _new_session(self) -> None:
         self.messages = [{"role": "system", "content": self.system}]
         self.turn = 0
+        self.previous_prompt = 0
 
     @task
     def turn_of_chat(self) -> None:
@@ -273,6 +252,9 @@ class MultiTurnChatUser(BatonUser):
         if reply is None:
             self._new_session()  # don't build on a broken history
             return
+        if self.previous_prompt:
+            record_follow_up(type(self).__name__, self.previous_prompt, self.last_usage)
+        self.previous_prompt = int(self.last_usage.get("prompt_tokens") or 0)
         self.messages.append({"role": "assistant", "content": reply or "(no reply)"})
         self.turn += 1
 

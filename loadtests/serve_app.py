@@ -56,15 +56,23 @@ def wait_healthy(url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
     raise TimeoutError(f"the Serve app at {url} never became healthy")
 
 
-def replica_actors(app: str) -> dict[str, ray.actor.ActorHandle]:
-    """The app's replica actors by replica id. Serve names them
-    `SERVE_REPLICA::app#deployment#id`; reaching each directly is how a benchmark or test
-    reads every replica's counters, whatever the request router would choose."""
+def replica_names(app: str) -> dict[str, str]:
+    """The app's live replica actors' names by replica id: Serve names them
+    `SERVE_REPLICA::app#deployment#id`."""
     prefix = f"{REPLICA_ID_FULL_ID_STR_PREFIX}{app}#{REPLICA_DEPLOYMENT}#"
     return {
-        actor["name"][len(prefix) :]: ray.get_actor(actor["name"], namespace=SERVE_NAMESPACE)
+        actor["name"][len(prefix) :]: actor["name"]
         for actor in ray.util.list_named_actors(all_namespaces=True)
         if actor["namespace"] == SERVE_NAMESPACE and actor["name"].startswith(prefix)
+    }
+
+
+def replica_actors(app: str) -> dict[str, ray.actor.ActorHandle]:
+    """The app's replica actors by replica id: reaching each directly is how a benchmark or
+    test reads every replica's counters, whatever the request router would choose."""
+    return {
+        replica: ray.get_actor(name, namespace=SERVE_NAMESPACE)
+        for replica, name in replica_names(app).items()
     }
 
 
