@@ -136,6 +136,7 @@ def restart_benchmark(
         "max_tokens": max_tokens,
         "handoff_s": getattr(config, "handoff_s", 0.0),
         "warmup_s": warmup_s,
+        "started_at": started,  # time.time() when locust started; events' times count from it
         "requests": whole["requests"],
         "failures": whole["failures"],
         "events": [event_figures(turns, requests, *e, started) for e in timeline],

@@ -85,6 +85,7 @@ def window(turns: list[Turn], requests: list[tuple[float, bool]], start: float, 
         "follow_ups": len(follow_ups),
         "follow_ups_lost": sum(t.lost for t in follow_ups),
         "follow_up_cached_ratio": cached_ratio(follow_ups),
+        "lost_cached_ratio": cached_ratio([t for t in follow_ups if t.lost]),
     }
     for q in (50, 95, 99):
         figures[f"ttft_p{q}_s"] = float(np.percentile(ttfts, q)) if ttfts else None
@@ -109,6 +110,7 @@ def event_figures(
     ratios = before["follow_up_cached_ratio"], after["follow_up_cached_ratio"]
     drop_pp = None if None in ratios else 100 * (ratios[0] - ratios[1])
     failures = before["failures"] + during["failures"] + after["failures"]
+    lost = [t for t in turns if t.lost and started <= t.at < done + WINDOW_S]
     return {
         "event": event,
         "at_s": started - run_started,
@@ -117,6 +119,8 @@ def event_figures(
         "during": during,
         "after": after,
         "drop_pp": drop_pp,
+        "lost_since_start": len(lost),
+        "lost_since_start_cached_ratio": cached_ratio(lost),
         "failures": failures,
         "target_met": drop_pp is not None and drop_pp <= DROP_TARGET_PP and failures == 0,
     }
@@ -153,6 +157,11 @@ def format_report(result: dict) -> str:
             f" {'yes' if e['target_met'] else 'NO':>4}  {_ttfts(b)} -> {_ttfts(a)}"
         )
     cold = result["cold_start"]
+    lines += [
+        f"{e['event']}: {e['lost_since_start']} follow-ups lost their cache from its start to"
+        f" a minute after it, {_pct(e['lost_since_start_cached_ratio'])} of their prompts cached"
+        for e in result["events"]
+    ]
     lines += [
         f"cached share of follow-ups: before/during/after = the {WINDOW_S:.0f} s before the"
         f" event, the event, the {WINDOW_S:.0f} s after it; drop in percentage points"

@@ -109,6 +109,8 @@ def test_the_minutes_around_an_event(written: tuple[Path, float]) -> None:
     assert after["follow_up_cached_ratio"] == pytest.approx(1490 / 2000)
     assert event["drop_pp"] == pytest.approx(100 * (1300 / 1500 - 1490 / 2000))
     assert event["failures"] == 1 and not event["target_met"]
+    assert event["lost_since_start"] == 2
+    assert event["lost_since_start_cached_ratio"] == pytest.approx(1000 / 1900)
     assert event["at_s"] == pytest.approx(100.0) and event["duration_s"] == pytest.approx(5.0)
     assert after["ttft_p50_s"] == pytest.approx(3.0)  # the turn without a TTFT is left out
     assert window(turns, requests, base + 200, base + 260)["follow_up_cached_ratio"] is None
@@ -133,3 +135,4 @@ def test_the_minutes_around_an_event(written: tuple[Path, float]) -> None:
     assert "86.7%" in row and "74.5%" in row and "+12.2pp" in row and "0/1/1" in row
     assert row.split()[3] == "1" and "NO" in row
     assert "hand-off off" in report and "first turns 41.7% cached" in report
+    assert "rolling: 2 follow-ups lost their cache" in report and "52.6% of their" in report
