@@ -56,6 +56,7 @@ bench: install redis-server
 	$(BIN)/baton bench routing --model bench-out/qwen35-12x512.gguf --out bench-out/routing-qwen35
 	$(BIN)/baton bench routing --out bench-out/routing-smollm2
 	$(BIN)/baton bench soak --minutes 8
+	$(BIN)/baton bench restart
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
