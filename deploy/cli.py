@@ -144,6 +144,13 @@ def _parser() -> argparse.ArgumentParser:
         help="most bytes of checkpoint files in --checkpoint-dir (suffixes K, M, G, T: "
         "binary; default 16G)",
     )
+    serve.add_argument(
+        "--handoff-s",
+        type=float,
+        metavar="SECONDS",
+        help="a replica leaving (scale-down, rolling update) hands its hottest checkpoints "
+        "to the others for up to this long (default 10; 0: none)",
+    )
     serve.add_argument("--index", help="'embedded' (default) or a redis:// URL")
     serve.add_argument("--router", choices=[p.value for p in RouterPolicy])
     serve.add_argument(
@@ -198,6 +205,7 @@ def _serve(args: argparse.Namespace) -> int:
             "host",
             "port",
             "metrics_port",
+            "handoff_s",
         )
     }
     overrides["engine"] = {

@@ -84,6 +84,13 @@ class BatonConfig(BaseModel):
     max_replicas_per_node: int | None = Field(
         default=None, ge=1, description="Serve's max_replicas_per_node for the replicas"
     )
+    rollout_surge_percent: int = Field(
+        default=0,
+        ge=0,
+        le=100,
+        description="Serve's max_surge_percent for the replicas: new replicas start before "
+        "old ones stop in a rolling update, so even the last one hands its states over",
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig)
     index: str = Field(
         default=EMBEDDED_SPEC, description='"embedded" or a redis:// / rediss:// URL'
@@ -115,6 +122,14 @@ class BatonConfig(BaseModel):
         gt=0,
         allow_inf_nan=False,
         description="a replica without a heartbeat for this long drops out of the index",
+    )
+    handoff_s: float = Field(
+        default=10.0,
+        ge=0,
+        le=300,
+        allow_inf_nan=False,
+        description="a replica leaving (scale-down, rolling update) hands its hottest "
+        "checkpoints to the others for up to this long (0: none)",
     )
     stream_ping_s: float = Field(
         default=15.0,

@@ -668,7 +668,24 @@ def test_serve_builds_and_deploys_the_app_the_chart_describes(
         assert target <= deployed.deployment_config.max_ongoing_requests
     else:
         assert autoscaling is None
-        assert deployed.deployment_config.num_replicas == args["replicas"]
+        assert deployed.deployment_config.num_replicas == replica_options["num_replicas"]
+
+
+def test_a_new_replica_count_scales_instead_of_replacing_replicas(
+    render_with: Callable[[dict[str, Any]], Docs],
+) -> None:
+    """Serve replaces every replica (and its cache) when an app's code version changes: its
+    import path, runtime env or args. The replica count is a deployment option, not an arg."""
+    from ray.serve._private.deploy_utils import get_app_code_version
+    from ray.serve.schema import ServeApplicationSchema
+
+    def code_version(values: dict[str, Any]) -> str:
+        (app,) = serve_config_v2(render_with(values))["applications"]
+        return get_app_code_version(ServeApplicationSchema.model_validate(app))
+
+    two = code_version({"replicas": {"count": 2}})
+    assert code_version({"replicas": {"count": 1}}) == two
+    assert code_version({"engine": {"n_ctx": 8192}}) != two
 
 
 def test_the_disk_tier_is_a_volume_and_the_engines_checkpoint_dir(
@@ -694,6 +711,24 @@ def test_the_disk_tier_is_a_volume_and_the_engines_checkpoint_dir(
     docs = render_with({})  # off by default: no volume, no checkpoint_dir
     assert "checkpoint_dir" not in serve_config_v2(docs)["applications"][0]["args"]["engine"]
     assert "checkpoints" not in yaml.safe_dump(ray_pods(docs)["head"])
+
+
+def test_a_deleted_worker_drains_its_node_so_replicas_hand_off(
+    render_with: Callable[[dict[str, Any]], Docs], tmp_path: Path
+) -> None:
+    """A worker pod's preStop drains its Ray node (Serve then moves the replicas and stops
+    these gracefully) and waits for them before `ray stop`, within the grace period; the
+    hand-off settings reach the app."""
+    docs = render_with({"replicas": {"handoffSeconds": 20, "rolloutSurgePercent": 25}})
+    args = serve_config_v2(docs)["applications"][0]["args"]
+    assert (args["handoff_s"], args["rollout_surge_percent"]) == (20, 25)
+    worker = ray_pods(docs)["worker"]["spec"]
+    (container,) = worker["containers"]
+    shell, flag, script = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert script.startswith("ray drain-node ") and script.endswith("; ray stop")
+    assert f"--deadline-remaining-seconds {worker['terminationGracePeriodSeconds']}" in script
+    (tmp_path / "prestop.sh").write_text(script)
+    assert subprocess.run([shell, "-n", str(tmp_path / "prestop.sh")]).returncode == 0
 
 
 # --- services, secrets, Redis, metrics, notes ----------------------------------------------
