@@ -15,6 +15,7 @@ Parsing only (no redis-py), so configuration checks share it; `redis_clients` op
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import parse_qs, unquote
@@ -39,7 +40,7 @@ class RedisAddress:
     """A parsed index address; `url` is the text it came from (it may hold a password)."""
 
     kind: Kind
-    url: str = field(repr=False)
+    url: str = field(repr=False, compare=False)
     hosts: tuple[tuple[str, int], ...] = ()
     master: str = ""
     db: int = 0
@@ -65,8 +66,9 @@ def parse_redis_address(spec: str) -> RedisAddress:
     """Parse `spec` (see the module's docstring); ValueError names what is wrong."""
     scheme, sep, rest = spec.partition("://")
     if not sep or scheme not in ALL_SCHEMES:
+        named = f"{scheme}://" if sep else "(none)"
         raise ValueError(
-            f"unknown Redis address scheme {scheme + sep or spec!r}: expected one of "
+            f"unknown Redis address scheme {named!r}: expected one of "
             + ", ".join(f"{s}://" for s in ALL_SCHEMES)
         )
     tls = scheme.startswith("rediss")
@@ -108,6 +110,15 @@ def parse_redis_address(spec: str) -> RedisAddress:
         sentinel_password=options.get("sentinel_password"),
         tls=tls,
     )
+
+
+def redact(url: str) -> str:
+    """`url` with its user information and ``sentinel_password`` replaced by ``***``."""
+    scheme, sep, rest = url.partition("://")
+    rest, question, query = rest.partition("?")
+    _, at, rest = rest.rpartition("@")
+    query = re.sub(r"(sentinel_password=)[^&#]*", r"\1***", query)
+    return f"{scheme}{sep}{'***@' if at else ''}{rest}{question}{query}"
 
 
 def _credentials(userinfo: str) -> tuple[str | None, str | None]:

@@ -151,12 +151,16 @@ class LocalSentinel:
             _, port = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", MASTER_NAME)
         return int(port)
 
-    def failover(self) -> int:
-        """Promote the replica (SENTINEL FAILOVER); return the new master's port once the
-        Sentinel names it and it answers as a master."""
+    def failover(self, kill_master: bool = False) -> int:
+        """Promote the replica: SENTINEL FAILOVER (the old master lives on until the Sentinel
+        makes it a replica), or `kill_master` and let the Sentinel notice. Return the new
+        master's port once the Sentinel names it and it answers as a master."""
         old = self.master_port()
-        with redis.Redis(port=self.port, socket_timeout=1) as client:
-            client.execute_command("SENTINEL", "FAILOVER", MASTER_NAME)
+        if kill_master:
+            self.master.stop()
+        else:
+            with redis.Redis(port=self.port, socket_timeout=1) as client:
+                client.execute_command("SENTINEL", "FAILOVER", MASTER_NAME)
         _wait("the failover", lambda: self.master_port() != old)
         new = self.master_port()
         with redis.Redis(port=new, socket_timeout=1) as client:
