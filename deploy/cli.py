@@ -146,7 +146,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--index",
-        metavar="ADDRESS",
+        metavar="INDEX",
         help="'embedded' (default: a Ray actor) or Redis: redis[s]://[:PASSWORD@]HOST:PORT/DB "
         "(one server), redis[s]+sentinel://[:PASSWORD@]HOST:26379[,HOST:26379…]/MASTER[/DB]"
         "[?sentinel_password=…] (the master its Sentinels name; follows a failover), or "
