@@ -48,18 +48,25 @@ def cluster_port() -> int:
             return port
 
 
+def _synced(replication: dict) -> bool:
+    return replication["role"] == "master" or replication["master_link_status"] == "up"
+
+
 def redis_cli_path() -> str | None:
     """Return the `redis-cli` executable on PATH, or None."""
     return shutil.which("redis-cli")
 
 
 class LocalRedisCluster:
-    """`shards` cluster-enabled servers on 127.0.0.1, joined by `redis-cli --cluster create`
-    (no replicas), ready once every node reports ``cluster_state:ok``."""
+    """`shards` primaries, each with `replicas` replicas, on 127.0.0.1, joined by
+    `redis-cli --cluster create`; ready once every node reports ``cluster_state:ok`` and
+    every replica has synced (so it may be promoted)."""
 
-    def __init__(self, shards: int = 3) -> None:
+    def __init__(self, shards: int = 3, replicas: int = 0) -> None:
         cluster_args = ("--cluster-enabled", "yes", "--cluster-node-timeout", "2000")
-        self.nodes = [RedisServer(cluster_port(), extra_args=cluster_args) for _ in range(shards)]
+        count = shards * (1 + replicas)
+        self.replicas = replicas
+        self.nodes = [RedisServer(cluster_port(), extra_args=cluster_args) for _ in range(count)]
 
     @property
     def url(self) -> str:
@@ -72,8 +79,9 @@ class LocalRedisCluster:
         if cli is None:
             raise FileNotFoundError("redis-cli is not on PATH")
         addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+        replicas = ["--cluster-replicas", str(self.replicas)]
         subprocess.run(
-            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            [cli, "--cluster", "create", *addresses, *replicas, "--cluster-yes"],
             check=True,
             capture_output=True,
             timeout=30,
@@ -81,6 +89,17 @@ class LocalRedisCluster:
         for node in self.nodes:
             with redis.Redis(port=node.port, socket_timeout=1) as client:
                 _wait("the cluster", lambda c=client: c.cluster("info")["cluster_state"] == "ok")
+                _wait("a replica's sync", lambda c=client: _synced(c.info("replication")))
+
+    def owner(self, key: str) -> int:
+        """The port of the primary that holds `key`, as a live node sees the Cluster now."""
+        live = next(node for node in self.nodes if node.running)
+        with redis.RedisCluster(host="127.0.0.1", port=live.port) as client:
+            return int(client.get_node_from_key(key).port)
+
+    def kill(self, port: int) -> None:
+        """Kill the node on `port` (its replica, if any, takes over its slots)."""
+        next(node for node in self.nodes if node.port == port).stop()
 
     def stop(self) -> None:
         for node in self.nodes:

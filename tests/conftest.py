@@ -10,6 +10,7 @@ import pytest
 # First: sets Ray's environment before anything imports ray.
 from fixtures_ray import ray_cluster, serve_port  # noqa: F401
 from fixtures_redis import (  # noqa: F401
+    private_redis_cluster,
     private_redis_sentinel,
     private_redis_server,
     redis_cluster,

@@ -43,6 +43,16 @@ def redis_cluster() -> Iterator[LocalRedisCluster]:
         yield cluster
 
 
+@pytest.fixture
+def private_redis_cluster() -> Iterator[LocalRedisCluster]:
+    """A 3-shard Redis Cluster with a replica per primary, of this test alone: free to kill
+    a primary."""
+    if not redis_ha_available():
+        pytest.skip(NO_REDIS_HA)
+    with LocalRedisCluster(shards=3, replicas=1) as cluster:
+        yield cluster
+
+
 @pytest.fixture(scope="session")
 def redis_sentinel() -> Iterator[LocalSentinel]:
     """A Sentinel-watched master and replica for the session; tests must not fail it over

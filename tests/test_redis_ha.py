@@ -114,8 +114,7 @@ def test_the_config_checks_index_addresses() -> None:
 
 def _owner(cluster: LocalRedisCluster, fingerprint: bytes) -> int:
     """The port of the shard that holds the model's keys."""
-    with redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port) as client:
-        return int(client.get_node_from_key(f"{key_prefix(fingerprint)}seq").port)
+    return cluster.owner(f"{key_prefix(fingerprint)}seq")
 
 
 def _keys_per_shard(cluster: LocalRedisCluster, fingerprint: bytes) -> dict[int, int]:
@@ -231,6 +230,36 @@ async def test_the_index_follows_a_sentinel_failover(
         assert await index.heartbeat("r1") is True  # the replica had copied the liveness key
         found = await index.lookup([h("before"), after])
         assert found["r1"].prefix_hash == after
+        await _until(lambda: view.synced and view.lookup([after]) != {}, timeout_s=15)
+        assert not follower.done()
+    finally:
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
+        await index.close()
+
+
+async def test_the_index_follows_a_cluster_failover(
+    private_redis_cluster: LocalRedisCluster,
+) -> None:
+    """The primary of a model's shard dies; once its replica has taken over the slots, the
+    index writes there and a follower resyncs from it."""
+    cluster = private_redis_cluster
+    index = RedisIndex(cluster.url, os.urandom(32), timeout_s=1.0, write_timeout_s=1.0)
+    view = IndexView()
+    follower = asyncio.create_task(index.follow(view, retry_s=0.2))
+    try:
+        await index.heartbeat("r1")
+        await index.publish("r1", [IndexEntry(h("before"), 64, 1)])
+        await _until(lambda: view.lookup([h("before")]) != {})
+        old_primary = _owner(cluster, index.fingerprint)
+
+        cluster.kill(old_primary)
+        deadline = time.monotonic() + 20
+        while (new_primary := _owner(cluster, index.fingerprint)) == old_primary:
+            assert time.monotonic() < deadline, "no replica took over"
+            await asyncio.sleep(0.1)
+        after = await _until_written_to(new_primary, index)
+        assert (await index.lookup([h("before"), after]))["r1"].prefix_hash == after
         await _until(lambda: view.synced and view.lookup([after]) != {}, timeout_s=15)
         assert not follower.done()
     finally:
