@@ -50,7 +50,8 @@ class RedisAddress:
     tls: bool = False
 
     def describe(self) -> str:
-        """Where it is, for messages: hosts and names, never a password."""
+        """Where a Sentinel or Cluster address leads, for messages: hosts and names, never
+        a password (`redis_clients` names one server itself)."""
         nodes = ",".join(f"{host}:{port}" for host, port in self.hosts)
         if self.kind == "sentinel":
             return f"redis master {self.master!r} of sentinels {nodes} (db {self.db})"

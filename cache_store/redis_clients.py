@@ -92,7 +92,10 @@ class RedisConnections:
 
     async def subscriber(self, key: str, health_check_interval: float) -> Redis:
         """A new client for one pub/sub subscription about the model that owns `key`."""
-        options = {"health_check_interval": health_check_interval, **self._timeouts}
+        options = {  # no socket_timeout: a quiet channel is no failure
+            "health_check_interval": health_check_interval,
+            "socket_connect_timeout": self._timeouts["socket_connect_timeout"],
+        }
         if isinstance(self.client, RedisCluster):
             await self.client.initialize()
             node = self.client.get_node_from_key(key)
