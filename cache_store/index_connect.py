@@ -1,4 +1,4 @@
-"""Open a checkpoint index by name: "embedded" (a Ray actor) or a Redis URL.
+"""Open a checkpoint index by name: "embedded" (a Ray actor) or a Redis address.
 
 Apart from `index` (the contract both backends implement) so that the backends import the
 contract and this module imports the backends — no cycle.
@@ -10,21 +10,21 @@ from typing import Any
 
 from baton_serve.cache_store.embedded_index import EmbeddedIndex
 from baton_serve.cache_store.index import EMBEDDED_SPEC, CheckpointIndex
+from baton_serve.cache_store.redis_address import REDIS_FORMS, is_redis_address
 from baton_serve.cache_store.redis_index import RedisIndex
 
 
 async def connect_index(spec: str, fingerprint: bytes, **settings: Any) -> CheckpointIndex:
-    """Open the index named by `spec`: "embedded" (a Ray actor) or a redis:// / rediss:// URL.
+    """Open the index named by `spec`: "embedded" (a Ray actor) or a Redis address (one
+    server, a Sentinel-watched master or a Cluster: `redis_address` lists the forms).
 
     `settings` are the backend's keyword arguments (`IndexSettings` fields and its own).
     """
     if spec == EMBEDDED_SPEC:
         return await EmbeddedIndex.connect(fingerprint, **settings)
-    if spec.startswith(("redis://", "rediss://")):
+    if is_redis_address(spec):
         return RedisIndex(spec, fingerprint, **settings)
-    raise ValueError(
-        f"unknown index {spec!r}: expected {EMBEDDED_SPEC!r} or a redis:// or rediss:// URL"
-    )
+    raise ValueError(f"unknown index {spec!r}: expected {EMBEDDED_SPEC!r} or {REDIS_FORMS}")
 
 
 async def connect_cluster_index(spec: str, fingerprint: bytes, **settings: Any) -> CheckpointIndex:

@@ -17,12 +17,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Protocol, TypeVar
 
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.asyncio import Redis, RedisCluster
 
 from baton_serve.cache_store.index import IndexEntry, IndexSettings, IndexUnavailable
 from baton_serve.cache_store.index_view import IndexView
 from baton_serve.cache_store.memory_index import IndexChange, IndexSnapshot
+from baton_serve.cache_store.redis_clients import REDIS_ERRORS, RedisConnections
 
 T = TypeVar("T")
 
@@ -30,9 +30,9 @@ T = TypeVar("T")
 class RedisIndex(Protocol):
     """What following needs of `redis_index.RedisIndex` (which imports this module)."""
 
-    url: str
     where: str
-    redis: Redis
+    redis: Redis | RedisCluster
+    connections: RedisConnections
     prefix: str
     seq_key: str
     channel: str
@@ -51,13 +51,17 @@ _KINDS = {"publish", "touch", "forget", "forget_all", "alive"}
 async def follow_changes(index: RedisIndex, view: IndexView, *, retry_s: float) -> None:
     """Keep `view` current until cancelled (see the module's docstring)."""
     while True:
-        subscriber = Redis.from_url(
-            index.url,
-            socket_connect_timeout=index.settings.write_timeout_s,
-            health_check_interval=HEALTH_CHECK_S,  # a silently dead connection is noticed
-        )
-        pubsub = subscriber.pubsub(ignore_subscribe_messages=False)
+        subscriber = pubsub = None
         try:
+            subscriber = await index.call(
+                "subscribe",
+                index.connections.subscriber(
+                    index.seq_key,
+                    health_check_interval=HEALTH_CHECK_S,  # a dead connection is noticed
+                ),
+                index.settings.write_timeout_s,
+            )
+            pubsub = subscriber.pubsub(ignore_subscribe_messages=False)
             await _subscribe(pubsub, index)
             view.reset(await read_snapshot(index))
             while view.synced:
@@ -67,7 +71,7 @@ async def follow_changes(index: RedisIndex, view: IndexView, *, retry_s: float) 
                 change = parse_change(message["data"])
                 if change is None or not view.apply([change]):
                     view.lost()
-        except (RedisError, OSError, IndexUnavailable, asyncio.TimeoutError) as exc:
+        except (*REDIS_ERRORS, IndexUnavailable, asyncio.TimeoutError) as exc:
             view.lost()
             logger.info("index view: %s; resyncing in %g s", exc, retry_s)
             await asyncio.sleep(retry_s)
@@ -85,11 +89,13 @@ async def _subscribe(pubsub: Any, index: RedisIndex) -> None:
     raise IndexUnavailable(f"{index.where}: no subscription to {index.channel}")
 
 
-async def _close(pubsub: Any, subscriber: Redis) -> None:
+async def _close(pubsub: Any, subscriber: Redis | None) -> None:
     try:
-        await pubsub.aclose()
-        await subscriber.aclose()
-    except (RedisError, OSError):
+        if pubsub is not None:
+            await pubsub.aclose()
+        if subscriber is not None:
+            await subscriber.aclose()
+    except REDIS_ERRORS:
         pass
 
 
@@ -116,19 +122,15 @@ async def read_snapshot(index: RedisIndex) -> IndexSnapshot:
 async def _each(index: RedisIndex, kind: str, command: str) -> AsyncIterator[tuple[str, Any]]:
     """(key suffix, `command`'s answer) for every key of the model under `kind`, scanned and
     asked in pipelined batches."""
-    prefix, timeout, cursor = f"{index.prefix}{kind}", index.settings.write_timeout_s, 0
-    while True:
-        call = index.redis.scan(cursor, match=f"{prefix}*", count=SCAN_BATCH)
-        cursor, keys = await index.call("snapshot", call, timeout)
-        if keys:
-            pipe = index.redis.pipeline(transaction=False)
-            for key in keys:
-                getattr(pipe, command)(key)
-            answers = await index.call("snapshot", pipe.execute(), timeout)
-            for key, answer in zip(keys, answers):
-                yield key.decode()[len(prefix) :], answer
-        if cursor == 0:
-            return
+    prefix, timeout = f"{index.prefix}{kind}", index.settings.write_timeout_s
+    batches = aiter(index.connections.scan(f"{prefix}*", index.seq_key, SCAN_BATCH))
+    while (keys := await index.call("snapshot", anext(batches, None), timeout)) is not None:
+        pipe = index.redis.pipeline(transaction=False)
+        for key in keys:
+            getattr(pipe, command)(key)
+        answers = await index.call("snapshot", pipe.execute(), timeout)
+        for key, answer in zip(keys, answers):
+            yield key.decode()[len(prefix) :], answer
 
 
 def parse_change(data: bytes) -> IndexChange | None:

@@ -1,8 +1,12 @@
-"""The production index backend: Redis (standalone, or Cluster thanks to one hash tag).
+"""The production index backend: Redis — one server, a Sentinel-watched master, or a Redis
+Cluster (`redis_address` names the forms, `redis_clients` opens them).
 
 Keys of one model share the prefix ``baton:{<tag>}:``, where ``<tag>`` is 16 hex digits of
 ``blake2b(fingerprint)``; the braces make it a Redis Cluster hash tag, so every key of one
-model lives in one slot and the Lua scripts may touch keys they derive themselves.
+model lives in one slot (models spread over the shards). The scripts touch keys of their
+model only; two derive keys they are not passed (`_FORGET_ALL`: the replica's hash keys,
+`_LOOKUP`: liveness keys of the replicas it finds), which a Cluster runs because they are
+in the slot of the declared keys (Redis checks that per access).
 
 - ``…h:<hash hex>``: HASH, field = replica id, value =
   ``"<n_tokens>:<nbytes>:<expires_ms>:<ready_ms>"`` (Unix milliseconds; ready 0: held, else
@@ -26,11 +30,6 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
-
 from baton_serve.cache_store.index import (
     MAX_LOOKUP_HASHES,
     IndexEntry,
@@ -42,6 +41,7 @@ from baton_serve.cache_store.index import (
     check_replica_id,
 )
 from baton_serve.cache_store.index_view import IndexView
+from baton_serve.cache_store.redis_clients import REDIS_ERRORS, RedisConnections
 from baton_serve.cache_store.redis_follow import follow_changes
 
 T = TypeVar("T")
@@ -196,7 +196,8 @@ def change_json(kind: str, replica_id: str, **fields: object) -> str:
 
 
 class RedisIndex:
-    """CheckpointIndex on Redis; creating it does not contact the server."""
+    """CheckpointIndex on Redis at `url` (any `redis_address` form); creating it does not
+    contact the server."""
 
     def __init__(
         self, url: str, fingerprint: bytes, *, max_connections: int = 32, **settings: float
@@ -205,18 +206,9 @@ class RedisIndex:
         self.settings = IndexSettings(**settings)
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
-        pool = BlockingConnectionPool.from_url(
-            url,
-            max_connections=max_connections,
-            timeout=self.settings.write_timeout_s,  # wait for a free connection
-            socket_connect_timeout=self.settings.write_timeout_s,
-            socket_timeout=self.settings.write_timeout_s,
-            retry=Retry(NoBackoff(), 1),  # one immediate retry: a stale pooled connection
-        )
-        kwargs = pool.connection_kwargs
-        self.url = url
-        self.where = f"redis at {kwargs.get('host')}:{kwargs.get('port')}/{kwargs.get('db', 0)}"
-        self.redis = Redis.from_pool(pool)
+        self.connections = RedisConnections(url, self.settings, max_connections)
+        self.where = self.connections.where
+        self.redis = self.connections.client
         self.prefix = key_prefix(fingerprint)
         self.seq_key = f"{self.prefix}seq"
         self.channel = f"{self.prefix}changes"
@@ -239,7 +231,7 @@ class RedisIndex:
     async def call(self, what: str, call: Awaitable[T], timeout: float) -> T:
         try:
             return await asyncio.wait_for(call, timeout)
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        except (*REDIS_ERRORS, asyncio.TimeoutError) as exc:
             if isinstance(exc, asyncio.TimeoutError):
                 reason = f"no answer within {timeout:g} s"
             else:
@@ -334,8 +326,8 @@ class RedisIndex:
         start = len(f"{self.prefix}alive:")
 
         async def scan() -> list[str]:
-            keys = [key async for key in self.redis.scan_iter(match=pattern, count=1000)]
-            return sorted({key.decode()[start:] for key in keys})
+            batches = self.connections.scan(pattern, self.seq_key, count=1000)
+            return sorted({key.decode()[start:] async for keys in batches for key in keys})
 
         return await self.call("live_replicas", scan(), self.settings.write_timeout_s)
 
@@ -345,4 +337,4 @@ class RedisIndex:
         await follow_changes(self, view, retry_s=retry_s)
 
     async def close(self) -> None:
-        await self.call("close", self.redis.aclose(), self.settings.write_timeout_s)
+        await self.call("close", self.connections.aclose(), self.settings.write_timeout_s)

@@ -31,6 +31,11 @@ GATEWAY_DEPLOYMENT = "Gateway"
 ROUTING_STATS_PERIOD_S = 0.5
 GATEWAY_CPUS = 0.1
 RETRY_AFTER_S = 1
+# What a leaving replica may take: requests in flight finish, then the hand-off, then
+# leaving the index, or writing what RAM holds to the disk tier for the next start.
+DRAIN_S = 30.0
+CLOSE_S = 5.0
+DISK_FLUSH_S = 25.0
 
 _ROUTERS = {
     RouterPolicy.BATON: "baton_serve.router.request_router:BatonRouter",
@@ -77,6 +82,13 @@ def replica_actor_options(config: BatonConfig) -> dict:
     }
 
 
+def shutdown_timeout_s(config: BatonConfig) -> float:
+    """Serve's `graceful_shutdown_timeout_s` for the replicas: time to drain, hand off and
+    close (the chart's pod termination grace period must be longer)."""
+    closing = CLOSE_S if config.engine.checkpoint_dir is None else DISK_FLUSH_S
+    return DRAIN_S + config.handoff_s + closing
+
+
 def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Application:
     """The application for `config`. Without an HMAC key, one is generated here: every
     replica of this application receives the same one. With `startup_dir`, replicas on
@@ -101,9 +113,9 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
         backpressure_config={"status_code": 503, "retry_after_s": RETRY_AFTER_S},
         ray_actor_options=replica_actor_options(config),
         max_replicas_per_node=config.max_replicas_per_node,
+        max_surge_percent=config.rollout_surge_percent,
         request_router_config=router_config(config, model_path),
-        # A disk tier writes what RAM holds on the way out, for the next start to adopt.
-        graceful_shutdown_timeout_s=5 if engine.checkpoint_dir is None else 30,
+        graceful_shutdown_timeout_s=shutdown_timeout_s(config),
     ).bind(
         ReplicaSettings(
             model_path=str(model_path),
@@ -113,6 +125,7 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
             ship=config.router is RouterPolicy.BATON,
             heartbeat_s=config.heartbeat_s,
             liveness_ttl_s=config.liveness_ttl_s,
+            handoff_s=config.handoff_s,
             startup_dir=startup_dir,
         )
     )

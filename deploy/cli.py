@@ -144,7 +144,21 @@ def _parser() -> argparse.ArgumentParser:
         help="most bytes of checkpoint files in --checkpoint-dir (suffixes K, M, G, T: "
         "binary; default 16G)",
     )
-    serve.add_argument("--index", help="'embedded' (default) or a redis:// URL")
+    serve.add_argument(
+        "--handoff-s",
+        type=float,
+        metavar="SECONDS",
+        help="a replica leaving (scale-down, rolling update) hands its hottest checkpoints "
+        "to the others for up to this long (default 10; 0: none)",
+    )
+    serve.add_argument(
+        "--index",
+        metavar="INDEX",
+        help="'embedded' (default: a Ray actor) or Redis: redis[s]://[:PASSWORD@]HOST:PORT/DB "
+        "(one server), redis[s]+sentinel://[:PASSWORD@]HOST:26379[,HOST:26379…]/MASTER[/DB]"
+        "[?sentinel_password=…] (the master its Sentinels name; follows a failover), or "
+        "redis[s]+cluster://[:PASSWORD@]HOST:PORT[,HOST:PORT…] (a Redis Cluster's seed nodes)",
+    )
     serve.add_argument("--router", choices=[p.value for p in RouterPolicy])
     serve.add_argument(
         "--api-key", action="append", dest="api_keys", help="require this key (repeatable)"
@@ -198,6 +212,7 @@ def _serve(args: argparse.Namespace) -> int:
             "host",
             "port",
             "metrics_port",
+            "handoff_s",
         )
     }
     overrides["engine"] = {

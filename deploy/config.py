@@ -27,6 +27,12 @@ from pydantic import (
 )
 
 from baton_serve.cache_store.index import EMBEDDED_SPEC
+from baton_serve.cache_store.redis_address import (
+    REDIS_FORMS,
+    is_redis_address,
+    parse_redis_address,
+    redact,
+)
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.models.default_model import DEFAULT_MODEL_FILE
 from baton_serve.replicas.models.hf_hub import HF_PREFIX, parse_hf_ref
@@ -35,7 +41,6 @@ from baton_serve.replicas.models.tiny_model import ARCHITECTURES
 
 ENV_PREFIX = "BATON_"
 ENV_NESTING = "__"
-REDIS_SCHEMES = ("redis://", "rediss://")
 MIN_HMAC_KEY_CHARS = 16
 # Ray's built-in resources have settings of their own (or none to set): not custom resources.
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
@@ -84,9 +89,18 @@ class BatonConfig(BaseModel):
     max_replicas_per_node: int | None = Field(
         default=None, ge=1, description="Serve's max_replicas_per_node for the replicas"
     )
+    rollout_surge_percent: int = Field(
+        default=0,
+        ge=0,
+        le=100,
+        description="Serve's max_surge_percent for the replicas: new replicas start before "
+        "old ones stop in a rolling update, so even the last one hands its states over",
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig)
     index: str = Field(
-        default=EMBEDDED_SPEC, description='"embedded" or a redis:// / rediss:// URL'
+        default=EMBEDDED_SPEC,
+        description='"embedded", or a Redis address: redis:// / rediss:// (one server), '
+        "redis+sentinel://host:26379[,…]/<master name>[/db], redis+cluster://host:port[,…]",
     )
     router: RouterPolicy = RouterPolicy.BATON
     api_keys: tuple[SecretStr, ...] = Field(
@@ -115,6 +129,14 @@ class BatonConfig(BaseModel):
         gt=0,
         allow_inf_nan=False,
         description="a replica without a heartbeat for this long drops out of the index",
+    )
+    handoff_s: float = Field(
+        default=10.0,
+        ge=0,
+        le=300,
+        allow_inf_nan=False,
+        description="a replica leaving (scale-down, rolling update) hands its hottest "
+        "checkpoints to the others for up to this long (0: none)",
     )
     stream_ping_s: float = Field(
         default=15.0,
@@ -154,8 +176,11 @@ class BatonConfig(BaseModel):
     @field_validator("index")
     @classmethod
     def _check_index(cls, value: str) -> str:
-        if value != EMBEDDED_SPEC and not value.startswith(REDIS_SCHEMES):
-            raise ValueError(f"expected {EMBEDDED_SPEC!r} or a redis:// or rediss:// URL")
+        if value == EMBEDDED_SPEC:
+            return value
+        if not is_redis_address(value):
+            raise ValueError(f"expected {EMBEDDED_SPEC!r} or {REDIS_FORMS}")
+        parse_redis_address(value)  # its ValueError names what is wrong
         return value
 
     @field_validator("api_keys")
@@ -214,7 +239,7 @@ class BatonConfig(BaseModel):
 
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
         for name, value in super().__repr_args__():
-            yield name, (_redact_url(value) if name == "index" else value)
+            yield name, (redact(value) if name == "index" else value)
 
 
 def load_config(
@@ -333,10 +358,3 @@ def _without_none(values: Mapping[str, Any]) -> dict[str, Any]:
         for key, value in values.items()
         if value is not None
     }
-
-
-def _redact_url(url: str) -> str:
-    """`url` with its user information (a Redis password) replaced by `***`."""
-    scheme, sep, rest = url.partition("://")
-    _, at, host = rest.rpartition("@")
-    return f"{scheme}{sep}***@{host}" if at else url

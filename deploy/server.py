@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from ray import serve
 
 from baton_serve.cache_store.disk_dir import check_checkpoint_dir
+from baton_serve.cache_store.redis_address import redact
 from baton_serve.deploy.app import APP_NAME, build_app, logical_cpus
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.local_ray import local_ray, metrics_export_port
@@ -94,7 +95,7 @@ def _banner(config: BatonConfig, metrics_port: int | None) -> str:
     metrics = f"Metrics (Prometheus) at http://127.0.0.1:{metrics_port}/metrics\n"
     return (
         f"Baton is serving {config.served_model_name} at {url}/v1 "
-        f"({config.router.value} router, {config.index.split('@')[-1]} index)\n"
+        f"({config.router.value} router, {redact(config.index).split('@')[-1]} index)\n"
         f"  curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\\n"
         f'    -d \'{{"model": "{config.served_model_name}", '
         f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\'\n'

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -32,13 +33,20 @@ class RedisServer:
     Restarting keeps the port (so clients reconnect) but not the data.
     """
 
-    def __init__(self, port: int | None = None, start_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        start_timeout_s: float = 10.0,
+        extra_args: Sequence[str] = (),
+    ) -> None:
         executable = redis_server_path()
         if executable is None:
             raise FileNotFoundError("redis-server is not on PATH (try `make redis-server`)")
         self.executable = executable
         self.port = port or free_port()
         self.start_timeout_s = start_timeout_s
+        self.extra_args = tuple(extra_args)  # more `--name value` settings
+        self.leading_args: tuple[str, ...] = ()  # before the flags: a config file, `--sentinel`
         self._dir = Path(tempfile.mkdtemp(prefix="baton-redis-"))
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -57,12 +65,14 @@ class RedisServer:
         log = self._dir / "redis.log"
         command = [
             self.executable,
+            *self.leading_args,
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--save", "",
             "--appendonly", "no",
             "--dir", str(self._dir),
             "--logfile", str(log),
+            *self.extra_args,
         ]  # fmt: skip
         self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + self.start_timeout_s
@@ -82,6 +92,11 @@ class RedisServer:
                 time.sleep(0.02)
         finally:
             client.close()
+
+    @property
+    def dir(self) -> Path:
+        """The server's own directory (its log, a Cluster's node file)."""
+        return self._dir
 
     def stop(self) -> None:
         """Kill the server (its data is lost) and wait until it has exited."""

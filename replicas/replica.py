@@ -29,6 +29,7 @@ from baton_serve.replicas.engine.protocol import (
     ReplicaRequest,
     TokenEvent,
 )
+from baton_serve.replicas.handoff import HandoffReport, hand_off, handoff_order
 from baton_serve.replicas.index_publisher import IndexPublisher
 from baton_serve.replicas.request_telemetry import RequestTelemetry
 from baton_serve.replicas.shipping import (
@@ -58,6 +59,8 @@ class ReplicaStats:
     pulls_rejected: int = 0  # the blob failed validation
     exports: int = 0
     exported_bytes: int = 0
+    adopted: int = 0  # checkpoints a leaving peer handed over
+    adopted_bytes: int = 0
     index_errors: int = 0
 
 
@@ -90,6 +93,7 @@ class Replica:
             on_error=self._index_error,
         )
         self._tasks: list[asyncio.Task[None]] = []
+        self._leaving = False
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -98,6 +102,53 @@ class Replica:
         self._tasks += self.publisher.start()
         if metrics.enabled():
             self._tasks.append(asyncio.create_task(self._gauge_loop()))
+
+    async def hand_off(self, deadline_s: float) -> HandoffReport:
+        """Leaving: offer the hottest checkpoints to live peers for up to `deadline_s` (the
+        engine is stopped first, so its idle slots' states are in the store). Never raises."""
+        self._leaving = True
+        if self.index is None or self.peers is None or deadline_s <= 0:
+            return HandoffReport()
+        try:
+            live = await asyncio.wait_for(self.index.live_replicas(), CLOSE_TIMEOUT_S)
+        except (IndexUnavailable, TimeoutError):
+            self._index_error()
+            return HandoffReport()
+        cache = self.engine.cache
+        order = handoff_order(cache.store.checkpoints(), nested=not cache.kind.needs_checkpoints)
+        report = await hand_off(
+            order,
+            lambda checkpoint: self._shipped(cache.export_checkpoint(checkpoint.prefix_hash)),
+            self.peers,
+            [rid for rid in live if rid != self.replica_id],
+            deadline_s=deadline_s,
+            bytes_per_peer=cache.store.budget_bytes // 2,
+        )
+        logger.info(
+            "handed %d of %d checkpoints (%.1f MB) to %d peers in %.2f s; %d left",
+            report.accepted,
+            report.offered,
+            report.accepted_bytes / 1e6,
+            report.peers,
+            report.seconds,
+            report.left,
+        )
+        return report
+
+    async def adopt(self, blob: ShippedBlob) -> bool:
+        """Keep a checkpoint a leaving peer hands over: checked in full like a pulled one,
+        then published to the index. False if refused (this replica is leaving too, or
+        the blob is bad)."""
+        if self._leaving:
+            return False
+        try:
+            await asyncio.to_thread(self.engine.cache.import_checkpoint, blob)
+        except (BlobError, EngineError) as exc:
+            logger.warning("refused a handed-off state blob: %s", exc)
+            return False
+        self.stats.adopted += 1
+        self.stats.adopted_bytes += shipped_nbytes(blob)
+        return True
 
     async def close(self) -> None:
         """Stop, and remove this replica's entries from the index (best effort, bounded:
@@ -275,7 +326,10 @@ class Replica:
     def export_best(self, tokens: tuple[int, ...], min_tokens: int) -> ShippedBlob | None:
         """For a peer: our checkpoint giving the longest prefix of `tokens`, signed, its
         state a uint8 view of the stored one (Ray copies it into the object store once)."""
-        parts = self.engine.cache.export_best(tokens, min_tokens)
+        return self._shipped(self.engine.cache.export_best(tokens, min_tokens))
+
+    def _shipped(self, parts: tuple[bytes, memoryview] | None) -> ShippedBlob | None:
+        """A stored checkpoint's signed blob parts in their travelling form, counted."""
         if parts is None:
             return None
         blob = shipped_blob(*parts)

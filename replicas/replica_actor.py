@@ -31,11 +31,17 @@ class ActorPeers:
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
     ) -> ShippedBlob | None:
-        try:
-            peer = ray.get_actor(actor_name(replica_id), namespace=NAMESPACE)
-        except ValueError as exc:  # no such actor: it died or never existed
-            raise RayActorError(f"peer {replica_id} is gone") from exc
-        return await peer.export_best.remote(tokens, min_tokens, wait_s)
+        return await _peer(replica_id).export_best.remote(tokens, min_tokens, wait_s)
+
+    async def offer(self, replica_id: str, blob: ShippedBlob) -> bool:
+        return await _peer(replica_id).adopt.remote(blob)
+
+
+def _peer(replica_id: str) -> ray.actor.ActorHandle:
+    try:
+        return ray.get_actor(actor_name(replica_id), namespace=NAMESPACE)
+    except ValueError as exc:  # no such actor: it died or never existed
+        raise RayActorError(f"peer {replica_id} is gone") from exc
 
 
 class ReplicaHost:
@@ -89,6 +95,9 @@ class ReplicaHost:
     ) -> ShippedBlob | None:
         return await self._replica.export_when_ready(tuple(tokens), min_tokens, wait_s)
 
+    async def adopt(self, blob: ShippedBlob) -> bool:
+        return await self._replica.adopt(blob)
+
     def stats(self) -> tuple[ReplicaStats, dict]:
         return self._replica.stats, dict(vars(self._replica.engine.stats))
 
@@ -108,8 +117,11 @@ class ReplicaHost:
     async def wait_idle(self, timeout: float = 30.0) -> bool:
         return await asyncio.to_thread(self._replica.engine.wait_idle, timeout)
 
-    async def close(self) -> None:
+    async def close(self, handoff_s: float = 0.0) -> None:
+        """Leave: hand the hottest checkpoints to peers for up to `handoff_s`, then stop."""
         if self.replica is not None:
+            await asyncio.to_thread(self.replica.engine.stop)
+            await self.replica.hand_off(handoff_s)
             await self.replica.close()
             self.replica.engine.close()
             self.replica = None

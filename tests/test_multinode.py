@@ -366,3 +366,42 @@ def test_a_worker_node_killed_under_load(app: App, nodes: ThreeNodes) -> None:
     assert {o[2] for o in load.outcomes if o[0] > replaced_at} - {victim}
     deployment = serve.status().applications[APP_NAME].deployments[REPLICA_DEPLOYMENT]
     assert deployment.status == "HEALTHY"
+
+
+# ---- a worker node drained (a pod deleted: the chart's preStop) -------------------------------
+
+
+def test_a_drained_worker_node_hands_its_conversation_over(app: App, nodes: ThreeNodes) -> None:
+    """What the chart's preStop does before a worker pod goes: drain its Ray node. Serve
+    starts a replacement on another node and stops the drained node's replica gracefully;
+    the replica hands its checkpoints over, and its conversation goes on from cache."""
+    spare = nodes.add_worker()  # room for the replacement: one replica per node
+    messages = [
+        {"role": "system", "content": SYSTEM + f" (drained, {app.index})"},
+        {"role": "user", "content": "Start."},
+    ]
+    first = _chat(app.url, app.name, messages)
+    holder = first.headers["x-baton-replica"]
+    drained = _replica_nodes()[holder]
+    messages += [
+        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And after the drain?"},
+    ]
+    ray_cli = Path(sys.executable).with_name("ray")
+    subprocess.run(
+        [
+            *(str(ray_cli), "drain-node", "--address", nodes.cluster.address),
+            *("--node-id", drained, "--reason", "DRAIN_NODE_REASON_PREEMPTION"),
+            *("--reason-message", "pod terminating", "--deadline-remaining-seconds", "120"),
+        ],
+        check=True,
+    )
+    _wait_until(lambda: holder not in _replica_nodes(), 120, "the drained node's replica left")
+    _wait_until(lambda: len(_replica_nodes()) == 2, 120, "a replacement replica")
+    assert spare in _replica_nodes().values() and drained not in _replica_nodes().values()
+
+    reply = _chat(app.url, app.name, messages)
+    assert reply.headers["x-baton-replica"] != holder
+    usage = reply.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= first.json()["usage"]["prompt_tokens"]
+    nodes.cluster.remove_node(nodes.workers.pop(drained))

@@ -154,9 +154,8 @@ class Engine:
         self, prompt: Prompt, sampling: SamplingParams | None = None, *, return_logits: bool = False
     ) -> Completion:
         """Submit and wait for the completion."""
-        request = GenerationRequest(
-            prompt=prompt, sampling=sampling or SamplingParams(), return_logits=return_logits
-        )
+        sampling = sampling or SamplingParams()
+        request = GenerationRequest(prompt=prompt, sampling=sampling, return_logits=return_logits)
         return self.submit(request).result()
 
     def local_reuse(self, tokens: tuple[int, ...]) -> tuple[int, float]:
@@ -184,13 +183,18 @@ class Engine:
         """Wait until nothing is queued or running (replays included); False on timeout."""
         return self._idle.wait(timeout)
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """End the engine loop (queued and running requests fail); store idle slots' states."""
         with self._wakeup:
-            if self._closed:
-                return
-            self._closed = True
+            stopping, self._closed = not self._closed, True
             self._wakeup.notify()
         self._thread.join()
+        if stopping:
+            self.cache.keep_slots(self._slots)
+
+    def close(self) -> None:
+        """Stop, write what RAM holds to the disk tier (if any) and free llama.cpp's memory."""
+        self.stop()
         self.cache.close()
         self._context.close()
         self.model.close()
@@ -377,15 +381,11 @@ class Engine:
         self._complete(run, reason)
         if run.index:  # a later choice of an n > 1 request: only the first one is replayed
             self.cache.rewind_to_prompt(run)
+        if run.index or not self.config.prefix_cache:
             self._release(run.slot)
             return
-        if not self.config.prefix_cache:
-            self._release(run.slot)
-            return
-        history = (
-            run.prompt + tuple(run.generated) + ((end_token,) if end_token is not None else ())
-        )
-        history = history[: self.n_ctx]
+        ending = (end_token,) if end_token is not None else ()
+        history = (run.prompt + tuple(run.generated) + ending)[: self.n_ctx]
         self.cache.rewind_to_prompt(run)
         start = len(run.slot.tokens)
         if not start or len(history) - start < MIN_PIECE:

@@ -328,6 +328,15 @@ class PrefixCache:
         slot.tokens = []
         return False
 
+    def keep_slots(self, slots: list[Slot]) -> None:
+        """Save what idle slots hold to the store (attention models: a slot's KV is saved
+        only when the slot is given away). Only once the engine loop has ended."""
+        if not self.config.prefix_cache or self.kind.needs_checkpoints:
+            return  # hybrid states are checkpointed as they are computed
+        for slot in sorted(slots, key=lambda s: s.last_used):  # the most recent stored last
+            if slot.running is None and slot.tokens:
+                self.save_checkpoint(slot)
+
     def _victim(self, free: list[Slot]) -> Slot:
         """The free slot whose contents are least worth keeping: empty first, then LRU."""
         return min(free, key=lambda s: (bool(s.tokens), s.last_used))

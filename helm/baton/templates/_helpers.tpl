@@ -132,6 +132,10 @@ podSelector:
 {{- if or (gt (int $w.minReplicas) (int $w.replicas)) (gt (int $w.replicas) (int $w.maxReplicas)) }}
 {{- fail (printf "workers: need minReplicas (%d) <= replicas (%d) <= maxReplicas (%d)" (int $w.minReplicas) (int $w.replicas) (int $w.maxReplicas)) }}
 {{- end }}
+{{- $shutdown := add 90 (int .Values.replicas.handoffSeconds) }}
+{{- if lt (int $w.terminationGracePeriodSeconds) (int $shutdown) }}
+{{- fail (printf "workers.terminationGracePeriodSeconds (%d) must be at least %d: 60 s to start a replacement and drain, replicas.handoffSeconds, and 30 s to close" (int $w.terminationGracePeriodSeconds) (int $shutdown)) }}
+{{- end }}
 {{- $taken := list 6379 8265 10001 52365 (int .Values.metrics.port) }}
 {{- if has (int .Values.serve.port) $taken }}
 {{- fail (printf "serve.port %d is taken by Ray (GCS 6379, dashboard 8265, client 10001, dashboard agent 52365) or metrics.port" (int .Values.serve.port)) }}
@@ -168,4 +172,14 @@ podSelector:
 {{- if and (gt (float64 $r.gpus) 0.0) (gt (mulf $most $r.gpus) (mulf $w.maxReplicas $w.gpus)) }}
 {{- fail (printf "replicas: %d replicas x %v GPUs do not fit on workers.maxReplicas (%d) x workers.gpus (%d) GPUs" $most $r.gpus (int $w.maxReplicas) (int $w.gpus)) }}
 {{- end }}
+{{- end }}
+
+{{/*
+A worker pod's preStop: drain its Ray node, so Serve moves the replicas elsewhere and stops
+these gracefully (requests finish, checkpoints are handed off); `ray stop` once no replica
+process is left, or a little before the pod's grace period ends.
+*/}}
+{{- define "baton.workerPreStop" -}}
+{{- $grace := int .Values.workers.terminationGracePeriodSeconds -}}
+ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --reason-message "pod terminating" --deadline-remaining-seconds {{ $grace }} || true; end=$(( $(date +%s) + {{ sub $grace 10 }} )); while grep -qs ServeReplica: /proc/[0-9]*/cmdline && [ "$(date +%s)" -lt "$end" ]; do sleep 1; done; ray stop
 {{- end }}

@@ -1,8 +1,10 @@
 {{/*
 The RayService's serveConfigV2: files/serve_config.yaml, which deploy/serve_config.py writes
 (the same Serve config `serve run` deploys), with the application's `args` and the HTTP port
-set from the values (the disk tier's mount path as the engine's checkpoint_dir), and Ray Serve autoscaling on the Replica deployment (the file's one
-`deployments` entry). Secrets never appear here: API keys, the HMAC key and a Redis URL with
+set from the values (the disk tier's mount path as the engine's checkpoint_dir), and the
+Replica deployment's size or Ray Serve autoscaling in the file's one `deployments` entry: not
+in `args`, which are part of Serve's code version, so that a new size scales the deployment
+instead of replacing every replica (and its cached states). Secrets never appear here: API keys, the HMAC key and a Redis URL with
 a password reach the app builder as BATON_* environment variables (see baton.rayEnv).
 */}}
 {{- define "baton.serveConfig" -}}
@@ -12,11 +14,12 @@ a password reach the app builder as BATON_* environment variables (see baton.ray
 {{- $args := dict
   "port" (int .Values.serve.port)
   "router" .Values.router
-  "replicas" (int .Values.replicas.count)
   "num_gpus_per_replica" .Values.replicas.gpus
   "num_cpus_per_replica" .Values.replicas.cpus
   "gateway_replicas" (int .Values.gateway.replicas)
   "engine" (deepCopy .Values.engine)
+  "handoff_s" .Values.replicas.handoffSeconds
+  "rollout_surge_percent" (int .Values.replicas.rolloutSurgePercent)
 }}
 {{- if .Values.diskTier.enabled }}
 {{- $_ := set $args.engine "checkpoint_dir" .Values.diskTier.path }}
@@ -40,6 +43,8 @@ a password reach the app builder as BATON_* environment variables (see baton.ray
 {{- if .Values.replicas.autoscaling.enabled }}
 {{- $_ := set $replica "num_replicas" "auto" }}
 {{- $_ := set $replica "autoscaling_config" .Values.replicas.autoscaling.config }}
+{{- else }}
+{{- $_ := set $replica "num_replicas" (int .Values.replicas.count) }}
 {{- end }}
 {{- toYaml $config }}
 {{- end }}
