@@ -155,6 +155,12 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
         type=float,
         help="seconds a leaving replica may hand its checkpoints off (0: off; default: the config's)",
     )
+    restart.add_argument(
+        "--surge-percent",
+        type=int,
+        default=0,
+        help="rollout_surge_percent: replacements that start before old replicas stop",
+    )
     restart.add_argument("--out", default="bench-out/restart", help="locust's files go here")
     restart.add_argument("--json", action="store_true", help="print one JSON object")
     restart.set_defaults(run=_bench_restart)
@@ -345,6 +351,7 @@ def _bench_restart(args: argparse.Namespace) -> int:
             chat_turns=args.chat_turns,
             warmup_s=args.warmup_s,
             handoff_s=args.handoff_s,
+            surge_percent=args.surge_percent,
             progress=progress,
         )
     _report(args, result, format_report(result), [Path(p) for p in result["reports"]])

@@ -8,8 +8,9 @@ event is a new config:
 - rolling: the replicas' `ray_actor_options` get a new `BATON_DEPLOY_GENERATION` environment
   variable, a change Serve must restart an actor for: it replaces the replicas in a rolling
   update (20% at a time, at least one: with 3 replicas, one after the other; an old one is
-  stopped, then its successor started). It is complete when Serve reports the app running
-  and none of the old replicas is left.
+  stopped, then its successor started, unless `rollout_surge_percent` lets successors start
+  first). It is complete when Serve reports the app running and none of the old replicas
+  is left.
 - downscale: `num_replicas` one lower (3 → 2), a change Serve applies in place; complete when
   only that many replicas are left.
 
@@ -74,12 +75,14 @@ def restart_benchmark(
     chat_turns: int = 24,
     warmup_s: float = 90.0,
     handoff_s: float | None = None,
+    surge_percent: int = 0,
     cpus_per_replica: float = 1.0,
     progress: Progress = SILENT,
 ) -> dict:
     """Deploy `replicas` replicas of `model_path`, run locust, and go through `events` under
     its load; locust's reports and per-request files go to `out_dir`. `handoff_s`: the
-    config's hand-off deadline (None: its default; 0: no hand-off)."""
+    config's hand-off deadline (None: its default; 0: no hand-off); `surge_percent`: its
+    `rollout_surge_percent` (replacements that start before old replicas stop)."""
     unknown = [e for e in events if e not in EVENTS]
     if unknown or not events:
         raise ValueError(f"unknown events {unknown}: choose from {', '.join(EVENTS)}")
@@ -97,12 +100,16 @@ def restart_benchmark(
             n_ctx=8192, n_slots=2, n_threads=1, store_budget_bytes=STORE_BUDGET_BYTES
         ),
         hmac_key=secrets.token_hex(16),  # the same for every generation of replicas
-        **_handoff(handoff_s),
+        rollout_surge_percent=surge_percent,
+        **({} if handoff_s is None else {"handoff_s": handoff_s}),
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     prefix = out_dir / "restart"
-    # A rolling update starts a replica while the one it replaces may still be stopping.
-    num_cpus = max(os.cpu_count() or 1, math.ceil((replicas + 1) * cpus_per_replica + GATEWAY_CPUS))
+    # A rolling update starts replicas while those they replace may still be stopping.
+    extra = max(1, math.ceil(replicas * surge_percent / 100))
+    num_cpus = max(
+        os.cpu_count() or 1, math.ceil((replicas + extra) * cpus_per_replica + GATEWAY_CPUS)
+    )
     port = free_port()
     timeline: list[tuple[str, float, float]] = []  # (event, started, done)
     progress.step(f"starting Ray and the app ({replicas} replicas)")
@@ -134,7 +141,8 @@ def restart_benchmark(
         "chat_turns": chat_turns,
         "system_tokens": system_tokens,
         "max_tokens": max_tokens,
-        "handoff_s": getattr(config, "handoff_s", 0.0),
+        "handoff_s": config.handoff_s,
+        "surge_percent": surge_percent,
         "warmup_s": warmup_s,
         "started_at": started,  # time.time() when locust started; events' times count from it
         "requests": whole["requests"],
@@ -143,15 +151,6 @@ def restart_benchmark(
         "cold_start": cold_start(turns, started),
         "reports": [str(p) for p in sorted(out_dir.glob("restart*"))],
     }
-
-
-def _handoff(handoff_s: float | None) -> dict:
-    """The config's hand-off setting, where this Baton has one."""
-    if "handoff_s" in BatonConfig.model_fields:
-        return {} if handoff_s is None else {"handoff_s": handoff_s}
-    if handoff_s:
-        raise ValueError("--handoff-s: this Baton has no hand-off (no BatonConfig.handoff_s)")
-    return {}
 
 
 class _Deployment:

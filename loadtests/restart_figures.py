@@ -139,9 +139,11 @@ def cold_start(turns: list[Turn], run_started: float) -> dict:
 def format_report(result: dict) -> str:
     """The events' table and the cold-start figures."""
     handoff = "off" if not result["handoff_s"] else f"{result['handoff_s']:g} s"
+    surge = result.get("surge_percent", 0)
     lines = [
         f"restart: {result['model']}, {result['replicas']} replicas, {result['users']} locust"
-        f" users ({CHAT_CLASS}, {result['chat_turns']} turns a session), hand-off {handoff}",
+        f" users ({CHAT_CLASS}, {result['chat_turns']} turns a session), hand-off {handoff},"
+        f" rollout surge {surge}%",
         f"requests {result['requests']}, failures {result['failures']} (whole run)",
         f"{'event':<10} {'at':>5} {'took':>5} {'failed':>6} {'cached before':>13}"
         f" {'during':>6} {'after':>6} {'drop':>8} {'lost b/d/a':>11} {'met':>4}"
