@@ -124,8 +124,14 @@ class ReplicaHost:
 ReplicaActor = ray.remote(num_cpus=0)(ReplicaHost)
 
 
-def spawn_replica(replica_id: str, *args: object, **kwargs: object) -> ray.actor.ActorHandle:
-    """Start a named replica actor; `await handle.start.remote()` before using it."""
-    return ReplicaActor.options(name=actor_name(replica_id), namespace=NAMESPACE).remote(
-        replica_id, *args, **kwargs
-    )
+def spawn_replica(
+    replica_id: str,
+    *args: object,
+    resources: dict[str, float] | None = None,
+    **kwargs: object,
+) -> ray.actor.ActorHandle:
+    """Start a named replica actor (asking for custom `resources`: a node that offers them);
+    `await handle.start.remote()` before using it."""
+    return ReplicaActor.options(
+        name=actor_name(replica_id), namespace=NAMESPACE, resources=resources or {}
+    ).remote(replica_id, *args, **kwargs)
