@@ -26,6 +26,7 @@ import ray
 
 from baton_serve.deploy.local_ray import local_ray
 from baton_serve.loadtests.local_cluster import local_cluster, node_resource
+from baton_serve.loadtests.object_store_floor import object_store_floor
 from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.synthetic_text import filler_text
 from baton_serve.replicas.engine.engine_config import EngineConfig
@@ -92,9 +93,9 @@ async def _run(model: Path, lengths: list[int], progress: Progress, cross_node: 
             hmac_key=key,
             index="embedded",
             heartbeat_s=0.2,
-            resources={node_resource(worker): 1} if cross_node else None,
+            resources=resources,
         )
-        for worker, name in enumerate(("bench-a", "bench-b"))
+        for name, resources in zip(("bench-a", "bench-b"), _placement(cross_node))
     )
     no_cache = config.model_copy(update={"prefix_cache": False})
     baseline = spawn_replica("bench-c", str(model), no_cache, hmac_key=key)
@@ -159,13 +160,23 @@ def ship_benchmark(
     """Ship each prefix length's state from A to B on one Ray node, or across two nodes."""
     if cross_node:
         progress.step("starting a Ray cluster of three nodes and three replicas")
-        with local_cluster(workers=2):
-            rows = asyncio.run(_run(model, lengths, progress, cross_node))
+        ray_runtime = local_cluster(workers=2)
     else:
         progress.step("starting Ray and three replicas")
-        with local_ray(num_cpus=2):
-            rows = asyncio.run(_run(model, lengths, progress, cross_node))
-    return {"model": str(model), "cross_node": cross_node, "rows": rows}
+        ray_runtime = local_ray(num_cpus=2)
+    with ray_runtime:
+        rows = asyncio.run(_run(model, lengths, progress, cross_node))
+        nbytes = max(r["state_bytes"] for r in rows)
+        progress.step(f"the object store alone moving {nbytes / 1e6:.1f} MB")
+        floor = object_store_floor(nbytes, *_placement(cross_node)) if nbytes else None
+    return {"model": str(model), "cross_node": cross_node, "rows": rows, "floor": floor}
+
+
+def _placement(cross_node: bool) -> tuple[dict | None, dict | None]:
+    """The custom resources of A's replica and of B's: one worker node each, or none."""
+    if not cross_node:
+        return None, None
+    return {node_resource(0): 1}, {node_resource(1): 1}
 
 
 def format_report(result: dict) -> str:
@@ -186,6 +197,14 @@ def format_report(result: dict) -> str:
             f"{r['prefix_tokens']:>7} {r['state_bytes'] / 1e6:>9.1f} {move}"
             f" {r['ship_s']:>7.3f} {r['recompute_s']:>12.3f}"
             f" {r['ratio']:>7.3f} {r['cached_tokens']:>7}   {'':>14} {shares}"
+        )
+    floor = result.get("floor")
+    if floor:
+        lines.append(
+            f"the object store alone moving {floor['nbytes'] / 1e6:.1f} MB from A's node to"
+            f" B's and touching every page: first {floor['first_s']:.4f} s"
+            f" ({floor['first_gb_per_s']:.2f} GB/s), then {floor['warm_s']:.4f} s"
+            f" ({floor['warm_gb_per_s']:.2f} GB/s, median)"
         )
     lines += [
         "move = from asking the peer for the state until it is restored here; GB/s = state"

@@ -15,6 +15,7 @@ from typing import Any
 from baton_serve.cache_store.checkpoint import Checkpoint
 from baton_serve.cache_store.prefix_hash import PrefixHasher
 from baton_serve.cache_store.state_blob import (
+    ALL_CORES,
     BlobError,
     BlobParts,
     Buffer,
@@ -47,8 +48,9 @@ class CheckpointCodec:
         self._digester = ThreadPoolExecutor(1, thread_name_prefix="baton-blob-digest")
 
     def digest_later(self, checkpoint: Checkpoint) -> None:
-        """Hash a new checkpoint's payload in the background, ready for its exports."""
-        self._digester.submit(_fill_digest, checkpoint)
+        """Hash a new checkpoint's payload in the background, ready for its exports (on one
+        core: the engine's own threads come first)."""
+        self._digester.submit(_fill_digest, checkpoint, 1)
 
     def parts(self, checkpoint: Checkpoint) -> tuple[bytes, memoryview]:
         """The signed blob of `checkpoint` as `(head, state)`, the state not copied."""
@@ -63,7 +65,7 @@ class CheckpointCodec:
         return encode_blob(**self._fields(checkpoint))
 
     def _fields(self, checkpoint: Checkpoint) -> dict[str, Any]:
-        _fill_digest(checkpoint)  # usually done already, in the background
+        _fill_digest(checkpoint)  # usually done already, in the background; a peer waits
         return {
             "fingerprint": self.fingerprint,
             "prefix_hash": checkpoint.prefix_hash,
@@ -96,9 +98,9 @@ class CheckpointCodec:
         )
 
 
-def _fill_digest(checkpoint: Checkpoint) -> None:
+def _fill_digest(checkpoint: Checkpoint, threads: int = ALL_CORES) -> None:
     if checkpoint.digest is None:
-        checkpoint.digest = payload_digest(checkpoint.tokens, checkpoint.state)
+        checkpoint.digest = payload_digest(checkpoint.tokens, checkpoint.state, threads=threads)
 
 
 def frozen(blob: Buffer | BlobParts) -> Buffer | BlobParts:
