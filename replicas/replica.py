@@ -33,7 +33,7 @@ from baton_serve.replicas.index_publisher import IndexPublisher
 from baton_serve.replicas.request_telemetry import RequestTelemetry
 from baton_serve.replicas.shipping import (
     PeerDirectory,
-    ShippedBlob,
+    PeerReply,
     ShipPolicy,
     shipped_blob,
     shipped_nbytes,
@@ -262,7 +262,7 @@ class Replica:
 
     async def export_when_ready(
         self, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
-    ) -> ShippedBlob | None:
+    ) -> PeerReply | None:
         """`export_best`, waiting up to `wait_s` for a checkpoint being computed here."""
         deadline = time.monotonic() + wait_s
         while True:
@@ -272,14 +272,16 @@ class Replica:
                 return blob
             await asyncio.sleep(EXPORT_POLL_S)
 
-    def export_best(self, tokens: tuple[int, ...], min_tokens: int) -> ShippedBlob | None:
+    def export_best(self, tokens: tuple[int, ...], min_tokens: int) -> PeerReply | None:
         """For a peer: our checkpoint giving the longest prefix of `tokens`, signed, its
-        state a uint8 view of the stored one (Ray copies it into the object store once)."""
-        parts = self.engine.cache.export_best(tokens, min_tokens)
-        if parts is None:
+        state the ObjectRef of its copy in the object store (see `share_in_object_store`),
+        or a uint8 view of the stored one (Ray copies it into the object store then)."""
+        found = self.engine.cache.export_best(tokens, min_tokens)
+        if found is None:
             return None
-        blob = shipped_blob(*parts)
-        nbytes = shipped_nbytes(blob)
+        (head, state), shared = found
+        blob = shipped_blob(head, state, shared)
+        nbytes = len(head) + len(state)
         self.stats.exports += 1
         self.stats.exported_bytes += nbytes
         metrics.CHECKPOINTS_SHIPPED.inc()

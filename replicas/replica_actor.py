@@ -16,7 +16,13 @@ from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.protocol import Completion, GenerationRequest, ReplicaRequest
 from baton_serve.replicas.replica import Replica, ReplicaStats
-from baton_serve.replicas.shipping import ShippedBlob, ShipPolicy
+from baton_serve.replicas.shipping import (
+    PeerReply,
+    ShippedBlob,
+    ShipPolicy,
+    received_blob,
+    share_in_object_store,
+)
 
 NAMESPACE = "baton"
 
@@ -35,7 +41,7 @@ class ActorPeers:
             peer = ray.get_actor(actor_name(replica_id), namespace=NAMESPACE)
         except ValueError as exc:  # no such actor: it died or never existed
             raise RayActorError(f"peer {replica_id} is gone") from exc
-        return await peer.export_best.remote(tokens, min_tokens, wait_s)
+        return await received_blob(await peer.export_best.remote(tokens, min_tokens, wait_s))
 
 
 class ReplicaHost:
@@ -67,6 +73,7 @@ class ReplicaHost:
         engine = Engine(model_path, config, hmac_key=hmac_key)
         index = None
         if self._index_spec:
+            engine.cache.codec.share = share_in_object_store  # peers may pull its states
             index = await connect_index(
                 self._index_spec, engine.fingerprint, **self._index_settings
             )
@@ -86,7 +93,7 @@ class ReplicaHost:
 
     async def export_best(
         self, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
-    ) -> ShippedBlob | None:
+    ) -> PeerReply | None:
         return await self._replica.export_when_ready(tuple(tokens), min_tokens, wait_s)
 
     def stats(self) -> tuple[ReplicaStats, dict]:

@@ -8,7 +8,9 @@ byte of it.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,6 +28,8 @@ from baton_serve.cache_store.state_blob import (
     payload_digest,
 )
 from baton_serve.replicas.engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointCodec:
@@ -46,11 +50,22 @@ class CheckpointCodec:
         self._key = hmac_key
         # Off the engine thread: the hash releases the GIL.
         self._digester = ThreadPoolExecutor(1, thread_name_prefix="baton-blob-digest")
+        # Where a replica can share states with peers without a copy per export (Ray's
+        # object store): sets a new checkpoint's `shared` and `state`, in the background.
+        self.share: Callable[[Checkpoint], None] | None = None
 
     def digest_later(self, checkpoint: Checkpoint) -> None:
-        """Hash a new checkpoint's payload in the background, ready for its exports (on one
-        core: the engine's own threads come first)."""
-        self._digester.submit(_fill_digest, checkpoint, 1)
+        """Hash a new checkpoint's payload in the background (on one core: the engine's own
+        threads come first) and share it, ready for its exports."""
+        self._digester.submit(self._prepare_export, checkpoint)
+
+    def _prepare_export(self, checkpoint: Checkpoint) -> None:
+        try:
+            _fill_digest(checkpoint, 1)
+            if self.share is not None:
+                self.share(checkpoint)
+        except Exception:  # its exports hash it or copy it then: slower, still correct
+            logger.exception("preparing a checkpoint for export failed")
 
     def parts(self, checkpoint: Checkpoint) -> tuple[bytes, memoryview]:
         """The signed blob of `checkpoint` as `(head, state)`, the state not copied."""
