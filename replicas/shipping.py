@@ -16,9 +16,9 @@ import ray
 
 from baton_serve.cache_store.checkpoint import Checkpoint
 
-# A signed state blob as it travels between replicas: its head (header and token ids) and
-# the state as a uint8 array. Ray moves the array out of band: one copy into the object
-# store, none out of it (the receiver validates and restores the shared-memory view).
+# A signed state blob as it arrives from a peer: its head (header and token ids) and the
+# state as a uint8 array, a read-only view of Ray's object store (the receiver validates
+# and restores it there: no copy out of the store).
 ShippedBlob = tuple[bytes, np.ndarray]
 # What a peer answers: the state itself, or the ObjectRef of a copy it put in the object
 # store when the checkpoint was saved (`share_in_object_store`): no copy on the way.
