@@ -3,10 +3,11 @@
 Three replica processes (Ray actors) share one embedded index, on one Ray node or (with
 `cross_node`) on a local cluster of a head and two workers, A's replica on one worker and
 B's on the other, so the state crosses from one node's object store to the other's. For
-each prefix length,
-replica A computes the prefix; replica B, which has nothing cached, is asked for the same
-prefix plus two tokens and pulls A's state (index lookup, export, transfer through Ray's
-object store, validation, restore); replica C, with the cache off, computes it all.
+each prefix length, replica A computes the prefix; replica B, which has nothing cached, is
+asked for the same prefix plus two tokens and pulls A's state (index lookup, export,
+transfer through Ray's object store, validation, restore); replica C, with the cache off,
+computes it all. Last, the object store alone moves the largest state's bytes between two
+actors placed like A and B: the floor of an export that copies the state into the store.
 
 The move itself — from B asking A for the state until the state is restored in B's slot —
 is timed on B and split into stages from the replicas' own counters: export (A signs the
