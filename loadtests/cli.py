@@ -69,6 +69,11 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     ship = benches.add_parser("ship", help="pull a prefix state from a peer vs recompute it")
     ship.add_argument("--model", help=MODEL_HELP)
     ship.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 4096])
+    ship.add_argument(
+        "--cross-node",
+        action="store_true",
+        help="ship between two nodes of a local Ray cluster (each its own object store)",
+    )
     ship.add_argument("--out", default="bench-out/ship", help="PNG plots go here")
     ship.add_argument("--json", action="store_true", help="print one JSON object")
     ship.set_defaults(run=_bench_ship)
@@ -234,7 +239,9 @@ def _bench_ship(args: argparse.Namespace) -> int:
     from baton_serve.loadtests.ship_bench import format_report, ship_benchmark
 
     with _progress(args, "ship") as progress:
-        result = ship_benchmark(resolve_model(args.model), args.tokens, progress)
+        result = ship_benchmark(
+            resolve_model(args.model), args.tokens, progress, cross_node=args.cross_node
+        )
         progress.step("plotting")
         written = ship_plots(result, Path(args.out))
     _report(args, result, format_report(result), written)
