@@ -46,6 +46,7 @@ from baton_serve.replicas.telemetry.logs import request_fields
 
 logger = logging.getLogger("baton.replica")
 CLOSE_TIMEOUT_S = 5.0
+FINISH_S = 5.0  # leaving, the longest wait for replays of replies already sent
 
 GAUGE_PERIOD_S = 1.0  # how often the queue, slot and store gauges are sampled
 EXPORT_POLL_S = 0.02  # how often an export waiting for a checkpoint being computed looks
@@ -105,10 +106,19 @@ class Replica:
         if metrics.enabled():
             self._tasks.append(asyncio.create_task(self._gauge_loop()))
 
-    async def hand_off(self, deadline_s: float) -> HandoffReport:
-        """Leaving: offer the hottest checkpoints to live peers for up to `deadline_s` (the
-        engine is stopped first, so its idle slots' states are in the store). Never raises."""
+    async def leave(self, handoff_s: float) -> HandoffReport:
+        """Leave for good, once no request is left: let the engine finish the work in hand
+        (replies already sent are replayed into exact states), stop it (its idle slots'
+        states go to the store), offer the hottest checkpoints to live peers for up to
+        `handoff_s`, then `close`. The engine itself is closed by the caller."""
         self._leaving = True
+        await asyncio.to_thread(self.engine.wait_idle, FINISH_S)
+        await asyncio.to_thread(self.engine.stop)
+        report = await self._hand_off(handoff_s)
+        await self.close()
+        return report
+
+    async def _hand_off(self, deadline_s: float) -> HandoffReport:
         if self.index is None or self.peers is None or deadline_s <= 0:
             return HandoffReport()
         try:

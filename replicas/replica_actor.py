@@ -128,9 +128,7 @@ class ReplicaHost:
     async def close(self, handoff_s: float = 0.0) -> None:
         """Leave: hand the hottest checkpoints to peers for up to `handoff_s`, then stop."""
         if self.replica is not None:
-            await asyncio.to_thread(self.replica.engine.stop)
-            await self.replica.hand_off(handoff_s)
-            await self.replica.close()
+            await self.replica.leave(handoff_s)
             self.replica.engine.close()
             self.replica = None
 

@@ -146,7 +146,5 @@ class ReplicaDeployment:
         """Serve stops this replica (scale-down, a rolling update) once its requests are
         done: hand the hottest checkpoints to the replicas that stay, then leave the index
         (and write what is left to the disk tier, if any)."""
-        await asyncio.to_thread(self.replica.engine.stop)
-        await self.replica.hand_off(self.handoff_s)
-        await self.replica.close()
+        await self.replica.leave(self.handoff_s)
         await asyncio.to_thread(self.replica.engine.close)
