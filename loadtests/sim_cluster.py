@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from baton_serve.cache_store.memory_index import ModelIndex
-from baton_serve.loadtests.sim_policies import make_policy
+from baton_serve.loadtests.sim_policies import BATON, make_policy
 from baton_serve.loadtests.sim_replica import EventLoop, Job, Profile, SimReplica
 from baton_serve.loadtests.sim_workload import (
     Phase,
@@ -74,6 +74,7 @@ class Cluster:
                 self.index,
                 self.replicas,
                 self._done,
+                pulls=policy == BATON,
             )
         self.policy = make_policy(
             policy, self.replicas, self.index, lambda: self.loop.now, profile.block_tokens, seed

@@ -11,7 +11,8 @@ prefix cache of checkpoints under a byte budget, and peer pulls by the replica's
   progress is announced there as in flight, with its expected end.
 - **The same prefix twice**: a request whose prompt extends what another slot is
   prefilling right now waits for it and reuses it (the engine never computes it twice).
-- **Pulls** (`replicas/replica.py`'s rule, under every routing policy): before queueing,
+- **Pulls** (`replicas/replica.py`'s rule; only under Baton's router, as deployed: a
+  replica reaches a given peer through `target_replica=`, which only it honours): before queueing,
   if a peer holds — or is computing — at least 64 tokens more, and waiting for it plus
   shipping it (latency + bytes over the link + restore) takes under half of recomputing
   them, the state is pulled.
@@ -181,6 +182,7 @@ class SimReplica:
         index: ModelIndex,
         peers: dict[str, SimReplica],
         on_done: Callable[[Job, SimReplica], None],
+        pulls: bool,
     ) -> None:
         self.rid = rid
         self.profile = profile
@@ -189,6 +191,7 @@ class SimReplica:
         self.busy_s = 0.0  # prefill seconds + decode slot-seconds / slots
         self._loop, self._index, self._peers = loop, index, peers
         self._on_done = on_done
+        self._pulls = pulls
         self._queue: deque[Job] = deque()
         self._running = 0
         self._prefilling: list[Job] = []
@@ -200,7 +203,7 @@ class SimReplica:
     def arrive(self, job: Job) -> None:
         """A request routed here: pull a peer's state first if that pays, then queue."""
         self.in_flight += 1
-        if not self._pull(job):
+        if not (self._pulls and self._pull(job)):
             self._enqueue(job)
 
     # ---- pulls ---------------------------------------------------------------------------
