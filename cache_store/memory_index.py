@@ -142,11 +142,12 @@ class ModelIndex:
         # prefix held by hundreds of replicas is compared once per replica and block.
         best: dict[str, tuple[_Held, bytes]] = {}
         live: dict[str, bool] = {}
+        known_best, holders = best.get, self.holders
         for prefix_hash in hashes:
-            for replica_id, held in self.holders.get(prefix_hash, {}).items():
+            for replica_id, held in holders.get(prefix_hash, {}).items():
                 if held.expires_at <= now:
                     continue
-                known = best.get(replica_id)
+                known = known_best(replica_id)
                 if known is not None:  # `better_match`, inlined
                     than = known[0]
                     if held.n_tokens != than.n_tokens:

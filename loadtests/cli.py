@@ -375,6 +375,19 @@ def _bench_sim(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
     if args.validate:
+        ignored = [
+            flag
+            for flag, value in (
+                ("--replicas", args.replicas),
+                ("--sessions-per-replica", args.sessions_per_replica),
+                ("--load", args.load),
+            )
+            if value is not None
+        ]
+        if ignored:
+            raise ValueError(
+                f"--validate runs bench routing's workload on 2 replicas: drop {ignored}"
+            )
         result = validation(profile, [p for p in policies if p != "chwbl"])
         _report(args, result, format_validation(result), [])
         return 0

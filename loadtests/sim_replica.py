@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from baton_serve.cache_store.index import IndexEntry, IndexMatch
 from baton_serve.cache_store.memory_index import ModelIndex
+from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 
 MIN_PULL_TOKENS = 64
 PULL_SHARE = 0.5  # a pull must take under this share of the recompute it saves
@@ -211,17 +212,21 @@ class SimReplica:
     def _pull(self, job: Job) -> bool:
         now, p = self._loop.now, self.profile
         local, _ = self.cache.match(job.keys, job.lengths)
+        usable = job.n_prompt - MIN_PIECE
+        if usable - local < MIN_PULL_TOKENS:
+            return False  # no peer can hold enough more: no lookup
         matches = self._index.lookup(job.chain, now)
         best: IndexMatch | None = None
         for rid, match in matches.items():
             if rid != self.rid and (best is None or match.n_tokens > best.n_tokens):
                 best = match
-        if best is None or best.n_tokens - local < MIN_PULL_TOKENS:
+        gain = min(best.n_tokens, usable) - local if best else 0
+        if best is None or gain < MIN_PULL_TOKENS:
             return False
         move_s = p.ship_latency_s + best.nbytes / p.link_bytes_per_s
         move_s += best.nbytes / p.restore_bytes_per_s
         wait_s = max(0.0, best.ready_at - now) if best.in_flight else 0.0
-        if wait_s + move_s >= PULL_SHARE * (best.n_tokens - local) / p.prefill_tokens_per_s:
+        if wait_s + move_s >= PULL_SHARE * gain / p.prefill_tokens_per_s:
             return False
         peer = self._peers[best.replica_id]
         if not best.in_flight:

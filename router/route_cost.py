@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 CACHED, IN_FLIGHT, PULL, COMPUTE = "cached", "in_flight", "pull", "compute"
 
@@ -117,7 +117,15 @@ def rank(
         else:
             donors = useful
         found = estimate(replica, n_prompt, donors, now, settings)
-        estimates.append(replace(found, within_bound=replica.load < bound))
+        estimates.append(
+            Estimate(
+                found.replica_id,
+                found.seconds,
+                found.plan,
+                found.reused_tokens,
+                replica.load < bound,
+            )
+        )
     return sorted(estimates, key=lambda e: (not e.within_bound, e.seconds, e.replica_id))
 
 
