@@ -74,7 +74,7 @@ class Cluster:
                 self.index,
                 self.replicas,
                 self._done,
-                pulls=policy == BATON,
+                baton=policy == BATON,
             )
         self.policy = make_policy(
             policy, self.replicas, self.index, lambda: self.loop.now, profile.block_tokens, seed

@@ -8,7 +8,8 @@ prefix cache of checkpoints under a byte budget, and peer pulls by the replica's
   when a prompt is prefilled, and replaced by the prompt + reply when the request ends;
   least recently used ones are evicted past `cache_bytes`. Each is published to the index
   under every block it covers (as the replica's `index_publisher` does); a prefill in
-  progress is announced there as in flight, with its expected end.
+  progress is announced there as in flight, with its expected end (under Baton's router,
+  the index's only reader; the others never look it up).
 - **The same prefix twice**: a request whose prompt extends what another slot is
   prefilling right now waits for it and reuses it (the engine never computes it twice).
 - **Pulls** (`replicas/replica.py`'s rule; only under Baton's router, as deployed: a
@@ -183,7 +184,7 @@ class SimReplica:
         index: ModelIndex,
         peers: dict[str, SimReplica],
         on_done: Callable[[Job, SimReplica], None],
-        pulls: bool,
+        baton: bool,
     ) -> None:
         self.rid = rid
         self.profile = profile
@@ -192,7 +193,7 @@ class SimReplica:
         self.busy_s = 0.0  # prefill seconds + decode slot-seconds / slots
         self._loop, self._index, self._peers = loop, index, peers
         self._on_done = on_done
-        self._pulls = pulls
+        self._baton = baton  # only Baton's router and its replicas' pulls read the index
         self._queue: deque[Job] = deque()
         self._running = 0
         self._prefilling: list[Job] = []
@@ -204,7 +205,7 @@ class SimReplica:
     def arrive(self, job: Job) -> None:
         """A request routed here: pull a peer's state first if that pays, then queue."""
         self.in_flight += 1
-        if not (self._pulls and self._pull(job)):
+        if not (self._baton and self._pull(job)):
             self._enqueue(job)
 
     # ---- pulls ---------------------------------------------------------------------------
@@ -293,7 +294,8 @@ class SimReplica:
             for i, h in enumerate(job.chain)
             if (i + 1) * size > job.reused
         ]
-        self._index.publish(self.rid, coming, FOREVER)
+        if self._baton:
+            self._index.publish(self.rid, coming, FOREVER)
         self._reschedule()
 
     @property
@@ -362,7 +364,7 @@ class SimReplica:
     def _store(self, checkpoint: _Checkpoint) -> int | None:
         cid, gone = self.cache.add(checkpoint)
         self._forget(gone)
-        if cid is not None:
+        if cid is not None and self._baton:
             size = self.profile.block_tokens
             held = [
                 IndexEntry(h, (i + 1) * size, checkpoint.nbytes)
@@ -372,5 +374,5 @@ class SimReplica:
         return cid
 
     def _forget(self, hashes: list[bytes]) -> None:
-        if hashes:
+        if hashes and self._baton:
             self._index.forget(self.rid, hashes)
