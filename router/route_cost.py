@@ -18,6 +18,7 @@ prefix spreads once its holder is busy instead of piling every request onto it.
 from __future__ import annotations
 
 import math
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 
@@ -126,7 +127,14 @@ def rank(
                 replica.load < bound,
             )
         )
-    return sorted(estimates, key=lambda e: (not e.within_bound, e.seconds, e.replica_id))
+    return sorted(estimates, key=lambda e: (not e.within_bound, e.seconds, _tie(e, now)))
+
+
+def _tie(estimate: Estimate, now: float) -> int:
+    """Equal estimates (idle replicas holding the same prefix) in an order that changes
+    from one decision to the next: by replica id, the same replica won every tie and took
+    the most requests of a large cluster."""
+    return zlib.crc32(f"{now!r} {estimate.replica_id}".encode())
 
 
 def _undominated(holdings: list[Holding]) -> list[Holding]:

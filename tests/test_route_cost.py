@@ -194,11 +194,12 @@ def test_a_burst_ranked_before_any_request_is_sent_still_spreads() -> None:
     )
 
     async def burst() -> list[str]:
-        firsts = []
+        firsts, pendings = [], []  # alive, as Ray keeps them until sent (the router keys
+        # its plans by the metadata's id, which a freed object's successor may reuse)
         for i in range(4):
             metadata = RequestMetadata(request_id=f"r{i}", internal_request_id=f"r{i}")
-            pending = PendingRequest(args=[request], kwargs={}, metadata=metadata)
-            ranks = await router.choose_replicas(candidates, pending)
+            pendings.append(PendingRequest(args=[request], kwargs={}, metadata=metadata))
+            ranks = await router.choose_replicas(candidates, pendings[-1])
             firsts.append(ranks[0][0].replica_id.unique_id)
         return firsts
 
