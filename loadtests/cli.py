@@ -122,6 +122,34 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     routing.add_argument("--json", action="store_true", help="print one JSON object")
     routing.set_defaults(run=_bench_routing)
 
+    sim = benches.add_parser(
+        "sim", help="routing policies on simulated clusters of 4-256 replicas (no model, no Ray)"
+    )
+    sim.add_argument("--profile", choices=("cpu", "gpu"), default="cpu")
+    sim.add_argument("--replicas", type=int, nargs="+", help="cluster sizes (default 4 16 64 256)")
+    sim.add_argument(
+        "--policies",
+        nargs="+",
+        metavar="POLICY",
+        help="baton pow2 prefix-affinity chwbl round-robin (default: all)",
+    )
+    for name, what in _SIM_PROFILE_FLAGS.items():
+        sim.add_argument(f"--{name}", type=float, help=what)
+    sim.add_argument("--slots", type=int, help="requests a replica runs at once")
+    sim.add_argument("--sessions-per-replica", type=int, help="sessions per replica (default 12)")
+    sim.add_argument(
+        "--load", type=float, help="ideal prefill work over prefill capacity (default 0.7)"
+    )
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument(
+        "--validate",
+        action="store_true",
+        help="simulate bench routing's workload on 2 replicas; compare with its measurements",
+    )
+    sim.add_argument("--out", default="bench-out/sim", help="PNG plots go here")
+    sim.add_argument("--json", action="store_true", help="print one JSON object")
+    sim.set_defaults(run=_bench_sim)
+
     soak = benches.add_parser(
         "soak", help="a mixed locust workload for N minutes: failures, TTFT and RSS over time"
     )
@@ -181,6 +209,17 @@ _ROUTING_WORKLOAD_FLAGS = {  # flag → what it sets (defaults: `RoutingWorkload
     "agent-steps": "requests per agent loop (default 6)",
     "tool-tokens": "each tool result an agent appends (default 80)",
     "seed": "seed of every text (default 0)",
+}
+
+
+_SIM_PROFILE_FLAGS = {  # flag -> what it overrides in the profile
+    "prefill-tok-s": "prompt tokens per second a replica computes",
+    "decode-tok-s": "tokens per second one slot decodes",
+    "link-gb-s": "GB/s a state moves between replicas",
+    "restore-gb-s": "GB/s a pulled state is restored",
+    "ship-latency-s": "fixed cost of one pull (s)",
+    "bytes-per-token": "state bytes per token of context",
+    "cache-gb": "each replica's checkpoint budget (GB)",
 }
 
 
@@ -305,4 +344,72 @@ def _bench_soak(args: argparse.Namespace) -> int:
             progress=progress,
         )
     _report(args, result, format_report(result), [])
+    return 0
+
+
+@_needs_extra
+def _bench_sim(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from baton_serve.loadtests.plots import sim_plots
+    from baton_serve.loadtests.sim_bench import (
+        SIZES,
+        format_report,
+        format_validation,
+        profile_with,
+        sim_benchmark,
+        validation,
+    )
+    from baton_serve.loadtests.sim_policies import POLICIES
+    from baton_serve.loadtests.sim_workload import ClusterWorkload
+
+    def scaled(value: float | None, factor: float) -> float | None:
+        return None if value is None else value * factor
+
+    profile = profile_with(
+        args.profile,
+        prefill_tokens_per_s=args.prefill_tok_s,
+        decode_tokens_per_s=args.decode_tok_s,
+        link_bytes_per_s=scaled(args.link_gb_s, 1e9),
+        restore_bytes_per_s=scaled(args.restore_gb_s, 1e9),
+        ship_latency_s=args.ship_latency_s,
+        bytes_per_token=None if args.bytes_per_token is None else int(args.bytes_per_token),
+        cache_bytes=None if args.cache_gb is None else int(args.cache_gb * 1e9),
+        slots=args.slots,
+    )
+    policies = args.policies or list(POLICIES)
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    if args.validate:
+        ignored = [
+            flag
+            for flag, value in (
+                ("--replicas", args.replicas),
+                ("--sessions-per-replica", args.sessions_per_replica),
+                ("--load", args.load),
+            )
+            if value is not None
+        ]
+        if ignored:
+            raise ValueError(
+                f"--validate runs bench routing's workload on 2 replicas: drop {ignored}"
+            )
+        result = validation(profile, [p for p in policies if p != "chwbl"])
+        _report(args, result, format_validation(result), [])
+        return 0
+    workload = ClusterWorkload(seed=args.seed)
+    given = {"sessions_per_replica": args.sessions_per_replica, "load": args.load}
+    workload = replace(workload, **{k: v for k, v in given.items() if v is not None})
+    with _progress(args, "sim") as progress:
+        result = sim_benchmark(
+            profile,
+            sizes=args.replicas or SIZES,
+            policies=policies,
+            workload=workload,
+            progress=progress,
+        )
+        progress.step("plotting")
+        written = sim_plots(result, Path(args.out))
+    _report(args, result, format_report(result), written)
     return 0
