@@ -16,13 +16,16 @@ class Checkpoint:
     `state` is kept as given, as a read-only byte view: the checkpoint takes the buffer
     over (no copy; whoever made it must not write to it again). `digest` is the payload
     digest of its signed blob once known (`state_blob`), so exporting it again does not
-    hash it again.
+    hash it again. `shared` is a handle to the same state in a store that peers read without
+    a copy (a Ray ObjectRef, when the replica put it in Ray's object store; `state` is then
+    a view of that copy), handed to peers instead of the bytes.
     """
 
     prefix_hash: bytes
     tokens: np.ndarray
     state: memoryview
     digest: bytes | None = None
+    shared: object | None = None
 
     def __post_init__(self) -> None:
         tokens = np.array(token_array(self.tokens))  # always a private copy

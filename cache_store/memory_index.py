@@ -24,7 +24,6 @@ from baton_serve.cache_store.index import (
     MAX_LOOKUP_HASHES,
     IndexEntry,
     IndexMatch,
-    better_match,
     check_fingerprint,
     check_hashes,
     check_replica_id,
@@ -139,18 +138,32 @@ class ModelIndex:
 
     def lookup(self, hashes: Sequence[bytes], now: float) -> dict[str, IndexMatch]:
         """Each live replica's best unexpired entry among `hashes` (`better_match`)."""
-        best: dict[str, IndexMatch] = {}
+        # Best entries are kept as (entry, hash) and turned into matches once at the end: a
+        # prefix held by hundreds of replicas is compared once per replica and block.
+        best: dict[str, tuple[_Held, bytes]] = {}
+        live: dict[str, bool] = {}
+        known_best, holders = best.get, self.holders
         for prefix_hash in hashes:
-            for replica_id, held in self.holders.get(prefix_hash, {}).items():
-                if (
-                    held.expires_at > now
-                    and better_match(held.n_tokens, held.ready_at, best.get(replica_id))
-                    and self.is_alive(replica_id, now)
-                ):
-                    best[replica_id] = IndexMatch(
-                        replica_id, prefix_hash, held.n_tokens, held.nbytes, held.ready_at
-                    )
-        return best
+            for replica_id, held in holders.get(prefix_hash, {}).items():
+                if held.expires_at <= now:
+                    continue
+                known = known_best(replica_id)
+                if known is not None:  # `better_match`, inlined
+                    than = known[0]
+                    if held.n_tokens != than.n_tokens:
+                        if held.n_tokens < than.n_tokens:
+                            continue
+                    elif not held.ready_at == 0 < than.ready_at:
+                        continue
+                alive = live.get(replica_id)
+                if alive is None:
+                    alive = live[replica_id] = self.is_alive(replica_id, now)
+                if alive:
+                    best[replica_id] = (held, prefix_hash)
+        return {
+            rid: IndexMatch(rid, prefix_hash, held.n_tokens, held.nbytes, held.ready_at)
+            for rid, (held, prefix_hash) in best.items()
+        }
 
     def snapshot(self, seq: int, now: float, origin: str) -> IndexSnapshot:
         entries = tuple(

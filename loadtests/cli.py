@@ -8,22 +8,15 @@ extra (locust, matplotlib, httpx); without it, each says how to install it.
 from __future__ import annotations
 
 import argparse
-import functools
-import json
-import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from baton_serve.deploy.config import RouterPolicy
-from baton_serve.loadtests.progress import Progress
+from baton_serve.loadtests.bench_common import MODEL_HELP
+from baton_serve.loadtests.bench_common import bench_progress as _progress
+from baton_serve.loadtests.bench_common import needs_extra as _needs_extra
+from baton_serve.loadtests.bench_common import print_report as _report
+from baton_serve.loadtests.restart_cli import add_restart_command
 from baton_serve.replicas.models.model_source import resolve_model
-
-BENCH_EXTRA_HINT = "pip install 'baton-serve[bench]'"
-MODEL_HELP = "GGUF path, hf://ORG/REPO/FILE.gguf[@REV] or tiny:ARCH (default: SmolLM2)"
-
-
-class MissingExtra(ValueError):
-    """A benchmark needs a package of the `bench` extra that is not installed."""
 
 
 def add_bench_commands(commands: argparse._SubParsersAction) -> None:
@@ -69,6 +62,11 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     ship = benches.add_parser("ship", help="pull a prefix state from a peer vs recompute it")
     ship.add_argument("--model", help=MODEL_HELP)
     ship.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 4096])
+    ship.add_argument(
+        "--cross-node",
+        action="store_true",
+        help="ship between two nodes of a local Ray cluster (each its own object store)",
+    )
     ship.add_argument("--out", default="bench-out/ship", help="PNG plots go here")
     ship.add_argument("--json", action="store_true", help="print one JSON object")
     ship.set_defaults(run=_bench_ship)
@@ -117,6 +115,34 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     routing.add_argument("--json", action="store_true", help="print one JSON object")
     routing.set_defaults(run=_bench_routing)
 
+    sim = benches.add_parser(
+        "sim", help="routing policies on simulated clusters of 4-256 replicas (no model, no Ray)"
+    )
+    sim.add_argument("--profile", choices=("cpu", "gpu"), default="cpu")
+    sim.add_argument("--replicas", type=int, nargs="+", help="cluster sizes (default 4 16 64 256)")
+    sim.add_argument(
+        "--policies",
+        nargs="+",
+        metavar="POLICY",
+        help="baton pow2 prefix-affinity chwbl round-robin (default: all)",
+    )
+    for name, what in _SIM_PROFILE_FLAGS.items():
+        sim.add_argument(f"--{name}", type=float, help=what)
+    sim.add_argument("--slots", type=int, help="requests a replica runs at once")
+    sim.add_argument("--sessions-per-replica", type=int, help="sessions per replica (default 12)")
+    sim.add_argument(
+        "--load", type=float, help="ideal prefill work over prefill capacity (default 0.7)"
+    )
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument(
+        "--validate",
+        action="store_true",
+        help="simulate bench routing's workload on 2 replicas; compare with its measurements",
+    )
+    sim.add_argument("--out", default="bench-out/sim", help="PNG plots go here")
+    sim.add_argument("--json", action="store_true", help="print one JSON object")
+    sim.set_defaults(run=_bench_sim)
+
     soak = benches.add_parser(
         "soak", help="a mixed locust workload for N minutes: failures, TTFT and RSS over time"
     )
@@ -132,67 +158,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     soak.add_argument("--json", action="store_true", help="print one JSON object")
     soak.set_defaults(run=_bench_soak)
 
-    restart = benches.add_parser(
-        "restart",
-        help="a rolling restart and a downscale under a locust multi-turn load: failures,"
-        " follow-ups' cached share before and after",
-    )
-    restart.add_argument("--model", help=MODEL_HELP)
-    restart.add_argument(
-        "--event",
-        choices=("rolling", "downscale", "both"),
-        default="both",
-        help="both: a rolling restart, then (a minute later) a downscale",
-    )
-    restart.add_argument("--replicas", type=int, default=3)
-    restart.add_argument("--users", type=int, default=6, help="locust MultiTurnChatUser users")
-    restart.add_argument("--chat-turns", type=int, default=24, help="turns of a chat session")
-    restart.add_argument("--system-tokens", type=int, default=500)
-    restart.add_argument("--max-tokens", type=int, default=16)
-    restart.add_argument("--warmup-s", type=float, default=90.0, help="load before the first event")
-    restart.add_argument(
-        "--handoff-s",
-        type=float,
-        help="seconds a leaving replica may hand its checkpoints off (0: off; default: the config's)",
-    )
-    restart.add_argument(
-        "--surge-percent",
-        type=int,
-        default=0,
-        help="rollout_surge_percent: replacements that start before old replicas stop",
-    )
-    restart.add_argument("--out", default="bench-out/restart", help="locust's files go here")
-    restart.add_argument("--json", action="store_true", help="print one JSON object")
-    restart.set_defaults(run=_bench_restart)
-
-
-def _progress(args: argparse.Namespace, bench: str) -> Progress:
-    """Progress on stderr, silent with `--json`."""
-    return Progress(f"bench {bench}", stream=None if args.json else sys.stderr)
-
-
-def _report(args: argparse.Namespace, result: dict, text: str, written: list[Path]) -> None:
-    """`result` as JSON, or `text` and the files written."""
-    print(json.dumps(result, indent=2) if args.json else text)
-    if written and not args.json:
-        print("wrote " + ", ".join(str(path) for path in written))
-
-
-def _needs_extra(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Turn a missing optional package into one line naming the extra to install."""
-
-    @functools.wraps(run)
-    def checked(args: argparse.Namespace) -> int:
-        try:
-            return run(args)
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.split(".")[0] == "baton_serve":
-                raise
-            raise MissingExtra(
-                f"this benchmark needs {exc.name!r}, from the bench extra: {BENCH_EXTRA_HINT}"
-            ) from exc
-
-    return checked
+    add_restart_command(benches)
 
 
 _ROUTING_WORKLOAD_FLAGS = {  # flag → what it sets (defaults: `RoutingWorkload`)
@@ -209,6 +175,17 @@ _ROUTING_WORKLOAD_FLAGS = {  # flag → what it sets (defaults: `RoutingWorkload
     "agent-steps": "requests per agent loop (default 6)",
     "tool-tokens": "each tool result an agent appends (default 80)",
     "seed": "seed of every text (default 0)",
+}
+
+
+_SIM_PROFILE_FLAGS = {  # flag -> what it overrides in the profile
+    "prefill-tok-s": "prompt tokens per second a replica computes",
+    "decode-tok-s": "tokens per second one slot decodes",
+    "link-gb-s": "GB/s a state moves between replicas",
+    "restore-gb-s": "GB/s a pulled state is restored",
+    "ship-latency-s": "fixed cost of one pull (s)",
+    "bytes-per-token": "state bytes per token of context",
+    "cache-gb": "each replica's checkpoint budget (GB)",
 }
 
 
@@ -267,7 +244,9 @@ def _bench_ship(args: argparse.Namespace) -> int:
     from baton_serve.loadtests.ship_bench import format_report, ship_benchmark
 
     with _progress(args, "ship") as progress:
-        result = ship_benchmark(resolve_model(args.model), args.tokens, progress)
+        result = ship_benchmark(
+            resolve_model(args.model), args.tokens, progress, cross_node=args.cross_node
+        )
         progress.step("plotting")
         written = ship_plots(result, Path(args.out))
     _report(args, result, format_report(result), written)
@@ -335,24 +314,68 @@ def _bench_soak(args: argparse.Namespace) -> int:
 
 
 @_needs_extra
-def _bench_restart(args: argparse.Namespace) -> int:
-    from baton_serve.loadtests.restart_bench import EVENTS, restart_benchmark
-    from baton_serve.loadtests.restart_figures import format_report
+def _bench_sim(args: argparse.Namespace) -> int:
+    from dataclasses import replace
 
-    with _progress(args, "restart") as progress:
-        result = restart_benchmark(
-            resolve_model(args.model),
-            out_dir=Path(args.out),
-            events=EVENTS if args.event == "both" else (args.event,),
-            users=args.users,
-            replicas=args.replicas,
-            system_tokens=args.system_tokens,
-            max_tokens=args.max_tokens,
-            chat_turns=args.chat_turns,
-            warmup_s=args.warmup_s,
-            handoff_s=args.handoff_s,
-            surge_percent=args.surge_percent,
+    from baton_serve.loadtests.plots import sim_plots
+    from baton_serve.loadtests.sim_bench import (
+        SIZES,
+        format_report,
+        format_validation,
+        profile_with,
+        sim_benchmark,
+        validation,
+    )
+    from baton_serve.loadtests.sim_policies import POLICIES
+    from baton_serve.loadtests.sim_workload import ClusterWorkload
+
+    def scaled(value: float | None, factor: float) -> float | None:
+        return None if value is None else value * factor
+
+    profile = profile_with(
+        args.profile,
+        prefill_tokens_per_s=args.prefill_tok_s,
+        decode_tokens_per_s=args.decode_tok_s,
+        link_bytes_per_s=scaled(args.link_gb_s, 1e9),
+        restore_bytes_per_s=scaled(args.restore_gb_s, 1e9),
+        ship_latency_s=args.ship_latency_s,
+        bytes_per_token=None if args.bytes_per_token is None else int(args.bytes_per_token),
+        cache_bytes=None if args.cache_gb is None else int(args.cache_gb * 1e9),
+        slots=args.slots,
+    )
+    policies = args.policies or list(POLICIES)
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    if args.validate:
+        ignored = [
+            flag
+            for flag, value in (
+                ("--replicas", args.replicas),
+                ("--sessions-per-replica", args.sessions_per_replica),
+                ("--load", args.load),
+            )
+            if value is not None
+        ]
+        if ignored:
+            raise ValueError(
+                f"--validate runs bench routing's workload on 2 replicas: drop {ignored}"
+            )
+        result = validation(profile, [p for p in policies if p != "chwbl"])
+        _report(args, result, format_validation(result), [])
+        return 0
+    workload = ClusterWorkload(seed=args.seed)
+    given = {"sessions_per_replica": args.sessions_per_replica, "load": args.load}
+    workload = replace(workload, **{k: v for k, v in given.items() if v is not None})
+    with _progress(args, "sim") as progress:
+        result = sim_benchmark(
+            profile,
+            sizes=args.replicas or SIZES,
+            policies=policies,
+            workload=workload,
             progress=progress,
         )
-    _report(args, result, format_report(result), [Path(p) for p in result["reports"]])
+        progress.step("plotting")
+        written = sim_plots(result, Path(args.out))
+    _report(args, result, format_report(result), written)
     return 0

@@ -1,9 +1,11 @@
-"""`baton bench index`: publish throughput and lookup latency of both index backends.
+"""`baton bench index`: publish throughput, lookup latency and memory of both index backends.
 
 Each backend is filled with `checkpoints` entries spread over `replicas` replicas (random
-depths of random documents, published in batches), then answers `lookups` sequential
-lookups of `chain`-hash prompts: most share a prefix of a known document and then diverge,
-the rest are new. Runs against a fresh random fingerprint and forgets its data at the end.
+depths of random documents, published in batches, several batches in flight at once), then
+answers `lookups` sequential lookups of `chain`-hash prompts: most share a prefix of a known
+document and then diverge, the rest are new. Memory per entry is Redis' `used_memory`, or
+the embedded actor's resident set, before and after publishing. Runs against a fresh random
+fingerprint and forgets its data at the end.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import psutil
+import ray
 
+from baton_serve.cache_store.embedded_index import ACTOR_NAME, ACTOR_NAMESPACE
 from baton_serve.cache_store.index import CheckpointIndex, IndexEntry
 from baton_serve.cache_store.index_connect import connect_index
 from baton_serve.cache_store.redis_index import RedisIndex
@@ -28,6 +33,7 @@ from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.redis_server import RedisServer
 
 BATCH = 1_000
+PUBLISH_WINDOW = 8  # batches in flight at once: pipelined, not a round trip each
 BLOCK_TOKENS = 64
 STATE_BYTES_PER_TOKEN = 23_000  # SmolLM2-135M, measured
 ATTENTION_STATE_TOKENS = 2_048  # an attention checkpoint is findable by each of its blocks
@@ -75,12 +81,23 @@ class Workload:
         return cls(entries, chains)
 
     async def publish(self, index: CheckpointIndex) -> float:
-        """Publish every entry (in batches) and heartbeat every replica; seconds taken."""
+        """Publish every entry (in batches, `PUBLISH_WINDOW` of them in flight) and heartbeat
+        every replica; seconds taken."""
+        window = asyncio.Semaphore(PUBLISH_WINDOW)
+
+        async def publish_batch(replica: str, batch: list[IndexEntry]) -> None:
+            async with window:
+                await index.publish(replica, batch)
+
         started = time.perf_counter()
-        for replica, entries in self.entries.items():
-            for i in range(0, len(entries), BATCH):
-                await index.publish(replica, entries[i : i + BATCH])
-            await index.heartbeat(replica)
+        await asyncio.gather(
+            *(
+                publish_batch(replica, entries[i : i + BATCH])
+                for replica, entries in self.entries.items()
+                for i in range(0, len(entries), BATCH)
+            )
+        )
+        await asyncio.gather(*(index.heartbeat(replica) for replica in self.entries))
         return time.perf_counter() - started
 
 
@@ -91,9 +108,9 @@ async def _run_backend(spec: str, workload: Workload, progress: Progress, name: 
     try:
         published = sum(len(e) for e in workload.entries.values())
         progress.step(f"{name}: publishing {published:,} checkpoints")
-        memory_before = await _redis_memory(index)
+        memory_before = await _memory(index)
         publish_s = await workload.publish(index)
-        memory_after = await _redis_memory(index)
+        memory_after = await _memory(index)
         progress.step(f"{name}: {len(workload.chains):,} lookups")
         for chain in workload.chains[:WARMUP_LOOKUPS]:
             await index.lookup(chain)
@@ -113,18 +130,21 @@ async def _run_backend(spec: str, workload: Workload, progress: Progress, name: 
         "lookup_ms": latency_ms(latencies),
         "lookups_over_timeout": sum(s > DEFAULT_TIMEOUT_S for s in latencies),
         "hit_rate": hits / len(workload.chains),
-        "bytes_per_entry": (
-            (memory_after - memory_before) / published if memory_after is not None else None
-        ),
+        "bytes_per_entry": (memory_after - memory_before) / published,
     }
 
 
-async def _redis_memory(index: CheckpointIndex) -> int | None:
-    """Redis' `used_memory` (None for other backends)."""
-    if not isinstance(index, RedisIndex):
-        return None
-    info = await index.call("memory", index.redis.info("memory"), index.settings.write_timeout_s)
-    return int(info["used_memory"])
+async def _memory(index: CheckpointIndex) -> int:
+    """Redis' `used_memory`, or the resident set of the embedded index's actor process."""
+    if isinstance(index, RedisIndex):
+        info = await index.call(
+            "memory", index.redis.info("memory"), index.settings.write_timeout_s
+        )
+        return int(info["used_memory"])
+    actor = ray.get_actor(ACTOR_NAME, namespace=ACTOR_NAMESPACE)
+    # No public API gives an actor's pid without the dashboard; the GCS' actor table does.
+    pid = ray._private.state.actors(actor._actor_id.hex())["Pid"]
+    return psutil.Process(pid).memory_info().rss
 
 
 def latency_ms(seconds: list[float]) -> dict[str, float]:
@@ -174,6 +194,7 @@ def index_benchmark(
         "lookups": lookups,
         "chain": chain,
         "publish_batch": BATCH,
+        "publish_window": PUBLISH_WINDOW,
         "lookup_timeout_ms": DEFAULT_TIMEOUT_S * 1000,
         "backends": backends,
     }
@@ -182,20 +203,23 @@ def index_benchmark(
 def format_report(result: dict) -> str:
     lines = [
         f"{result['checkpoints']:,} checkpoints on {result['replicas']} replicas"
-        f" (published in batches of {result['publish_batch']:,});"
+        f" (published in batches of {result['publish_batch']:,},"
+        f" {result['publish_window']} in flight);"
         f" {result['lookups']:,} lookups of {result['chain']}-hash chains",
-        f"{'backend':<9} {'publish/s':>10} {'p50 ms':>7} {'p99 ms':>7} {'mean ms':>8}"
+        f"{'backend':<9} {'publish/s':>10} {'p50 ms':>7} {'p95 ms':>7} {'p99 ms':>7}"
+        f" {'mean ms':>8}"
         f" {'max ms':>7} {'hits':>5} {'>' + format(result['lookup_timeout_ms'], 'g') + ' ms':>7}",
     ]
     for name, r in result["backends"].items():
         ms = r["lookup_ms"]
         lines.append(
-            f"{name:<9} {r['publish_entries_per_s']:>10,.0f} {ms['p50']:>7.3f} {ms['p99']:>7.3f}"
+            f"{name:<9} {r['publish_entries_per_s']:>10,.0f} {ms['p50']:>7.3f} {ms['p95']:>7.3f}"
+            f" {ms['p99']:>7.3f}"
             f" {ms['mean']:>8.3f} {ms['max']:>7.2f} {r['hit_rate']:>5.0%}"
             f" {r['lookups_over_timeout']:>7}"
         )
     for name, r in result["backends"].items():
-        if r.get("bytes_per_entry"):
+        if r["bytes_per_entry"] > 0:
             per_state = r["bytes_per_entry"] * ATTENTION_STATE_TOKENS // BLOCK_TOKENS
             lines.append(
                 f"{name} memory: {r['bytes_per_entry']:,.0f} bytes per entry; an attention"

@@ -130,3 +130,35 @@ def soak_plots(
         ax.set(xlabel="minute", ylabel="TTFT (s)")
         ax.set_ylim(bottom=0)
     return [rss_path, ttft_path]
+
+
+SIM_METRICS = {  # summary key -> (file name, axis label, log scale)
+    "ttft_p50_s": ("sim_ttft_p50.png", "TTFT p50 (s, log scale)", True),
+    "ttft_p99_s": ("sim_ttft_p99.png", "TTFT p99 (s, log scale)", True),
+    "cache_hit_ratio": ("sim_cache_hit.png", "prompt tokens reused / prompt tokens", False),
+    "computed_over_new": ("sim_computed_over_new.png", "computed / new prompt tokens", False),
+    "load_imbalance": ("sim_load_imbalance.png", "max / mean replica work", True),
+    "shipped_gb": ("sim_shipped.png", "state shipped between replicas (GB)", False),
+}
+
+
+def sim_plots(result: dict, out_dir: Path) -> list[Path]:
+    """One PNG per metric of `baton bench sim`: each policy's figure by replica count."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sizes = [int(n) for n in result["sizes"]]
+    policies = list(next(iter(result["sizes"].values())))
+    written = []
+    for key, (name, label, log) in SIM_METRICS.items():
+        path = out_dir / name
+        title = f"Simulated cluster ({result['profile']['name']} profile): {label.split(' (')[0]}"
+        with figure(path, title) as (ax,):
+            for policy in policies:
+                values = [result["sizes"][str(n)][policy][key] for n in sizes]
+                ax.plot(sizes, values, "o-", label=policy)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sizes, [str(n) for n in sizes])
+            if log:
+                ax.set_yscale("log")
+            ax.set(xlabel="replicas", ylabel=label)
+        written.append(path)
+    return written

@@ -10,6 +10,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from types import TracebackType
+from typing import Self
 
 import redis
 
@@ -57,7 +58,33 @@ def redis_cli_path() -> str | None:
     return shutil.which("redis-cli")
 
 
-class LocalRedisCluster:
+class _Servers:
+    """Started on entering (stopped again if starting fails), stopped on leaving."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class LocalRedisCluster(_Servers):
     """`shards` primaries, each with `replicas` replicas, on 127.0.0.1, joined by
     `redis-cli --cluster create`; ready once every node reports ``cluster_state:ok`` and
     every replica has synced (so it may be promoted)."""
@@ -105,24 +132,8 @@ class LocalRedisCluster:
         for node in self.nodes:
             node.__exit__(None, None, None)
 
-    def __enter__(self) -> LocalRedisCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-
-class LocalSentinel:
+class LocalSentinel(_Servers):
     """A master, its replica and one Sentinel (quorum 1) watching them as `MASTER_NAME`."""
 
     def __init__(self) -> None:
@@ -190,22 +201,6 @@ class LocalSentinel:
         for server in (self._sentinel, self.replica, self.master):
             if server is not None:
                 server.__exit__(None, None, None)
-
-    def __enter__(self) -> LocalSentinel:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def redis_ha_available() -> bool:

@@ -1,9 +1,13 @@
 """`baton bench ship`: pulling a prefix state from a peer process against recomputing it.
 
-Three replica processes (Ray actors) share one embedded index. For each prefix length,
-replica A computes the prefix; replica B, which has nothing cached, is asked for the same
-prefix plus two tokens and pulls A's state (index lookup, export, transfer through Ray's
-object store, validation, restore); replica C, with the cache off, computes it all.
+Three replica processes (Ray actors) share one embedded index, on one Ray node or (with
+`cross_node`) on a local cluster of a head and two workers, A's replica on one worker and
+B's on the other, so the state crosses from one node's object store to the other's. For
+each prefix length, replica A computes the prefix; replica B, which has nothing cached, is
+asked for the same prefix plus two tokens and pulls A's state (index lookup, export,
+transfer through Ray's object store, validation, restore); replica C, with the cache off,
+computes it all. Last, the object store alone moves the largest state's bytes between two
+actors placed like A and B: the floor of an export that copies the state into the store.
 
 The move itself — from B asking A for the state until the state is restored in B's slot —
 is timed on B and split into stages from the replicas' own counters: export (A signs the
@@ -22,6 +26,8 @@ from pathlib import Path
 import ray
 
 from baton_serve.deploy.local_ray import local_ray
+from baton_serve.loadtests.local_cluster import local_cluster, node_resource
+from baton_serve.loadtests.object_store_floor import object_store_floor
 from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.synthetic_text import filler_text
 from baton_serve.replicas.engine.engine_config import EngineConfig
@@ -58,6 +64,11 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
     return {k: v if k in timestamps else v - before[k] for k, v in after.items()}
 
 
+def _node_id(actor) -> str:
+    # No public API gives an actor's node without the dashboard; the GCS' actor table does.
+    return ray._private.state.actors(actor._actor_id.hex())["Address"]["NodeID"]
+
+
 def _prompts(model: Path, lengths: list[int]) -> dict[int, tuple[int, ...]]:
     with LlamaModel(model, vocab_only=True) as vocab:
         count = lambda text: len(vocab.tokenize(text))  # noqa: E731
@@ -72,16 +83,26 @@ async def _timed(actor, prompt: tuple[int, ...], sampling: SamplingParams) -> tu
     return time.perf_counter() - started, done
 
 
-async def _run(model: Path, lengths: list[int], progress: Progress) -> list[dict]:
+async def _run(model: Path, lengths: list[int], progress: Progress, cross_node: bool) -> list[dict]:
     key = secrets.token_bytes(32)
     config = EngineConfig(n_ctx=max(lengths) + 256, n_slots=2)
     holder, puller = (
-        spawn_replica(name, str(model), config, hmac_key=key, index="embedded", heartbeat_s=0.2)
-        for name in ("bench-a", "bench-b")
+        spawn_replica(
+            name,
+            str(model),
+            config,
+            hmac_key=key,
+            index="embedded",
+            heartbeat_s=0.2,
+            resources=resources,
+        )
+        for name, resources in zip(("bench-a", "bench-b"), _placement(cross_node))
     )
     no_cache = config.model_copy(update={"prefix_cache": False})
     baseline = spawn_replica("bench-c", str(model), no_cache, hmac_key=key)
     await asyncio.gather(holder.start.remote(), puller.start.remote(), baseline.start.remote())
+    if cross_node and _node_id(holder) == _node_id(puller):
+        raise RuntimeError("the cross-node benchmark's replicas A and B share a node")
     rows: list[dict] = []
     progress.start(len(lengths))
     try:
@@ -134,17 +155,36 @@ def ship_benchmark(
     model: Path,
     lengths: list[int] = [512, 2048, 4096],  # noqa: B006
     progress: Progress = SILENT,
+    *,
+    cross_node: bool = False,
 ) -> dict:
-    progress.step("starting Ray and three replicas")
-    with local_ray(num_cpus=2):
-        rows = asyncio.run(_run(model, lengths, progress))
-    return {"model": str(model), "rows": rows}
+    """Ship each prefix length's state from A to B on one Ray node, or across two nodes."""
+    if cross_node:
+        progress.step("starting a Ray cluster of three nodes and three replicas")
+        ray_runtime = local_cluster(workers=2)
+    else:
+        progress.step("starting Ray and three replicas")
+        ray_runtime = local_ray(num_cpus=2)
+    with ray_runtime:
+        rows = asyncio.run(_run(model, lengths, progress, cross_node))
+        nbytes = max(r["state_bytes"] for r in rows)
+        progress.step(f"the object store alone moving {nbytes / 1e6:.1f} MB")
+        floor = object_store_floor(nbytes, *_placement(cross_node)) if nbytes else None
+    return {"model": str(model), "cross_node": cross_node, "rows": rows, "floor": floor}
+
+
+def _placement(cross_node: bool) -> tuple[dict | None, dict | None]:
+    """The custom resources of A's replica and of B's: one worker node each, or none."""
+    if not cross_node:
+        return None, None
+    return {node_resource(0): 1}, {node_resource(1): 1}
 
 
 def format_report(result: dict) -> str:
     stage_heads = " ".join(f"{name:>8}" for name in STAGES)
     lines = [
-        f"model: {result['model']}",
+        f"model: {result['model']}"
+        + ("; A and B on two Ray nodes" if result.get("cross_node") else "; one Ray node"),
         f"{'prefix':>7} {'state MB':>9} {'move s':>7} {'GB/s':>6} {'ship s':>7}"
         f" {'recompute s':>12} {'ratio':>7} {'reused':>7}   share of move: {stage_heads}",
     ]
@@ -158,6 +198,14 @@ def format_report(result: dict) -> str:
             f"{r['prefix_tokens']:>7} {r['state_bytes'] / 1e6:>9.1f} {move}"
             f" {r['ship_s']:>7.3f} {r['recompute_s']:>12.3f}"
             f" {r['ratio']:>7.3f} {r['cached_tokens']:>7}   {'':>14} {shares}"
+        )
+    floor = result.get("floor")
+    if floor:
+        lines.append(
+            f"the object store alone moving {floor['nbytes'] / 1e6:.1f} MB from A's node to"
+            f" B's and touching every page: first {floor['first_s']:.4f} s"
+            f" ({floor['first_gb_per_s']:.2f} GB/s), then {floor['warm_s']:.4f} s"
+            f" ({floor['warm_gb_per_s']:.2f} GB/s, median)"
         )
     lines += [
         "move = from asking the peer for the state until it is restored here; GB/s = state"

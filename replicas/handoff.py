@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from baton_serve.cache_store.checkpoint import Checkpoint
-from baton_serve.replicas.shipping import PeerDirectory, ShippedBlob
+from baton_serve.replicas.shipping import PeerDirectory, PeerReply
 
 logger = logging.getLogger("baton.replica")
 
@@ -65,7 +65,7 @@ def _begins(short: Checkpoint, long: Checkpoint) -> bool:
 
 async def hand_off(
     order: Sequence[Checkpoint],
-    export: Callable[[Checkpoint], ShippedBlob | None],
+    export: Callable[[Checkpoint], PeerReply | None],
     peers: PeerDirectory,
     peer_ids: Sequence[str],
     *,

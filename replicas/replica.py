@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from opentelemetry.trace import Span
 
+from baton_serve.cache_store.checkpoint import Checkpoint
 from baton_serve.cache_store.index import CheckpointIndex, IndexUnavailable
 from baton_serve.cache_store.state_blob import BlobError
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
@@ -34,8 +35,9 @@ from baton_serve.replicas.index_publisher import IndexPublisher
 from baton_serve.replicas.request_telemetry import RequestTelemetry
 from baton_serve.replicas.shipping import (
     PeerDirectory,
-    ShippedBlob,
+    PeerReply,
     ShipPolicy,
+    received_blob,
     shipped_blob,
     shipped_nbytes,
 )
@@ -44,6 +46,7 @@ from baton_serve.replicas.telemetry.logs import request_fields
 
 logger = logging.getLogger("baton.replica")
 CLOSE_TIMEOUT_S = 5.0
+FINISH_S = 5.0  # leaving, the longest wait for replays of replies already sent
 
 GAUGE_PERIOD_S = 1.0  # how often the queue, slot and store gauges are sampled
 EXPORT_POLL_S = 0.02  # how often an export waiting for a checkpoint being computed looks
@@ -103,10 +106,19 @@ class Replica:
         if metrics.enabled():
             self._tasks.append(asyncio.create_task(self._gauge_loop()))
 
-    async def hand_off(self, deadline_s: float) -> HandoffReport:
-        """Leaving: offer the hottest checkpoints to live peers for up to `deadline_s` (the
-        engine is stopped first, so its idle slots' states are in the store). Never raises."""
+    async def leave(self, handoff_s: float) -> HandoffReport:
+        """Leave for good, once no request is left: let the engine finish the work in hand
+        (replies already sent are replayed into exact states), stop it (its idle slots'
+        states go to the store), offer the hottest checkpoints to live peers for up to
+        `handoff_s`, then `close`. The engine itself is closed by the caller."""
         self._leaving = True
+        await asyncio.to_thread(self.engine.wait_idle, FINISH_S)
+        await asyncio.to_thread(self.engine.stop)
+        report = await self._hand_off(handoff_s)
+        await self.close()
+        return report
+
+    async def _hand_off(self, deadline_s: float) -> HandoffReport:
         if self.index is None or self.peers is None or deadline_s <= 0:
             return HandoffReport()
         try:
@@ -118,7 +130,7 @@ class Replica:
         order = handoff_order(cache.store.checkpoints(), nested=not cache.kind.needs_checkpoints)
         report = await hand_off(
             order,
-            lambda checkpoint: self._shipped(cache.export_checkpoint(checkpoint.prefix_hash)),
+            self._export_checkpoint,
             self.peers,
             [rid for rid in live if rid != self.replica_id],
             deadline_s=deadline_s,
@@ -135,16 +147,24 @@ class Replica:
         )
         return report
 
-    async def adopt(self, blob: ShippedBlob) -> bool:
+    def _export_checkpoint(self, checkpoint: Checkpoint) -> PeerReply | None:
+        parts = self.engine.cache.export_checkpoint(checkpoint.prefix_hash)
+        return self._shipped(None if parts is None else (parts, checkpoint.shared))
+
+    async def adopt(self, reply: PeerReply) -> bool:
         """Keep a checkpoint a leaving peer hands over: checked in full like a pulled one,
         then published to the index. False if refused (this replica is leaving too, or
         the blob is bad)."""
         if self._leaving:
             return False
         try:
+            blob = await received_blob(reply)
             await asyncio.to_thread(self.engine.cache.import_checkpoint, blob)
         except (BlobError, EngineError) as exc:
             logger.warning("refused a handed-off state blob: %s", exc)
+            return False
+        except Exception as exc:  # its copy in the object store is gone with the peer
+            logger.info("a handed-off state blob could not be fetched (%s)", type(exc).__name__)
             return False
         self.stats.adopted += 1
         self.stats.adopted_bytes += shipped_nbytes(blob)
@@ -313,7 +333,7 @@ class Replica:
 
     async def export_when_ready(
         self, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
-    ) -> ShippedBlob | None:
+    ) -> PeerReply | None:
         """`export_best`, waiting up to `wait_s` for a checkpoint being computed here."""
         deadline = time.monotonic() + wait_s
         while True:
@@ -323,17 +343,22 @@ class Replica:
                 return blob
             await asyncio.sleep(EXPORT_POLL_S)
 
-    def export_best(self, tokens: tuple[int, ...], min_tokens: int) -> ShippedBlob | None:
+    def export_best(self, tokens: tuple[int, ...], min_tokens: int) -> PeerReply | None:
         """For a peer: our checkpoint giving the longest prefix of `tokens`, signed, its
-        state a uint8 view of the stored one (Ray copies it into the object store once)."""
+        state the ObjectRef of its copy in the object store (see `share_in_object_store`),
+        or a uint8 view of the stored one (Ray copies it into the object store then)."""
         return self._shipped(self.engine.cache.export_best(tokens, min_tokens))
 
-    def _shipped(self, parts: tuple[bytes, memoryview] | None) -> ShippedBlob | None:
-        """A stored checkpoint's signed blob parts in their travelling form, counted."""
-        if parts is None:
+    def _shipped(
+        self, found: tuple[tuple[bytes, memoryview], object | None] | None
+    ) -> PeerReply | None:
+        """A stored checkpoint's signed blob parts and shared handle in their travelling
+        form, counted."""
+        if found is None:
             return None
-        blob = shipped_blob(*parts)
-        nbytes = shipped_nbytes(blob)
+        (head, state), shared = found
+        blob = shipped_blob(head, state, shared)
+        nbytes = len(head) + len(state)
         self.stats.exports += 1
         self.stats.exported_bytes += nbytes
         metrics.CHECKPOINTS_SHIPPED.inc()

@@ -16,7 +16,13 @@ from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.protocol import Completion, GenerationRequest, ReplicaRequest
 from baton_serve.replicas.replica import Replica, ReplicaStats
-from baton_serve.replicas.shipping import ShippedBlob, ShipPolicy
+from baton_serve.replicas.shipping import (
+    PeerReply,
+    ShippedBlob,
+    ShipPolicy,
+    received_blob,
+    share_in_object_store,
+)
 
 NAMESPACE = "baton"
 
@@ -31,9 +37,10 @@ class ActorPeers:
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
     ) -> ShippedBlob | None:
-        return await _peer(replica_id).export_best.remote(tokens, min_tokens, wait_s)
+        reply = await _peer(replica_id).export_best.remote(tokens, min_tokens, wait_s)
+        return await received_blob(reply)
 
-    async def offer(self, replica_id: str, blob: ShippedBlob) -> bool:
+    async def offer(self, replica_id: str, blob: PeerReply) -> bool:
         return await _peer(replica_id).adopt.remote(blob)
 
 
@@ -73,6 +80,7 @@ class ReplicaHost:
         engine = Engine(model_path, config, hmac_key=hmac_key)
         index = None
         if self._index_spec:
+            engine.cache.codec.share = share_in_object_store  # peers may pull its states
             index = await connect_index(
                 self._index_spec, engine.fingerprint, **self._index_settings
             )
@@ -92,10 +100,10 @@ class ReplicaHost:
 
     async def export_best(
         self, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
-    ) -> ShippedBlob | None:
+    ) -> PeerReply | None:
         return await self._replica.export_when_ready(tuple(tokens), min_tokens, wait_s)
 
-    async def adopt(self, blob: ShippedBlob) -> bool:
+    async def adopt(self, blob: PeerReply) -> bool:
         return await self._replica.adopt(blob)
 
     def stats(self) -> tuple[ReplicaStats, dict]:
@@ -120,9 +128,7 @@ class ReplicaHost:
     async def close(self, handoff_s: float = 0.0) -> None:
         """Leave: hand the hottest checkpoints to peers for up to `handoff_s`, then stop."""
         if self.replica is not None:
-            await asyncio.to_thread(self.replica.engine.stop)
-            await self.replica.hand_off(handoff_s)
-            await self.replica.close()
+            await self.replica.leave(handoff_s)
             self.replica.engine.close()
             self.replica = None
 
@@ -136,8 +142,14 @@ class ReplicaHost:
 ReplicaActor = ray.remote(num_cpus=0)(ReplicaHost)
 
 
-def spawn_replica(replica_id: str, *args: object, **kwargs: object) -> ray.actor.ActorHandle:
-    """Start a named replica actor; `await handle.start.remote()` before using it."""
-    return ReplicaActor.options(name=actor_name(replica_id), namespace=NAMESPACE).remote(
-        replica_id, *args, **kwargs
-    )
+def spawn_replica(
+    replica_id: str,
+    *args: object,
+    resources: dict[str, float] | None = None,
+    **kwargs: object,
+) -> ray.actor.ActorHandle:
+    """Start a named replica actor (asking for custom `resources`: a node that offers them);
+    `await handle.start.remote()` before using it."""
+    return ReplicaActor.options(
+        name=actor_name(replica_id), namespace=NAMESPACE, resources=resources or {}
+    ).remote(replica_id, *args, **kwargs)

@@ -26,7 +26,12 @@ from baton_serve.replicas.engine.protocol import (
     TokenEvent,
 )
 from baton_serve.replicas.replica import Replica
-from baton_serve.replicas.shipping import ShippedBlob
+from baton_serve.replicas.shipping import (
+    PeerReply,
+    ShippedBlob,
+    received_blob,
+    share_in_object_store,
+)
 from baton_serve.replicas.telemetry.setup import configure_process
 from baton_serve.replicas.telemetry.startup import report_stage
 
@@ -57,11 +62,12 @@ class ServePeers:
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
     ) -> ShippedBlob | None:
-        return await self._handle.remote(
+        reply = await self._handle.remote(
             tokens, min_tokens, wait_s, **{TARGET_REPLICA_KWARG: replica_id}
         )
+        return await received_blob(reply)
 
-    async def offer(self, replica_id: str, blob: ShippedBlob) -> bool:
+    async def offer(self, replica_id: str, blob: PeerReply) -> bool:
         return await self._adopt.remote(blob, **{TARGET_REPLICA_KWARG: replica_id})
 
 
@@ -90,6 +96,7 @@ class ReplicaDeployment:
         peers = None
         if settings.ship and index is not None:
             peers = ServePeers(serve.get_deployment_handle(context.deployment, context.app_name))
+            engine.cache.codec.share = share_in_object_store  # peers may pull its states
         self.replica = Replica(
             self.replica_id, engine, index=index, peers=peers, heartbeat_s=settings.heartbeat_s
         )
@@ -111,11 +118,11 @@ class ReplicaDeployment:
         min_tokens: int,
         wait_s: float = 0.0,
         target_replica: str | None = None,
-    ) -> ShippedBlob | None:
+    ) -> PeerReply | None:
         """For a peer (the router already sent this call to `target_replica`)."""
         return await self.replica.export_when_ready(tuple(tokens), min_tokens, wait_s)
 
-    async def adopt(self, blob: ShippedBlob, target_replica: str | None = None) -> bool:
+    async def adopt(self, blob: PeerReply, target_replica: str | None = None) -> bool:
         """For a leaving peer handing over a checkpoint (sent to `target_replica`)."""
         return await self.replica.adopt(blob)
 
@@ -139,7 +146,5 @@ class ReplicaDeployment:
         """Serve stops this replica (scale-down, a rolling update) once its requests are
         done: hand the hottest checkpoints to the replicas that stay, then leave the index
         (and write what is left to the disk tier, if any)."""
-        await asyncio.to_thread(self.replica.engine.stop)
-        await self.replica.hand_off(self.handoff_s)
-        await self.replica.close()
+        await self.replica.leave(self.handoff_s)
         await asyncio.to_thread(self.replica.engine.close)

@@ -12,16 +12,43 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+import ray
 
-# A signed state blob as it travels between replicas: its head (header and token ids) and
-# the state as a uint8 array. Ray moves the array out of band: one copy into the object
-# store, none out of it (the receiver validates and restores the shared-memory view).
+from baton_serve.cache_store.checkpoint import Checkpoint
+
+# A signed state blob as it arrives from a peer: its head (header and token ids) and the
+# state as a uint8 array, a read-only view of Ray's object store (the receiver validates
+# and restores it there: no copy out of the store).
 ShippedBlob = tuple[bytes, np.ndarray]
+# What a peer answers: the state itself, or the ObjectRef of a copy it put in the object
+# store when the checkpoint was saved (`share_in_object_store`): no copy on the way.
+PeerReply = tuple[bytes, np.ndarray | ray.ObjectRef]
 
 
-def shipped_blob(head: bytes, state: memoryview) -> ShippedBlob:
-    """The travelling form of `encode_parts`' output (no copy)."""
+def shipped_blob(head: bytes, state: memoryview, shared: object | None = None) -> PeerReply:
+    """The travelling form of `encode_parts`' output (no copy): the state's `shared`
+    ObjectRef where it has one, a uint8 view of it otherwise."""
+    if isinstance(shared, ray.ObjectRef):
+        return head, shared
     return head, np.frombuffer(state, dtype=np.uint8)
+
+
+async def received_blob(reply: PeerReply | None) -> ShippedBlob | None:
+    """A peer's reply with its state here: a shared one is fetched from the object store
+    (a view of it on this node; a copy from the peer's node otherwise)."""
+    if isinstance(reply, tuple) and len(reply) == 2 and isinstance(reply[1], ray.ObjectRef):
+        return reply[0], await reply[1]
+    return reply
+
+
+def share_in_object_store(checkpoint: Checkpoint) -> None:
+    """Put a new checkpoint's state in Ray's object store and keep it there instead: its
+    `state` becomes a read-only view of that copy (the private buffer is let go, so it is
+    not held twice) and its ObjectRef the `shared` handle its exports hand out. Runs in the
+    background after a save, so the copy into the store is not on any pull's path."""
+    ref = ray.put(np.frombuffer(checkpoint.state, dtype=np.uint8))
+    checkpoint.state = ray.get(ref).data.cast("B")
+    checkpoint.shared = ref
 
 
 def shipped_nbytes(blob: object) -> int:
@@ -44,7 +71,7 @@ class PeerDirectory(Protocol):
         computing; None if it has none. Raises if the peer is unreachable."""
         ...
 
-    async def offer(self, replica_id: str, blob: ShippedBlob) -> bool:
+    async def offer(self, replica_id: str, blob: PeerReply) -> bool:
         """Hand a checkpoint to the peer (this replica is leaving); True if it kept it.
         Raises if the peer is unreachable."""
         ...

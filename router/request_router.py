@@ -20,32 +20,19 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from opentelemetry.context import Context
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from baton_serve.cache_store.index import (
-    CheckpointIndex,
-    IndexMatch,
-    IndexUnavailable,
-    better_match,
-)
+from baton_serve.cache_store.index import CheckpointIndex, IndexMatch, IndexUnavailable
 from baton_serve.cache_store.index_connect import connect_cluster_index
 from baton_serve.cache_store.index_view import IndexView
 from baton_serve.replicas.engine.protocol import TARGET_REPLICA_KWARG, ReplicaRequest
 from baton_serve.replicas.telemetry import tracing
 from baton_serve.replicas.telemetry.logs import request_fields
-from baton_serve.router.route_cost import (
-    CACHED,
-    IN_FLIGHT,
-    PULL,
-    CostSettings,
-    Estimate,
-    Holding,
-    ReplicaState,
-    rank,
-)
+from baton_serve.router.route_cost import CostSettings, Estimate, ReplicaState
+from baton_serve.router.route_decision import decide, merge_ledger, record_sent, replica_state
 from baton_serve.router.routing_ledger import RoutingLedger
 from baton_serve.router.routing_metrics import record_decision, record_lookup
 
@@ -209,23 +196,14 @@ class BatonRouter(SafeRequestRouter):
             else:
                 reason, holdings = "load_fallback", found
         states = [self._state(r, holdings.get(r.replica_id.unique_id)) for r in candidates]
-        estimates = rank(states, len(request.generation.prompt), time.time(), self._settings)
-        if estimates and estimates[0].reused_tokens and reason == "load_fallback":
-            reason = _REASONS[estimates[0].plan]
-        return estimates, reason
+        n_prompt = len(request.generation.prompt)
+        return decide(states, n_prompt, time.time(), self._settings, reason)
 
     def _state(self, replica: RunningReplica, match: IndexMatch | None) -> ReplicaState:
-        rid = replica.replica_id.unique_id
         stats = replica.routing_stats or {}
-        holding = Holding(match.n_tokens, match.nbytes, match.ready_at) if match else None
-        return ReplicaState(
-            replica_id=rid,
-            load=max(self._ledger.load(rid), _load(replica)),
-            queued_tokens=self._ledger.queued_tokens(rid),
-            prefill_tokens_per_s=float(
-                stats.get("prefill_tokens_per_s") or self._default_prefill_speed
-            ),
-            holding=holding,
+        speed = float(stats.get("prefill_tokens_per_s") or self._default_prefill_speed)
+        return replica_state(
+            replica.replica_id.unique_id, self._ledger, _load(replica), speed, match
         )
 
     async def _holdings(
@@ -247,11 +225,7 @@ class BatonRouter(SafeRequestRouter):
                 record_lookup(time.perf_counter() - started, ok=False)
                 return None
         record_lookup(time.perf_counter() - started, ok=True)
-        for rid, mine in self._ledger.lookup(chain).items():
-            if better_match(mine.n_tokens, mine.ready_at, matches.get(rid)):
-                known = matches.get(rid)
-                matches[rid] = mine if known is None else replace(mine, nbytes=known.nbytes)
-        return matches
+        return merge_ledger(matches, self._ledger.lookup(chain))
 
     def _start_following(self) -> None:
         if self._follow_index and self._follower is None:
@@ -294,13 +268,8 @@ class BatonRouter(SafeRequestRouter):
 
     def _send(self, chosen: Estimate, request: ReplicaRequest, key: str) -> None:
         prompt = request.generation.prompt
-        self._ledger.sent(
-            chosen.replica_id,
-            key,
-            self._ledger.entries_for(prompt, request.prefix_hashes),
-            tokens=len(prompt) - chosen.reused_tokens,
-            ready_at=time.time() + chosen.seconds,
-        )
+        held = self._ledger.entries_for(prompt, request.prefix_hashes)
+        record_sent(self._ledger, chosen, key, len(prompt), held, time.time())
 
     def request_routed(self, pending_request: PendingRequest, replica: RunningReplica) -> None:
         """Ray sent it to `replica`: move the record there if that was not the first rank."""
@@ -340,9 +309,6 @@ class _Plan:
     def replica_id(self) -> str:
         """Where the ledger counts it (the first rank)."""
         return self.estimates[0].replica_id
-
-
-_REASONS = {CACHED: "prefix_hit", IN_FLIGHT: "in_flight", PULL: "peer_pull"}  # what it reuses
 
 
 class RoundRobinRouter(SafeRequestRouter):

@@ -18,7 +18,9 @@ prefix spreads once its holder is busy instead of piling every request onto it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+import zlib
+from collections import Counter
+from dataclasses import dataclass
 
 CACHED, IN_FLIGHT, PULL, COMPUTE = "cached", "in_flight", "pull", "compute"
 
@@ -82,8 +84,9 @@ def estimate(
     ready_s = max(own.ready_at - now, 0.0) if own else 0.0
     plan = (IN_FLIGHT if ready_s > 0 else CACHED) if reused else COMPUTE
     seconds = max(queue_s, ready_s) + (n_prompt - reused) / speed
+    held = reused  # each donor is weighed against what the replica holds itself
     for donor in donors:
-        if donor.n_tokens - reused < settings.min_pull_tokens:
+        if donor.n_tokens - held < settings.min_pull_tokens:
             continue
         pulled_s = max(queue_s, donor.ready_at - now) + settings.ship_latency_s
         pulled_s += donor.nbytes / settings.ship_bytes_per_s
@@ -103,9 +106,43 @@ def rank(
     bound = math.ceil(
         (1 + settings.load_slack) * (sum(r.load for r in replicas) + 1) / len(replicas)
     )
+    held = [r.holding for r in replicas if r.holding]
+    useful = _undominated(held)
+    counts = Counter(held)
+    alone = {h for h in useful if counts[h] == 1}  # best donors no other replica matches
     estimates = []
     for replica in replicas:
-        donors = [r.holding for r in replicas if r.holding and r is not replica]
+        if replica.holding in alone:
+            # its own holding is one of the best donors: rank the others' as they are
+            donors = [r.holding for r in replicas if r.holding and r is not replica]
+        else:
+            donors = useful
         found = estimate(replica, n_prompt, donors, now, settings)
-        estimates.append(replace(found, within_bound=replica.load < bound))
-    return sorted(estimates, key=lambda e: (not e.within_bound, e.seconds, e.replica_id))
+        estimates.append(
+            Estimate(
+                found.replica_id,
+                found.seconds,
+                found.plan,
+                found.reused_tokens,
+                replica.load < bound,
+            )
+        )
+    return sorted(estimates, key=lambda e: (not e.within_bound, e.seconds, _tie(e, now)))
+
+
+def _tie(estimate: Estimate, now: float) -> int:
+    """Equal estimates (idle replicas holding the same prefix) in an order that changes
+    from one decision to the next: by replica id, the same replica won every tie and took
+    the most requests of a large cluster."""
+    return zlib.crc32(f"{now!r} {estimate.replica_id}".encode())
+
+
+def _undominated(holdings: list[Holding]) -> list[Holding]:
+    """The distinct holdings no other one beats as a donor (at least as long, no larger,
+    ready no later): the only ones a pull could choose — so a prefix many replicas hold
+    costs each estimate one comparison, not one per replica."""
+    kept: list[Holding] = []
+    for h in sorted(holdings, key=lambda h: (-h.n_tokens, h.nbytes, h.ready_at)):
+        if not any(k.nbytes <= h.nbytes and k.ready_at <= h.ready_at for k in kept):
+            kept.append(h)
+    return kept

@@ -92,7 +92,9 @@ def test_bench_index_reports_both_backends(tmp_path: Path) -> None:
     backends = json.loads(done.stdout)["backends"]
     assert set(backends) == {"redis", "embedded"}
     for figures in backends.values():
-        assert 0 < figures["lookup_ms"]["p50"] <= figures["lookup_ms"]["p99"]
+        ms = figures["lookup_ms"]
+        assert 0 < ms["p50"] <= ms["p95"] <= ms["p99"]
+    assert backends["redis"]["bytes_per_entry"] > 0  # an RSS may not grow for 2,000 entries
 
 
 def test_bench_ship_pulls_instead_of_recomputing(tmp_path: Path) -> None:

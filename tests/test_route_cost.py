@@ -103,6 +103,35 @@ def test_waiting_for_an_in_flight_prefix_and_pulling_it_beats_computing_it() -> 
     assert 2.0 < estimates[0].seconds < 4.0
 
 
+def test_a_pull_takes_the_cheapest_donor_whatever_the_order() -> None:
+    """Two replicas hold the same depth, one in a smaller state: an idle third pulls the
+    smaller one, whichever comes first (the first acceptable donor used to block the
+    others of the same depth)."""
+    big, small = Holding(1800, 400_000_000), Holding(1800, 4_000_000)
+    for first, second in ((big, small), (small, big)):
+        replicas = {
+            "r0": ReplicaState("r0", 2, 4000, 100.0, first),
+            "r1": ReplicaState("r1", 2, 4000, 100.0, second),
+            "r2": ReplicaState("r2", 0, 0, 100.0, None),
+        }
+        best = rank(list(replicas.values()), 1900, NOW, SETTINGS)[0]
+        assert (best.replica_id, best.plan) == ("r2", PULL)
+        assert best.seconds < SETTINGS.ship_latency_s + 0.02 + 100 / 100.0
+
+
+def test_many_replicas_holding_one_prefix_rank_as_one_donor() -> None:
+    """256 replicas hold a system prompt, one a whole conversation: each estimate weighs
+    only the donors a pull could choose, and the ranking is what weighing all gives."""
+    shared = Holding(960, 20_000_000)
+    replicas = [ReplicaState(f"r{i:03d}", i % 3, 0, 100.0, shared) for i in range(256)]
+    replicas[7] = ReplicaState("r007", 1, 0, 100.0, Holding(1792, 40_000_000))
+    estimates = rank(replicas, 1900, NOW, SETTINGS)
+    best = estimates[0]
+    assert best.plan == PULL and best.reused_tokens == 1792 and best.replica_id != "r007"
+    own = next(e for e in estimates if e.replica_id == "r007")
+    assert own.plan == CACHED and own.reused_tokens == 1792
+
+
 def test_nothing_to_reuse_means_compute_on_the_least_loaded() -> None:
     replicas = _cluster(3)
     replicas["r0"] = ReplicaState("r0", 2, 3000, 100.0, None)
@@ -165,11 +194,12 @@ def test_a_burst_ranked_before_any_request_is_sent_still_spreads() -> None:
     )
 
     async def burst() -> list[str]:
-        firsts = []
+        firsts, pendings = [], []  # alive, as Ray keeps them until sent (the router keys
+        # its plans by the metadata's id, which a freed object's successor may reuse)
         for i in range(4):
             metadata = RequestMetadata(request_id=f"r{i}", internal_request_id=f"r{i}")
-            pending = PendingRequest(args=[request], kwargs={}, metadata=metadata)
-            ranks = await router.choose_replicas(candidates, pending)
+            pendings.append(PendingRequest(args=[request], kwargs={}, metadata=metadata))
+            ranks = await router.choose_replicas(candidates, pendings[-1])
             firsts.append(ranks[0][0].replica_id.unique_id)
         return firsts
 

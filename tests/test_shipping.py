@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import ray
 
+from baton_serve.cache_store.checkpoint import Checkpoint
 from baton_serve.cache_store.index_connect import connect_index
 from baton_serve.cache_store.state_blob import encode_parts
 from baton_serve.replicas.engine.engine import Engine
@@ -25,7 +26,12 @@ from baton_serve.replicas.engine.protocol import GenerationRequest, ReplicaReque
 from baton_serve.replicas.engine.sampling import SamplingParams
 from baton_serve.replicas.replica import Replica
 from baton_serve.replicas.replica_actor import spawn_replica
-from baton_serve.replicas.shipping import ShipPolicy, shipped_blob
+from baton_serve.replicas.shipping import (
+    ShipPolicy,
+    received_blob,
+    share_in_object_store,
+    shipped_blob,
+)
 
 KEY = secrets.token_bytes(32)
 CONFIG = EngineConfig(n_ctx=2048, n_slots=2, n_threads=1)
@@ -388,3 +394,21 @@ def test_a_prefix_being_computed_is_waited_for_and_pulled(
     finally:
         for actor in (holder, puller, cold):
             ray.kill(actor)
+
+
+def test_a_shared_state_leaves_as_an_object_ref_and_arrives_as_its_bytes(ray_cluster) -> None:
+    state = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)
+    checkpoint = Checkpoint(prefix_hash=bytes(16), tokens=[1, 2, 3], state=state)
+    share_in_object_store(checkpoint)
+    # the store keeps the object store's copy, read-only, and not the private buffer
+    assert checkpoint.state.readonly and bytes(checkpoint.state) == state.tobytes()
+    assert np.frombuffer(checkpoint.state, np.uint8).ctypes.data != state.ctypes.data
+    reply = shipped_blob(b"head", checkpoint.state, checkpoint.shared)
+    assert isinstance(reply[1], ray.ObjectRef)
+    head, arrived = asyncio.run(received_blob(reply))
+    assert head == b"head" and not arrived.flags.writeable
+    assert np.array_equal(arrived, state)
+    # a state without a shared copy travels as itself; anything else is left to validation
+    _, itself = asyncio.run(received_blob(shipped_blob(b"h", state.data)))
+    assert np.array_equal(itself, state)
+    assert asyncio.run(received_blob(None)) is None

@@ -8,13 +8,16 @@ byte of it.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from baton_serve.cache_store.checkpoint import Checkpoint
 from baton_serve.cache_store.prefix_hash import PrefixHasher
 from baton_serve.cache_store.state_blob import (
+    ALL_CORES,
     BlobError,
     BlobParts,
     Buffer,
@@ -25,6 +28,8 @@ from baton_serve.cache_store.state_blob import (
     payload_digest,
 )
 from baton_serve.replicas.engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointCodec:
@@ -45,10 +50,22 @@ class CheckpointCodec:
         self._key = hmac_key
         # Off the engine thread: the hash releases the GIL.
         self._digester = ThreadPoolExecutor(1, thread_name_prefix="baton-blob-digest")
+        # Where a replica can share states with peers without a copy per export (Ray's
+        # object store): sets a new checkpoint's `shared` and `state`, in the background.
+        self.share: Callable[[Checkpoint], None] | None = None
 
     def digest_later(self, checkpoint: Checkpoint) -> None:
-        """Hash a new checkpoint's payload in the background, ready for its exports."""
-        self._digester.submit(_fill_digest, checkpoint)
+        """Hash a new checkpoint's payload in the background (on one core: the engine's own
+        threads come first) and share it, ready for its exports."""
+        self._digester.submit(self._prepare_export, checkpoint)
+
+    def _prepare_export(self, checkpoint: Checkpoint) -> None:
+        try:
+            _fill_digest(checkpoint, 1)
+            if self.share is not None:
+                self.share(checkpoint)
+        except Exception:  # its exports hash it or copy it then: slower, still correct
+            logger.exception("preparing a checkpoint for export failed")
 
     def parts(self, checkpoint: Checkpoint) -> tuple[bytes, memoryview]:
         """The signed blob of `checkpoint` as `(head, state)`, the state not copied."""
@@ -63,7 +80,7 @@ class CheckpointCodec:
         return encode_blob(**self._fields(checkpoint))
 
     def _fields(self, checkpoint: Checkpoint) -> dict[str, Any]:
-        _fill_digest(checkpoint)  # usually done already, in the background
+        _fill_digest(checkpoint)  # usually done already, in the background; a peer waits
         return {
             "fingerprint": self.fingerprint,
             "prefix_hash": checkpoint.prefix_hash,
@@ -96,9 +113,9 @@ class CheckpointCodec:
         )
 
 
-def _fill_digest(checkpoint: Checkpoint) -> None:
+def _fill_digest(checkpoint: Checkpoint, threads: int = ALL_CORES) -> None:
     if checkpoint.digest is None:
-        checkpoint.digest = payload_digest(checkpoint.tokens, checkpoint.state)
+        checkpoint.digest = payload_digest(checkpoint.tokens, checkpoint.state, threads=threads)
 
 
 def frozen(blob: Buffer | BlobParts) -> Buffer | BlobParts:

@@ -136,15 +136,16 @@ class PrefixCache:
 
     def export_best(
         self, tokens: tuple[int, ...] | list[int], min_tokens: int = 0
-    ) -> tuple[bytes, memoryview] | None:
+    ) -> tuple[tuple[bytes, memoryview], object | None] | None:
         """The signed blob parts of the stored checkpoint that gives the longest prefix of
         `tokens`, if that is more than `min_tokens` (what a peer asks for before pulling):
         one that prefixes them, or for attention models any that shares their beginning (the
-        peer cuts it back)."""
+        peer cuts it back); with its `shared` handle (None if it has none)."""
         checkpoint, reused = self._stored_prefix(tuple(tokens), len(tokens), touch=False)
         if checkpoint is None or reused <= min_tokens:
             return None
-        return self.export_checkpoint(checkpoint.prefix_hash)
+        parts = self.export_checkpoint(checkpoint.prefix_hash)
+        return None if parts is None else (parts, checkpoint.shared)
 
     def state_bytes(self, n_tokens: int) -> int:
         """The size of an `n_tokens`-token state (0 where it is not linear: sliding windows)."""

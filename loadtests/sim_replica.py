@@ -1,0 +1,378 @@
+"""A simulated replica: an engine's slots, prefill and decode at a profile's speeds, a
+prefix cache of checkpoints under a byte budget, and peer pulls by the replica's own rule.
+
+- **Slots**: `profile.slots` requests run at once (the engine's `n_slots`); the rest queue
+  in order. Prefill runs at `prefill_tokens_per_s`, shared equally by the slots prefilling
+  at the time (one batch); each slot decodes at `decode_tokens_per_s`.
+- **Prefix cache** (attention): a checkpoint serves every prefix of itself; one is stored
+  when a prompt is prefilled, and replaced by the prompt + reply when the request ends;
+  least recently used ones are evicted past `cache_bytes`. Each is published to the index
+  under every block it covers (as the replica's `index_publisher` does); a prefill in
+  progress is announced there as in flight, with its expected end (under Baton's router,
+  the index's only reader; the others never look it up).
+- **The same prefix twice**: a request whose prompt extends what another slot is
+  prefilling right now waits for it and reuses it (the engine never computes it twice).
+- **Pulls** (`replicas/replica.py`'s rule; only under Baton's router, as deployed: a
+  replica reaches a given peer through `target_replica=`, which only it honours): before queueing,
+  if a peer holds — or is computing — at least 64 tokens more, and waiting for it plus
+  shipping it (latency + bytes over the link + restore) takes under half of recomputing
+  them, the state is pulled.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from baton_serve.cache_store.index import IndexEntry, IndexMatch
+from baton_serve.cache_store.memory_index import ModelIndex
+from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
+
+MIN_PULL_TOKENS = 64
+PULL_SHARE = 0.5  # a pull must take under this share of the recompute it saves
+FOREVER = float("inf")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What a replica costs: prefill and decode speeds, the link, state sizes."""
+
+    name: str
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float  # per slot
+    slots: int
+    link_bytes_per_s: float
+    ship_latency_s: float  # per pull: the peer's export call, the index lookup
+    restore_bytes_per_s: float
+    bytes_per_token: int
+    cache_bytes: int
+    block_tokens: int = 64
+
+
+class EventLoop:
+    """A heap of timed callbacks; `now` is the time of the one running."""
+
+    def __init__(self, start_s: float = 1.0) -> None:
+        self.now = start_s  # > 0: a `ready_at` of 0 means "held now" to the index
+        self._heap: list[tuple[float, int, Callable[..., None], tuple]] = []
+        self._order = itertools.count()
+
+    def at(self, when: float, callback: Callable[..., None], *args: object) -> None:
+        heapq.heappush(self._heap, (max(when, self.now), next(self._order), callback, args))
+
+    def run(self) -> None:
+        while self._heap:
+            self.now, _, callback, args = heapq.heappop(self._heap)
+            callback(*args)
+
+
+@dataclass(eq=False)
+class Job:
+    """One request at a replica, and what happened to it."""
+
+    key: str
+    keys: list[int]  # `sim_workload.prefix_keys` of the prompt
+    lengths: list[int]
+    chain: list[bytes]
+    reply_tokens: int
+    reply_keys: tuple[list[int], list[int], list[bytes]]  # the prompt and its reply
+    reused: int = 0
+    shipped_bytes: int = 0
+    remaining: float = 0.0
+    prefill_s: float = 0.0  # compute time it cost its replica
+    first_token_s: float | None = None
+    done_s: float | None = None
+    prefilled: bool = False
+    dominates: int | None = None  # a checkpoint its prompt's state will serve all of
+    waiters: list[Job] = field(default_factory=list)
+    on_prefilled: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def n_prompt(self) -> int:
+        return self.lengths[-1]
+
+
+def shared_tokens(job: Job, keys: list[int], lengths: list[int]) -> int:
+    """Tokens `job`'s prompt shares with a prompt of `keys` (whole segments)."""
+    n = 0
+    for mine, theirs, length in zip(job.keys, keys, lengths):
+        if mine != theirs:
+            break
+        n = length
+    return n
+
+
+@dataclass(eq=False)
+class _Checkpoint:
+    keys: list[int]
+    lengths: list[int]
+    chain: list[bytes]
+    nbytes: int
+
+
+class PrefixCache:
+    """Checkpoints under a byte budget, least recently used evicted first."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.used = 0
+        self._lru: OrderedDict[int, _Checkpoint] = OrderedDict()
+        self._by_key: dict[int, set[int]] = {}
+        self._blocks: dict[bytes, int] = {}  # block hash -> checkpoints covering it
+        self._ids = itertools.count()
+
+    def match(self, keys: list[int], lengths: list[int]) -> tuple[int, int | None]:
+        """The longest prefix of the prompt held (tokens) and the checkpoint holding it."""
+        for i in range(len(keys) - 1, -1, -1):
+            holders = self._by_key.get(keys[i])
+            if holders:
+                return lengths[i], max(holders)  # the newest
+        return 0, None
+
+    def get(self, cid: int) -> _Checkpoint:
+        """The checkpoint `cid`, now the most recently used."""
+        self._lru.move_to_end(cid)
+        return self._lru[cid]
+
+    def add(self, checkpoint: _Checkpoint) -> tuple[int | None, list[bytes]]:
+        """Store `checkpoint` (if it fits the budget at all); returns its id and the block
+        hashes no checkpoint covers any more."""
+        if checkpoint.nbytes > self.budget:
+            return None, []
+        gone: list[bytes] = []
+        while self.used + checkpoint.nbytes > self.budget:
+            gone += self.remove(next(iter(self._lru)))
+        cid = next(self._ids)
+        self._lru[cid] = checkpoint
+        self.used += checkpoint.nbytes
+        for key in checkpoint.keys:
+            self._by_key.setdefault(key, set()).add(cid)
+        for block in checkpoint.chain:
+            self._blocks[block] = self._blocks.get(block, 0) + 1
+        return cid, [b for b in gone if b not in self._blocks]
+
+    def remove(self, cid: int) -> list[bytes]:
+        checkpoint = self._lru.pop(cid, None)
+        if checkpoint is None:
+            return []
+        self.used -= checkpoint.nbytes
+        for key in checkpoint.keys:
+            holders = self._by_key[key]
+            holders.discard(cid)
+            if not holders:
+                del self._by_key[key]
+        gone = []
+        for block in checkpoint.chain:
+            self._blocks[block] -= 1
+            if not self._blocks[block]:
+                del self._blocks[block]
+                gone.append(block)
+        return gone
+
+
+class SimReplica:
+    """One replica; `peers` maps every replica id to its replica (itself included)."""
+
+    def __init__(
+        self,
+        rid: str,
+        profile: Profile,
+        loop: EventLoop,
+        index: ModelIndex,
+        peers: dict[str, SimReplica],
+        on_done: Callable[[Job, SimReplica], None],
+        baton: bool,
+    ) -> None:
+        self.rid = rid
+        self.profile = profile
+        self.cache = PrefixCache(profile.cache_bytes)
+        self.in_flight = 0  # requests here (pulling, queued, running)
+        self.busy_s = 0.0  # prefill seconds + decode slot-seconds / slots
+        self._loop, self._index, self._peers = loop, index, peers
+        self._on_done = on_done
+        self._baton = baton  # only Baton's router and its replicas' pulls read the index
+        self._queue: deque[Job] = deque()
+        self._running = 0
+        self._prefilling: list[Job] = []
+        self._updated = loop.now
+        self._version = 0
+        self._prompt_checkpoint: dict[int, int] = {}  # id(job) -> its prompt's checkpoint
+        index.alive[rid] = FOREVER
+
+    def arrive(self, job: Job) -> None:
+        """A request routed here: pull a peer's state first if that pays, then queue."""
+        self.in_flight += 1
+        if not (self._baton and self._pull(job)):
+            self._enqueue(job)
+
+    # ---- pulls ---------------------------------------------------------------------------
+
+    def _pull(self, job: Job) -> bool:
+        now, p = self._loop.now, self.profile
+        local, _ = self.cache.match(job.keys, job.lengths)
+        usable = job.n_prompt - MIN_PIECE
+        if usable - local < MIN_PULL_TOKENS:
+            return False  # no peer can hold enough more: no lookup
+        matches = self._index.lookup(job.chain, now)
+        best: IndexMatch | None = None
+        for rid, match in matches.items():
+            if rid != self.rid and (best is None or match.n_tokens > best.n_tokens):
+                best = match
+        gain = min(best.n_tokens, usable) - local if best else 0
+        if best is None or gain < MIN_PULL_TOKENS:
+            return False
+        move_s = p.ship_latency_s + best.nbytes / p.link_bytes_per_s
+        move_s += best.nbytes / p.restore_bytes_per_s
+        wait_s = max(0.0, best.ready_at - now) if best.in_flight else 0.0
+        if wait_s + move_s >= PULL_SHARE * gain / p.prefill_tokens_per_s:
+            return False
+        peer = self._peers[best.replica_id]
+        if not best.in_flight:
+            self._ship_from(peer, job)
+            return True
+        computing = peer.computing(job)
+        if computing is None:
+            return False
+        computing.on_prefilled.append(lambda: self._ship_from(peer, job))
+        return True
+
+    def computing(self, job: Job) -> Job | None:
+        """The prefill here sharing the longest prefix with `job`'s prompt."""
+        found = max(
+            self._prefilling, key=lambda j: shared_tokens(j, job.keys, job.lengths), default=None
+        )
+        return found if found and shared_tokens(found, job.keys, job.lengths) else None
+
+    def _ship_from(self, peer: SimReplica, job: Job) -> None:
+        tokens, cid = peer.cache.match(job.keys, job.lengths)
+        if cid is None:  # evicted meanwhile: compute it
+            self._enqueue(job)
+            return
+        checkpoint = peer.cache.get(cid)
+        p = self.profile
+        move_s = p.ship_latency_s + checkpoint.nbytes / p.link_bytes_per_s
+        move_s += checkpoint.nbytes / p.restore_bytes_per_s
+        job.shipped_bytes += checkpoint.nbytes
+        self._loop.at(self._loop.now + move_s, self._pulled, job, checkpoint)
+
+    def _pulled(self, job: Job, checkpoint: _Checkpoint) -> None:
+        self._store(checkpoint)
+        self._enqueue(job)
+
+    # ---- slots and prefill ---------------------------------------------------------------
+
+    def _enqueue(self, job: Job) -> None:
+        self._queue.append(job)
+        self._admit()
+
+    def _admit(self) -> None:
+        while self._queue and self._running < self.profile.slots:
+            self._running += 1
+            self._start(self._queue.popleft())
+
+    def _start(self, job: Job) -> None:
+        local, cid = self.cache.match(job.keys, job.lengths)
+        computing = self.computing(job)
+        if computing is not None and shared_tokens(computing, job.keys, job.lengths) > local:
+            computing.waiters.append(job)  # it waits in its slot for that prefix
+            return
+        if cid is not None:
+            used = self.cache.get(cid)
+            if used.keys == job.keys[: len(used.keys)]:  # the new one will serve all of it
+                job.dominates = cid
+        job.reused = min(local, job.n_prompt - 1)  # the last token is always computed
+        job.remaining = job.n_prompt - job.reused
+        self._advance()
+        self._prefilling.append(job)
+        ends = self._loop.now + job.remaining * len(self._prefilling) / self._speed
+        size = self.profile.block_tokens
+        coming = [
+            IndexEntry(h, (i + 1) * size, (i + 1) * size * self.profile.bytes_per_token, ends)
+            for i, h in enumerate(job.chain)
+            if (i + 1) * size > job.reused
+        ]
+        if self._baton:
+            self._index.publish(self.rid, coming, FOREVER)
+        self._reschedule()
+
+    @property
+    def _speed(self) -> float:
+        return self.profile.prefill_tokens_per_s
+
+    def _advance(self) -> None:
+        """Bring every prefill's remaining tokens up to now (an equal share of the speed)."""
+        now = self._loop.now
+        if self._prefilling:
+            done = (now - self._updated) * self._speed / len(self._prefilling)
+            for job in self._prefilling:
+                job.remaining -= done
+        self._updated = now
+
+    def _reschedule(self) -> None:
+        self._version += 1
+        if self._prefilling:
+            first = min(j.remaining for j in self._prefilling)
+            when = self._loop.now + max(first, 0.0) * len(self._prefilling) / self._speed
+            self._loop.at(when, self._prefill_event, self._version)
+
+    def _prefill_event(self, version: int) -> None:
+        if version != self._version:
+            return
+        self._advance()
+        finished = [j for j in self._prefilling if j.remaining <= 1e-6]
+        self._prefilling = [j for j in self._prefilling if j.remaining > 1e-6]
+        for job in finished:
+            self._prefilled(job)
+        self._reschedule()
+
+    def _prefilled(self, job: Job) -> None:
+        now, p = self._loop.now, self.profile
+        job.prefilled = True
+        computed = job.n_prompt - job.reused
+        job.prefill_s = computed / p.prefill_tokens_per_s
+        self.busy_s += job.prefill_s + job.reply_tokens / p.decode_tokens_per_s / p.slots
+        job.first_token_s = now + 1 / p.decode_tokens_per_s
+        state = _Checkpoint(job.keys, job.lengths, job.chain, job.n_prompt * p.bytes_per_token)
+        cid = self._store(state)
+        if cid is not None:
+            self._prompt_checkpoint[id(job)] = cid
+            if job.dominates is not None:
+                self._forget(self.cache.remove(job.dominates))
+        for waiter in job.waiters:
+            self._start(waiter)
+        for callback in job.on_prefilled:
+            callback()
+        self._loop.at(now + job.reply_tokens / p.decode_tokens_per_s, self._finish, job)
+
+    def _finish(self, job: Job) -> None:
+        keys, lengths, chain = job.reply_keys
+        self._store(_Checkpoint(keys, lengths, chain, lengths[-1] * self.profile.bytes_per_token))
+        cid = self._prompt_checkpoint.pop(id(job), None)
+        if cid is not None:  # the prompt's state, served by the one with its reply now
+            self._forget(self.cache.remove(cid))
+        job.done_s = self._loop.now
+        self._running -= 1
+        self.in_flight -= 1
+        self._admit()
+        self._on_done(job, self)
+
+    # ---- the cache and the index ---------------------------------------------------------
+
+    def _store(self, checkpoint: _Checkpoint) -> int | None:
+        cid, gone = self.cache.add(checkpoint)
+        self._forget(gone)
+        if cid is not None and self._baton:
+            size = self.profile.block_tokens
+            held = [
+                IndexEntry(h, (i + 1) * size, checkpoint.nbytes)
+                for i, h in enumerate(checkpoint.chain)
+            ]
+            self._index.publish(self.rid, held, FOREVER)
+        return cid
+
+    def _forget(self, hashes: list[bytes]) -> None:
+        if hashes and self._baton:
+            self._index.forget(self.rid, hashes)

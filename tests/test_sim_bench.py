@@ -1,0 +1,155 @@
+"""`baton bench sim`, the routing simulator: deterministic, calibrated, and deciding with
+the router's own code (pure Python, no model and no Ray: each test takes about a second)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from baton_serve.loadtests.plots import SIM_METRICS, sim_plots
+from baton_serve.loadtests.sim_bench import (
+    MEASURED_ROUTING,
+    PROFILES,
+    sim_benchmark,
+    summarize,
+    targets,
+    validation,
+)
+from baton_serve.loadtests.sim_cluster import Cluster
+from baton_serve.loadtests.sim_policies import BATON, POLICIES, ROUND_ROBIN, BatonPolicy
+from baton_serve.loadtests.sim_workload import (
+    BURST,
+    ClusterWorkload,
+    Phase,
+    Session,
+    Turn,
+    block_chain,
+    cluster_workload,
+)
+from baton_serve.router.route_decision import REASONS
+
+CPU = PROFILES["cpu"]
+SMALL = ClusterWorkload(sessions_per_replica=3)
+
+
+def _burst(sessions: int, shared: int, own: int) -> list[Phase]:
+    """`sessions` one-turn sessions arriving at once, sharing a `shared`-token prefix."""
+    system = (1, shared)
+    return [
+        Phase(
+            [
+                Session(BURST, i, 0.0, (system,), [Turn(((100 + i, own),), 8)])
+                for i in range(sessions)
+            ]
+        )
+    ]
+
+
+def test_a_seeded_run_gives_the_same_figures_twice() -> None:
+    phases = cluster_workload(SMALL, 4, CPU.prefill_tokens_per_s)
+    first = summarize(Cluster(CPU, 4, BATON).run(phases))
+    again = summarize(Cluster(CPU, 4, BATON).run(phases))
+    assert first == again
+    assert first["requests"] > 12 and 0 < first["cache_hit_ratio"] < 1
+    other_seed = cluster_workload(ClusterWorkload(sessions_per_replica=3, seed=1), 4, 100.0)
+    assert summarize(Cluster(CPU, 4, BATON).run(other_seed)) != first
+
+
+def test_one_shared_prefix_is_computed_at_most_once_per_replica_under_baton() -> None:
+    replicas, sessions, shared, own = 4, 32, 2000, 40
+    run = Cluster(CPU, replicas, BATON).run(_burst(sessions, shared, own))
+    computed = sum(r.computed_tokens for r in run.records)
+    times_shared = (computed - sessions * own) / shared
+    assert 1 <= times_shared <= replicas + 0.01, times_shared
+    assert len({r.replica for r in run.records}) == replicas  # and the burst spread
+
+
+def test_round_robin_spreads_equal_work_exactly() -> None:
+    run = Cluster(CPU, 4, ROUND_ROBIN).run(_burst(40, 10, 500))
+    assert summarize(run)["load_imbalance"] == pytest.approx(1.0)
+
+
+def test_the_baton_policy_decides_with_route_cost() -> None:
+    """Its decisions carry the reasons `route_decision.decide` gives from `rank`'s plans,
+    and its ledger (the router's own `RoutingLedger`) counts what it sent."""
+    cluster = Cluster(CPU, 4, BATON)
+    run = cluster.run(cluster_workload(SMALL, 4, CPU.prefill_tokens_per_s))
+    assert isinstance(cluster.policy, BatonPolicy)
+    assert set(REASONS.values()) & set(run.reasons)  # prefix hits, joins or pulls
+    assert set(run.reasons) <= {*REASONS.values(), "load_fallback", "no_prefix"}
+    assert sum(run.reasons.values()) == len(run.records)
+    assert all(cluster.policy.ledger.load(rid) == 0 for rid in cluster.replicas)
+
+
+def test_only_baton_ships_states() -> None:
+    """Replicas pull from peers only under Baton's router (the only one that reaches a
+    given replica), as `baton serve` deploys them."""
+    phases = cluster_workload(SMALL, 4, CPU.prefill_tokens_per_s)
+    shipped = {p: summarize(Cluster(CPU, 4, p).run(phases))["shipped_gb"] for p in POLICIES}
+    assert shipped[BATON] > 0
+    assert all(gb == 0 for p, gb in shipped.items() if p != BATON)
+
+
+def test_the_block_chain_extends_with_the_prompt() -> None:
+    short = ((1, 100), (2, 60))
+    longer = (*short, (3, 24), (4, 60))
+    assert block_chain(longer, 64)[:2] == block_chain(short, 64)
+    assert len(block_chain(longer, 64)) == 244 // 64
+    assert block_chain(((1, 100), (5, 60)), 64)[1] != block_chain(short, 64)[1]
+
+
+def test_validation_sets_simulated_beside_measured() -> None:
+    result = validation(CPU)
+    assert set(result["policies"]) == set(MEASURED_ROUTING)
+    for row in result["policies"].values():
+        assert row["simulated"]["requests"] == 72  # bench routing's 72 measured requests
+        # the computed / new of every policy agrees with the measured run within 25%
+        assert row["agree"]["computed_over_new"], row
+
+
+def test_a_small_benchmark_has_every_figure_and_a_plot_per_metric(tmp_path: Path) -> None:
+    result = sim_benchmark(CPU, sizes=(4,), policies=(BATON, ROUND_ROBIN), workload=SMALL)
+    figures = result["sizes"]["4"][BATON]
+    for key in ("ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "load_imbalance", "shipped_gb"):
+        assert figures[key] >= 0
+    assert result["targets"] == {}  # no 64-replica run
+    written = sim_plots(result, tmp_path)
+    assert [p.name for p in written] == [name for name, _, _ in SIM_METRICS.values()]
+    assert all(p.stat().st_size > 1000 for p in written)
+
+
+def test_the_targets_compare_baton_with_the_best_other_at_64() -> None:
+    at_64 = {
+        BATON: {"ttft_p99_s": 4.0, "load_imbalance": 1.1},
+        "pow2": {"ttft_p99_s": 10.0, "load_imbalance": 1.2},
+        "chwbl": {"ttft_p99_s": 7.0, "load_imbalance": 1.2},
+    }
+    found = targets({"64": at_64})
+    assert found["ttft_p99_over_best_other"]["value"] == pytest.approx(4 / 7)
+    assert not found["ttft_p99_over_best_other"]["met"] and found["load_imbalance"]["met"]
+
+
+def _baton(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "baton_serve.deploy.cli", *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=120,
+    )
+
+
+def test_the_command_prints_json_and_refuses_an_unknown_policy(tmp_path: Path) -> None:
+    common = ["bench", "sim", "--replicas", "4", "--sessions-per-replica", "2"]
+    done = _baton(*common, "--policies", "baton", "chwbl", "--json", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert set(result["sizes"]["4"]) == {"baton", "chwbl"}
+    assert (tmp_path / "sim_ttft_p99.png").exists()
+    wrong = _baton(*common, "--policies", "random", "--out", str(tmp_path))
+    assert wrong.returncode != 0 and "random" in wrong.stderr
