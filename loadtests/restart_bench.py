@@ -27,7 +27,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +39,7 @@ from baton_serve.deploy.app import GATEWAY_CPUS, REPLICA_DEPLOYMENT, replica_act
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.local_ray import local_ray
 from baton_serve.deploy.serve_config import serve_config
+from baton_serve.loadtests.locust_process import headless_locust, locust_failed
 from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.redis_server import free_port
 from baton_serve.loadtests.restart_figures import (
@@ -57,7 +57,6 @@ from baton_serve.replicas.engine.engine_config import EngineConfig
 APP = "restart"
 EVENTS = ("rolling", "downscale")
 GENERATION_VAR = "BATON_DEPLOY_GENERATION"
-LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 SETTLE_TIMEOUT_S = 600.0
 PROGRESS_PERIOD_S = 30.0
 STORE_BUDGET_BYTES = 512 << 20  # three replicas' stores on one small machine
@@ -235,41 +234,11 @@ def _locust(
     reports); its per-request files and output (`_locust.log`) are written at `prefix`."""
     for name in ("samples", "turns"):  # an earlier run's must not pass for this one's
         _final(prefix, name).unlink(missing_ok=True)
-    command = [
-        sys.executable,
-        "-m",
-        "locust",
-        "-f",
-        str(LOCUSTFILE),
-        "--host",
-        url,
-        "--headless",
-        "--users",
-        str(users),
-        "--spawn-rate",
-        str(users),
-        "--csv",
-        str(prefix),
-        "--html",
-        f"{prefix}.html",
-        "--only-summary",
-        "--system-tokens",
-        str(system_tokens),
-        "--max-tokens",
-        str(max_tokens),
-        "--chat-turns",
-        str(chat_turns),
-        CHAT_CLASS,
+    options = [
+        *("--system-tokens", str(system_tokens), "--max-tokens", str(max_tokens)),
+        *("--chat-turns", str(chat_turns), CHAT_CLASS),
     ]
-    root = LOCUSTFILE.parent.parent
-    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    log = prefix.parent / f"{prefix.name}_locust.log"
-    with (
-        log.open("w") as output,
-        subprocess.Popen(
-            command, cwd=root, env=env, stdout=output, stderr=subprocess.STDOUT
-        ) as locust,
-    ):
+    with headless_locust(url, prefix, users, users, options) as locust:
         try:
             yield
         finally:
@@ -279,7 +248,7 @@ def _locust(
             except subprocess.TimeoutExpired:
                 locust.kill()
     if not _final(prefix, "turns").exists():
-        raise RuntimeError(f"locust failed (exit {locust.returncode}):\n{log.read_text()[-2000:]}")
+        raise locust_failed(locust, prefix)
 
 
 def _final(prefix: Path, name: str) -> Path:

@@ -16,8 +16,6 @@ import io
 import math
 import os
 import secrets
-import subprocess
-import sys
 import threading
 import time
 from collections import defaultdict
@@ -30,13 +28,13 @@ import ray
 from baton_serve.deploy.app import GATEWAY_CPUS, REPLICA_DEPLOYMENT
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.local_ray import local_ray
+from baton_serve.loadtests.locust_process import headless_locust, locust_failed
 from baton_serve.loadtests.plots import soak_plots
 from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.serve_app import replica_actors, replica_stats, serve_app
 from baton_serve.replicas.engine.engine_config import EngineConfig
 
 APP = "soak"
-LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 USER_CLASSES = ("MultiTurnChatUser", "AgentLoopUser", "NoSharingUser")
 RSS_PERIOD_S = 5.0
 MAX_WARMUP_S = 60.0
@@ -124,45 +122,14 @@ def _locust(
     written at `prefix`. `each_window(n)` is called after each `WINDOW_S` of the run."""
     samples = prefix.parent / f"{prefix.name}_samples.csv"
     samples.unlink(missing_ok=True)  # an earlier run's must not pass for this one's
-    command = [
-        sys.executable,
-        "-m",
-        "locust",
-        "-f",
-        str(LOCUSTFILE),
-        "--host",
-        url,
-        "--headless",
-        "--users",
-        str(users),
-        "--spawn-rate",
-        str(max(1, users // 5)),
-        "--run-time",
-        f"{seconds}s",
-        "--stop-timeout",
-        "60",
-        "--csv",
-        str(prefix),
-        "--html",
-        f"{prefix}.html",
-        "--only-summary",
-        "--system-tokens",
-        str(system_tokens),
-        "--max-tokens",
-        str(max_tokens),
+    options = [
+        *("--run-time", f"{seconds}s", "--stop-timeout", "60"),
+        *("--system-tokens", str(system_tokens), "--max-tokens", str(max_tokens)),
         *USER_CLASSES,
     ]
-    root = LOCUSTFILE.parent.parent
-    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    log = prefix.parent / f"{prefix.name}_locust.log"
     started = time.monotonic()
     windows = 0
-    with (
-        log.open("w") as output,
-        subprocess.Popen(
-            command, cwd=root, env=env, stdout=output, stderr=subprocess.STDOUT
-        ) as locust,
-    ):
+    with headless_locust(url, prefix, users, max(1, users // 5), options) as locust:
         while locust.poll() is None:
             time.sleep(1.0)
             elapsed = time.monotonic() - started
@@ -172,7 +139,7 @@ def _locust(
                 windows += 1
                 each_window(windows)
     if not samples.exists():
-        raise RuntimeError(f"locust failed (exit {locust.returncode}):\n{log.read_text()[-2000:]}")
+        raise locust_failed(locust, prefix)
 
 
 def _read_samples(path: Path) -> list[tuple[float, str, float, bool]]:
