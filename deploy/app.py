@@ -86,7 +86,7 @@ def shutdown_timeout_s(config: BatonConfig) -> float:
     """Serve's `graceful_shutdown_timeout_s` for the replicas: time to drain, hand off and
     close (the chart's pod termination grace period must be longer)."""
     closing = CLOSE_S if config.engine.checkpoint_dir is None else DISK_FLUSH_S
-    return DRAIN_S + config.handoff_s + closing
+    return DRAIN_S + config.handoff_seconds + closing
 
 
 def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Application:
@@ -125,7 +125,7 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
             ship=config.router is RouterPolicy.BATON,
             heartbeat_s=config.heartbeat_s,
             liveness_ttl_s=config.liveness_ttl_s,
-            handoff_s=config.handoff_s,
+            handoff_s=config.handoff_seconds,
             startup_dir=startup_dir,
         )
     )

@@ -218,6 +218,21 @@ class BatonConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_handoff(self) -> BatonConfig:
+        if "handoff_s" in self.model_fields_set and self.handoff_s > 0:
+            if self.router is not RouterPolicy.BATON:
+                raise ValueError(
+                    f"handoff_s ({self.handoff_s:g}) needs router 'baton': only Baton's router "
+                    f"sends a state to a chosen replica (set handoff_s to 0 for {self.router.value})"
+                )
+        return self
+
+    @property
+    def handoff_seconds(self) -> float:
+        """How long a leaving replica hands off: 0 unless Baton's router can reach peers."""
+        return self.handoff_s if self.router is RouterPolicy.BATON else 0.0
+
     @property
     def served_model_name(self) -> str:
         """The model's name in the OpenAI API: `model_name`, else the model file's stem."""

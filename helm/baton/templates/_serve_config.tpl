@@ -18,9 +18,11 @@ a password reach the app builder as BATON_* environment variables (see baton.ray
   "num_cpus_per_replica" .Values.replicas.cpus
   "gateway_replicas" (int .Values.gateway.replicas)
   "engine" (deepCopy .Values.engine)
-  "handoff_s" .Values.replicas.handoffSeconds
   "rollout_surge_percent" (int .Values.replicas.rolloutSurgePercent)
 }}
+{{- if eq .Values.router "baton" }}{{/* only Baton's router reaches a chosen replica */}}
+{{- $_ := set $args "handoff_s" .Values.replicas.handoffSeconds }}
+{{- end }}
 {{- if .Values.diskTier.enabled }}
 {{- $_ := set $args.engine "checkpoint_dir" .Values.diskTier.path }}
 {{- end }}
