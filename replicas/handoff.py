@@ -22,6 +22,9 @@ from baton_serve.cache_store.checkpoint import Checkpoint
 from baton_serve.replicas.shipping import PeerDirectory, PeerReply
 
 logger = logging.getLogger("baton.replica")
+# One offer's longest wait: a peer stopping too, or one the router does not list yet, never
+# answers, and what it was offered goes to the others.
+OFFER_TIMEOUT_S = 3.0
 
 
 @dataclass
@@ -74,7 +77,8 @@ async def hand_off(
 ) -> HandoffReport:
     """Offer `order`'s checkpoints (most valuable first) to `peer_ids`, at most
     `bytes_per_peer` to each (so a peer's own hot states are not all pushed out), one blob
-    at a time per peer and the peers in parallel, until `deadline_s` has passed. `export`
+    at a time per peer and the peers in parallel, until `deadline_s` has passed; a peer that
+    refuses, fails or does not answer within `OFFER_TIMEOUT_S` gets no more. `export`
     signs a checkpoint (it may hash it: it runs in a thread). Never raises."""
     started = time.monotonic()
     report = HandoffReport(peers=len(peer_ids))
@@ -89,15 +93,16 @@ async def hand_off(
                 continue
             report.offered += 1
             try:
-                accepted = await peers.offer(peer, blob)
-            except Exception as exc:  # a peer that left too: the others may still take it
-                queue.appendleft(checkpoint)
+                accepted = await asyncio.wait_for(peers.offer(peer, blob), OFFER_TIMEOUT_S)
+            except Exception as exc:
                 logger.info("hand-off to %s failed (%s)", peer, type(exc).__name__)
+                accepted = False
+            if not accepted:  # leaving too, or not reachable (yet): the others may take it
+                queue.appendleft(checkpoint)
                 return
-            if accepted:
-                report.accepted += 1
-                report.accepted_bytes += checkpoint.nbytes
-                room -= checkpoint.nbytes
+            report.accepted += 1
+            report.accepted_bytes += checkpoint.nbytes
+            room -= checkpoint.nbytes
 
     if peer_ids and queue:
         offers = [asyncio.ensure_future(offer_to(peer)) for peer in peer_ids]

@@ -387,21 +387,26 @@ def test_a_drained_worker_node_hands_its_conversation_over(app: App, nodes: Thre
         {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
         {"role": "user", "content": "And after the drain?"},
     ]
-    ray_cli = Path(sys.executable).with_name("ray")
-    subprocess.run(
-        [
-            *(str(ray_cli), "drain-node", "--address", nodes.cluster.address),
-            *("--node-id", drained, "--reason", "DRAIN_NODE_REASON_PREEMPTION"),
-            *("--reason-message", "pod terminating", "--deadline-remaining-seconds", "120"),
-        ],
-        check=True,
-    )
-    _wait_until(lambda: holder not in _replica_nodes(), 120, "the drained node's replica left")
-    _wait_until(lambda: len(_replica_nodes()) == 2, 120, "a replacement replica")
-    assert spare in _replica_nodes().values() and drained not in _replica_nodes().values()
+    try:
+        ray_cli = Path(sys.executable).with_name("ray")
+        subprocess.run(
+            [
+                *(str(ray_cli), "drain-node", "--address", nodes.cluster.address),
+                *("--node-id", drained, "--reason", "DRAIN_NODE_REASON_PREEMPTION"),
+                *("--reason-message", "pod terminating", "--deadline-remaining-seconds", "120"),
+            ],
+            check=True,
+        )
+        _wait_until(lambda: holder not in _replica_nodes(), 120, "the drained node's replica left")
+        _wait_until(lambda: len(_replica_nodes()) == 2, 120, "a replacement replica")
+        assert spare in _replica_nodes().values() and drained not in _replica_nodes().values()
 
-    reply = _chat(app.url, app.name, messages)
-    assert reply.headers["x-baton-replica"] != holder
-    usage = reply.json()["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= first.json()["usage"]["prompt_tokens"]
-    nodes.cluster.remove_node(nodes.workers.pop(drained))
+        reply = _chat(app.url, app.name, messages)
+        assert reply.headers["x-baton-replica"] != holder
+        usage = reply.json()["usage"]
+        assert (
+            usage["prompt_tokens_details"]["cached_tokens"]
+            >= first.json()["usage"]["prompt_tokens"]
+        )
+    finally:  # the drained node goes, whatever happened
+        nodes.cluster.remove_node(nodes.workers.pop(drained))
