@@ -25,6 +25,7 @@ logger = logging.getLogger("baton.replica")
 # One offer's longest wait: a peer stopping too, or one the router does not list yet, never
 # answers, and what it was offered goes to the others.
 OFFER_TIMEOUT_S = 3.0
+REQUEUE_POLL_S = 0.05  # a peer with nothing left to offer waits for offers that may fail
 
 
 @dataclass
@@ -84,25 +85,41 @@ async def hand_off(
     report = HandoffReport(peers=len(peer_ids))
     queue = deque(order)
 
+    offering = [0]  # offers under way: one that fails puts its checkpoint back in `queue`
+
     async def offer_to(peer: str) -> None:
         room = bytes_per_peer
-        while queue and queue[0].nbytes <= room:
-            checkpoint = queue.popleft()
-            blob = await asyncio.to_thread(export, checkpoint)
-            if blob is None:  # evicted meanwhile
+        while queue or offering[0]:
+            if not queue:
+                await asyncio.sleep(REQUEUE_POLL_S)
                 continue
-            report.offered += 1
+            if queue[0].nbytes > room:
+                return
+            checkpoint = queue.popleft()
+            offering[0] += 1
             try:
-                accepted = await asyncio.wait_for(peers.offer(peer, blob), OFFER_TIMEOUT_S)
-            except Exception as exc:
-                logger.info("hand-off to %s failed (%s)", peer, type(exc).__name__)
-                accepted = False
+                accepted = await offer(peer, checkpoint)
+            finally:
+                offering[0] -= 1
             if not accepted:  # leaving too, or not reachable (yet): the others may take it
                 queue.appendleft(checkpoint)
                 return
+            room -= checkpoint.nbytes
+
+    async def offer(peer: str, checkpoint: Checkpoint) -> bool:
+        blob = await asyncio.to_thread(export, checkpoint)
+        if blob is None:  # evicted meanwhile: nothing to hand over, nothing to retry
+            return True
+        report.offered += 1
+        try:
+            accepted = await asyncio.wait_for(peers.offer(peer, blob), OFFER_TIMEOUT_S)
+        except Exception as exc:
+            logger.info("hand-off to %s failed (%s)", peer, type(exc).__name__)
+            return False
+        if accepted:
             report.accepted += 1
             report.accepted_bytes += checkpoint.nbytes
-            room -= checkpoint.nbytes
+        return accepted
 
     if peer_ids and queue:
         offers = [asyncio.ensure_future(offer_to(peer)) for peer in peer_ids]
