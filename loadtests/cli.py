@@ -62,6 +62,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     ship = benches.add_parser("ship", help="pull a prefix state from a peer vs recompute it")
     ship.add_argument("--model", help=MODEL_HELP)
     ship.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 4096])
+    ship.add_argument("--runs", type=int, default=3, help="pulls per prefix length")
     ship.add_argument(
         "--cross-node",
         action="store_true",
@@ -245,7 +246,11 @@ def _bench_ship(args: argparse.Namespace) -> int:
 
     with _progress(args, "ship") as progress:
         result = ship_benchmark(
-            resolve_model(args.model), args.tokens, progress, cross_node=args.cross_node
+            resolve_model(args.model),
+            args.tokens,
+            progress,
+            runs=args.runs,
+            cross_node=args.cross_node,
         )
         progress.step("plotting")
         written = ship_plots(result, Path(args.out))

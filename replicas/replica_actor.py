@@ -7,6 +7,8 @@ Each actor hosts one `Replica` (one engine) and is named ``baton-replica-<id>`` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
 import ray
 from ray.exceptions import RayActorError
@@ -32,23 +34,42 @@ def actor_name(replica_id: str) -> str:
 
 
 class ActorPeers:
-    """Reaches peers as named Ray actors; their blobs come back through the object store."""
+    """Reaches peers as named Ray actors; their blobs come back through the object store.
+
+    A peer's handle is looked up once (a blocking call to Ray's GCS) and kept until a call
+    to it fails."""
+
+    def __init__(self) -> None:
+        self._handles: dict[str, ray.actor.ActorHandle] = {}
 
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
     ) -> ShippedBlob | None:
-        reply = await _peer(replica_id).export_best.remote(tokens, min_tokens, wait_s)
-        return await received_blob(reply)
+        with self._forgotten_on_error(replica_id):
+            reply = await self._peer(replica_id).export_best.remote(tokens, min_tokens, wait_s)
+            return await received_blob(reply)
 
     async def offer(self, replica_id: str, blob: PeerReply) -> bool:
-        return await _peer(replica_id).adopt.remote(blob)
+        with self._forgotten_on_error(replica_id):
+            return await self._peer(replica_id).adopt.remote(blob)
 
+    def _peer(self, replica_id: str) -> ray.actor.ActorHandle:
+        handle = self._handles.get(replica_id)
+        if handle is None:
+            try:
+                handle = ray.get_actor(actor_name(replica_id), namespace=NAMESPACE)
+            except ValueError as exc:  # no such actor: it died or never existed
+                raise RayActorError(f"peer {replica_id} is gone") from exc
+            self._handles[replica_id] = handle
+        return handle
 
-def _peer(replica_id: str) -> ray.actor.ActorHandle:
-    try:
-        return ray.get_actor(actor_name(replica_id), namespace=NAMESPACE)
-    except ValueError as exc:  # no such actor: it died or never existed
-        raise RayActorError(f"peer {replica_id} is gone") from exc
+    @contextlib.contextmanager
+    def _forgotten_on_error(self, replica_id: str) -> Iterator[None]:
+        try:
+            yield
+        except Exception:  # a restarted peer of the same name gets a new handle
+            self._handles.pop(replica_id, None)
+            raise
 
 
 class ReplicaHost:

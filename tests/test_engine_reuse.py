@@ -110,3 +110,35 @@ def test_attention_state_serves_prompts_sharing_only_its_beginning(tiny_model, m
     assert engine.stats.checkpoints_restored == 1
     assert resumed.tokens == fresh.tokens
     assert float(np.abs(resumed.logits - fresh.logits).max()) == 0.0
+
+
+def test_an_evicted_slot_is_saved_only_when_it_adds_a_block(tiny_model, make_engine) -> None:
+    """A slot holding a stored state plus a few tokens (a pulled prefix and the request's
+    own) is not saved again when it is given away: that would keep a near-copy, and take
+    longer than recomputing the few tokens. A slot that adds a block is saved."""
+    path = tiny_model("llama")
+    engine = make_engine(path, n_slots=1, block_tokens=32)
+    one_token = SamplingParams(max_tokens=1)
+
+    def long_states() -> list[int]:
+        return sorted(c.n_tokens for c in engine.cache.store.checkpoints() if c.n_tokens > 64)
+
+    def evict(text: str) -> None:
+        engine.generate(engine.text_prompt(text), one_token)
+
+    engine.generate(engine.text_prompt("A long document about rivers. " * 30), one_token)
+    evict("Something unrelated.")
+    [stored] = long_states()
+    state = max(engine.cache.store.checkpoints(), key=lambda c: c.n_tokens)
+    base = tuple(state.tokens.tolist())
+
+    few_more = Prompt(tokens=base + tuple(engine.model.tokenize(" And then?")))
+    assert engine.generate(few_more, one_token).usage.cached_tokens == stored
+    evict("Something else again.")
+    assert long_states() == [stored]
+
+    block_more = Prompt(tokens=base + tuple(engine.model.tokenize(" More about lakes." * 12)))
+    assert engine.generate(block_more, one_token).usage.cached_tokens == stored
+    evict("Some third unrelated prompt.")
+    assert long_states() == [stored, len(block_more)]
+

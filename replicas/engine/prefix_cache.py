@@ -335,7 +335,7 @@ class PrefixCache:
         if not self.config.prefix_cache or self.kind.needs_checkpoints:
             return  # hybrid states are checkpointed as they are computed
         for slot in sorted(slots, key=lambda s: s.last_used):  # the most recent stored last
-            if slot.running is None and slot.tokens:
+            if slot.running is None and self._adds_a_block(slot):
                 self.save_checkpoint(slot)
 
     def _victim(self, free: list[Slot]) -> Slot:
@@ -344,10 +344,29 @@ class PrefixCache:
 
     def _evict(self, slot: Slot) -> None:
         """Empty a slot; an attention model's KV is saved to the store first."""
-        if slot.tokens and self.config.prefix_cache and not self.kind.needs_checkpoints:
-            self.save_checkpoint(slot)
+        self._keep(slot)
         self.context.clear(slot.seq_id)
         slot.tokens = []
+
+    def _keep(self, slot: Slot) -> None:
+        """Save an attention slot's KV before it is given away, where it holds a block more
+        than the store (hybrid states are checkpointed as they are computed)."""
+        if (
+            self.config.prefix_cache
+            and not self.kind.needs_checkpoints
+            and self._adds_a_block(slot)
+        ):
+            self.save_checkpoint(slot)
+
+    def _adds_a_block(self, slot: Slot) -> bool:
+        """Whether an attention slot's KV holds at least one block more than the longest
+        stored checkpoint it begins with. A few tokens more are recomputed sooner than a
+        state is saved, and saving them would hold a near-copy (a pulled state plus the
+        request's own tokens, say)."""
+        if not slot.tokens:
+            return False
+        stored = self.store.longest_match(self.hasher, slot.tokens, len(slot.tokens), touch=False)
+        return stored is None or len(slot.tokens) - stored.n_tokens >= self.hasher.block_tokens
 
     def _restore(self, slot: Slot, checkpoint: Checkpoint) -> bool:
         started = time.perf_counter()
