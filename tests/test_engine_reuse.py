@@ -141,4 +141,3 @@ def test_an_evicted_slot_is_saved_only_when_it_adds_a_block(tiny_model, make_eng
     assert engine.generate(block_more, one_token).usage.cached_tokens == stored
     evict("Some third unrelated prompt.")
     assert long_states() == [stored, len(block_more)]
-
