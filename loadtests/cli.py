@@ -130,6 +130,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     for name, what in _SIM_PROFILE_FLAGS.items():
         sim.add_argument(f"--{name}", type=float, help=what)
     sim.add_argument("--slots", type=int, help="requests a replica runs at once")
+    sim.add_argument("--prefill-chunk", type=int, help="prompt tokens of one prefill step")
     sim.add_argument("--sessions-per-replica", type=int, help="sessions per replica (default 12)")
     sim.add_argument(
         "--load", type=float, help="ideal prefill work over prefill capacity (default 0.7)"
@@ -347,6 +348,7 @@ def _bench_sim(args: argparse.Namespace) -> int:
         bytes_per_token=None if args.bytes_per_token is None else int(args.bytes_per_token),
         cache_bytes=None if args.cache_gb is None else int(args.cache_gb * 1e9),
         slots=args.slots,
+        prefill_chunk=args.prefill_chunk,
     )
     policies = args.policies or list(POLICIES)
     unknown = [p for p in policies if p not in POLICIES]

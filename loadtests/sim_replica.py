@@ -1,9 +1,14 @@
 """A simulated replica: an engine's slots, prefill and decode at a profile's speeds, a
 prefix cache of checkpoints under a byte budget, and peer pulls by the replica's own rule.
 
-- **Slots**: `profile.slots` requests run at once (the engine's `n_slots`); the rest queue
-  in order. Prefill runs at `prefill_tokens_per_s`, shared equally by the slots prefilling
-  at the time (one batch); each slot decodes at `decode_tokens_per_s`.
+- **Slots and steps**: `profile.slots` requests run at once (the engine's `n_slots`); the
+  rest queue in order. As the engine does, a replica alternates a decode step (one token for
+  every decoding slot, `1 / decode_tokens_per_s` long) with a prefill step (the next
+  `prefill_chunk` tokens of the prompt with the shortest remaining prefill, less what it
+  could have computed while it waited, at `prefill_tokens_per_s`). So a replica that is
+  prefilling decodes one token per cycle, and one that is decoding prefills a little slower.
+- **Replays**: once a reply is sent, its tokens are prefilled in its slot (the engine's
+  replay, which makes the stored state exact), first in line; then the slot is free.
 - **Prefix cache** (attention): a checkpoint serves every prefix of itself; one is stored
   when a prompt is prefilled, and replaced by the prompt + reply when the request ends;
   least recently used ones are evicted past `cache_bytes`. Each is published to the index
@@ -50,6 +55,16 @@ class Profile:
     bytes_per_token: int
     cache_bytes: int
     block_tokens: int = 64
+    prefill_chunk: int = 256  # prompt tokens of one prefill step (the engine's default)
+
+    def rates(self, prefilling: bool, decoding: bool) -> tuple[float, float]:
+        """Tokens per second of the prompt being prefilled, and of each decoding slot."""
+        if not prefilling:
+            return 0.0, self.decode_tokens_per_s
+        if not decoding:
+            return self.prefill_tokens_per_s, 0.0
+        cycle = self.prefill_chunk / self.prefill_tokens_per_s + 1 / self.decode_tokens_per_s
+        return self.prefill_chunk / cycle, 1 / cycle
 
 
 class EventLoop:
@@ -81,7 +96,10 @@ class Job:
     reply_keys: tuple[list[int], list[int], list[bytes]]  # the prompt and its reply
     reused: int = 0
     shipped_bytes: int = 0
-    remaining: float = 0.0
+    submitted_s: float = 0.0  # when it reached its replica
+    remaining: float = 0.0  # prompt (then reply, replaying) tokens left to compute
+    replaying: bool = False
+    decode_left: float = 0.0  # reply tokens left to decode
     prefill_s: float = 0.0  # compute time it cost its replica
     first_token_s: float | None = None
     done_s: float | None = None
@@ -197,6 +215,9 @@ class SimReplica:
         self._queue: deque[Job] = deque()
         self._running = 0
         self._prefilling: list[Job] = []
+        self._decoding: list[Job] = []
+        self._stepping: Job | None = None  # the prompt the prefill step under way computes
+        self._step_left = 0.0  # its tokens left in that step
         self._updated = loop.now
         self._version = 0
         self._prompt_checkpoint: dict[int, int] = {}  # id(job) -> its prompt's checkpoint
@@ -205,6 +226,7 @@ class SimReplica:
     def arrive(self, job: Job) -> None:
         """A request routed here: pull a peer's state first if that pays, then queue."""
         self.in_flight += 1
+        job.submitted_s = self._loop.now
         if not (self._baton and self._pull(job)):
             self._enqueue(job)
 
@@ -240,9 +262,12 @@ class SimReplica:
         return True
 
     def computing(self, job: Job) -> Job | None:
-        """The prefill here sharing the longest prefix with `job`'s prompt."""
+        """The prefill here sharing the longest prefix with `job`'s prompt (not a replay:
+        the engine waits only for prompts)."""
         found = max(
-            self._prefilling, key=lambda j: shared_tokens(j, job.keys, job.lengths), default=None
+            (j for j in self._prefilling if not j.replaying),
+            key=lambda j: shared_tokens(j, job.keys, job.lengths),
+            default=None,
         )
         return found if found and shared_tokens(found, job.keys, job.lengths) else None
 
@@ -287,7 +312,8 @@ class SimReplica:
         job.remaining = job.n_prompt - job.reused
         self._advance()
         self._prefilling.append(job)
-        ends = self._loop.now + job.remaining * len(self._prefilling) / self._speed
+        ahead = sum(j.remaining for j in self._prefilling if self._rank(j) <= self._rank(job))
+        ends = self._loop.now + ahead / self._rates()[0]
         size = self.profile.block_tokens
         coming = [
             IndexEntry(h, (i + 1) * size, (i + 1) * size * self.profile.bytes_per_token, ends)
@@ -298,34 +324,61 @@ class SimReplica:
             self._index.publish(self.rid, coming, FOREVER)
         self._reschedule()
 
-    @property
-    def _speed(self) -> float:
-        return self.profile.prefill_tokens_per_s
+    def _rates(self) -> tuple[float, float]:
+        return self.profile.rates(bool(self._prefilling), bool(self._decoding))
+
+    def _prefill_step(self) -> Job:
+        """The prompt the prefill step under way computes. A step is not interrupted; the
+        next one takes the prompt with the shortest remaining prefill, as the engine does."""
+        if self._stepping is None:
+            self._stepping = min(self._prefilling, key=self._rank)
+            self._step_left = min(float(self.profile.prefill_chunk), self._stepping.remaining)
+        return self._stepping
+
+    def _rank(self, job: Job) -> float:
+        """The engine's prefill priority, lowest first: the tokens left, less those the
+        replica computes in the time the request has waited (an order that time keeps)."""
+        return job.remaining + self.profile.prefill_tokens_per_s * job.submitted_s
 
     def _advance(self) -> None:
-        """Bring every prefill's remaining tokens up to now (an equal share of the speed)."""
+        """Bring the prefill step under way and every decoding slot up to now."""
         now = self._loop.now
-        if self._prefilling:
-            done = (now - self._updated) * self._speed / len(self._prefilling)
-            for job in self._prefilling:
-                job.remaining -= done
+        if now > self._updated:
+            prefill, decode = self._rates()
+            if self._prefilling:
+                done = (now - self._updated) * prefill
+                self._prefill_step().remaining -= done
+                self._step_left -= done
+            for job in self._decoding:
+                job.decode_left -= (now - self._updated) * decode
         self._updated = now
 
     def _reschedule(self) -> None:
         self._version += 1
+        prefill, decode = self._rates()
+        waits = []
         if self._prefilling:
-            first = min(j.remaining for j in self._prefilling)
-            when = self._loop.now + max(first, 0.0) * len(self._prefilling) / self._speed
-            self._loop.at(when, self._prefill_event, self._version)
+            self._prefill_step()
+            waits.append(max(self._step_left, 0.0) / prefill)
+        if self._decoding:
+            waits.append(max(min(j.decode_left for j in self._decoding), 0.0) / decode)
+        if waits:
+            self._loop.at(self._loop.now + min(waits), self._step_event, self._version)
 
-    def _prefill_event(self, version: int) -> None:
+    def _step_event(self, version: int) -> None:
         if version != self._version:
             return
         self._advance()
-        finished = [j for j in self._prefilling if j.remaining <= 1e-6]
+        if self._step_left <= 1e-6:
+            self._stepping = None
+        prefilled = [j for j in self._prefilling if j.remaining <= 1e-6]
         self._prefilling = [j for j in self._prefilling if j.remaining > 1e-6]
-        for job in finished:
-            self._prefilled(job)
+        decoded = [j for j in self._decoding if j.decode_left <= 1e-6]
+        self._decoding = [j for j in self._decoding if j.decode_left > 1e-6]
+        for job in prefilled:
+            (self._finish if job.replaying else self._prefilled)(job)
+        for job in decoded:
+            self._decoded(job)
         self._reschedule()
 
     def _prefilled(self, job: Job) -> None:
@@ -345,19 +398,27 @@ class SimReplica:
             self._start(waiter)
         for callback in job.on_prefilled:
             callback()
-        self._loop.at(now + job.reply_tokens / p.decode_tokens_per_s, self._finish, job)
+        job.decode_left = job.reply_tokens
+        self._decoding.append(job)
+
+    def _decoded(self, job: Job) -> None:
+        """The reply is sent; its slot replays it."""
+        job.done_s = self._loop.now
+        self.in_flight -= 1
+        job.replaying, job.remaining = True, float(job.reply_tokens)
+        self.busy_s += job.reply_tokens / self.profile.prefill_tokens_per_s
+        self._prefilling.append(job)
+        self._on_done(job, self)
 
     def _finish(self, job: Job) -> None:
+        """Replayed: the prompt and its reply are stored, the slot is free."""
         keys, lengths, chain = job.reply_keys
         self._store(_Checkpoint(keys, lengths, chain, lengths[-1] * self.profile.bytes_per_token))
         cid = self._prompt_checkpoint.pop(id(job), None)
         if cid is not None:  # the prompt's state, served by the one with its reply now
             self._forget(self.cache.remove(cid))
-        job.done_s = self._loop.now
         self._running -= 1
-        self.in_flight -= 1
         self._admit()
-        self._on_done(job, self)
 
     # ---- the cache and the index ---------------------------------------------------------
 

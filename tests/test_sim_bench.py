@@ -108,8 +108,9 @@ def test_validation_sets_simulated_beside_measured() -> None:
     assert set(result["policies"]) == set(MEASURED_ROUTING)
     for row in result["policies"].values():
         assert row["simulated"]["requests"] == 72  # bench routing's 72 measured requests
-        # the computed / new of every policy agrees with the measured run within 25%
+        # every policy's computed / new and mean TTFT agree with the measured run within 25%
         assert row["agree"]["computed_over_new"], row
+        assert row["agree"]["ttft_mean_s"], row
 
 
 def test_a_small_benchmark_has_every_figure_and_a_plot_per_metric(tmp_path: Path) -> None:
@@ -153,3 +154,25 @@ def test_the_command_prints_json_and_refuses_an_unknown_policy(tmp_path: Path) -
     assert (tmp_path / "sim_ttft_p99.png").exists()
     wrong = _baton(*common, "--policies", "random", "--out", str(tmp_path))
     assert wrong.returncode != 0 and "random" in wrong.stderr
+
+
+def test_a_replica_steps_as_the_engine_does() -> None:
+    """A prefill step (256 tokens: 2.56 s on the cpu profile) is not interrupted; the next
+    one takes the prompt with the shortest remaining prefill; a slot decodes one token per
+    cycle while another prompt is prefilled."""
+    long = Session(BURST, 0, 0.0, (), [Turn(((1, 1000),), 8)])
+    short = Session(BURST, 1, 0.5, (), [Turn(((2, 100),), 8)])
+    run = Cluster(CPU, 1, ROUND_ROBIN).run([Phase([long, short])])
+    ttft = {r.session: r.ttft_s for r in run.records}
+    step_s = CPU.prefill_chunk / CPU.prefill_tokens_per_s
+    decode_step_s = 1 / CPU.decode_tokens_per_s
+
+    # the short prompt waits for the long one's first step, then is prefilled whole
+    short_prefilled = step_s + 100 / CPU.prefill_tokens_per_s
+    assert ttft[1] == pytest.approx(short_prefilled - 0.5 + decode_step_s)
+    # the long one's other 744 tokens go in steps that each wait for a decode step of the
+    # short one (it decodes its 8 tokens one per cycle meanwhile)
+    cycle_s = step_s + decode_step_s
+    long_prefilled = short_prefilled + 744 / CPU.prefill_chunk * cycle_s
+    assert 744 / CPU.prefill_chunk * cycle_s < 8 * cycle_s  # still decoding throughout
+    assert ttft[0] == pytest.approx(long_prefilled + decode_step_s)
