@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from baton_serve.cache_store.index import IndexEntry, IndexMatch
 from baton_serve.cache_store.memory_index import ModelIndex
+from baton_serve.loadtests.sim_cache import PrefixCache, SimCheckpoint
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 
 MIN_PULL_TOKENS = 64
@@ -121,74 +122,6 @@ def shared_tokens(job: Job, keys: list[int], lengths: list[int]) -> int:
             break
         n = length
     return n
-
-
-@dataclass(eq=False)
-class _Checkpoint:
-    keys: list[int]
-    lengths: list[int]
-    chain: list[bytes]
-    nbytes: int
-
-
-class PrefixCache:
-    """Checkpoints under a byte budget, least recently used evicted first."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.used = 0
-        self._lru: OrderedDict[int, _Checkpoint] = OrderedDict()
-        self._by_key: dict[int, set[int]] = {}
-        self._blocks: dict[bytes, int] = {}  # block hash -> checkpoints covering it
-        self._ids = itertools.count()
-
-    def match(self, keys: list[int], lengths: list[int]) -> tuple[int, int | None]:
-        """The longest prefix of the prompt held (tokens) and the checkpoint holding it."""
-        for i in range(len(keys) - 1, -1, -1):
-            holders = self._by_key.get(keys[i])
-            if holders:
-                return lengths[i], max(holders)  # the newest
-        return 0, None
-
-    def get(self, cid: int) -> _Checkpoint:
-        """The checkpoint `cid`, now the most recently used."""
-        self._lru.move_to_end(cid)
-        return self._lru[cid]
-
-    def add(self, checkpoint: _Checkpoint) -> tuple[int | None, list[bytes]]:
-        """Store `checkpoint` (if it fits the budget at all); returns its id and the block
-        hashes no checkpoint covers any more."""
-        if checkpoint.nbytes > self.budget:
-            return None, []
-        gone: list[bytes] = []
-        while self.used + checkpoint.nbytes > self.budget:
-            gone += self.remove(next(iter(self._lru)))
-        cid = next(self._ids)
-        self._lru[cid] = checkpoint
-        self.used += checkpoint.nbytes
-        for key in checkpoint.keys:
-            self._by_key.setdefault(key, set()).add(cid)
-        for block in checkpoint.chain:
-            self._blocks[block] = self._blocks.get(block, 0) + 1
-        return cid, [b for b in gone if b not in self._blocks]
-
-    def remove(self, cid: int) -> list[bytes]:
-        checkpoint = self._lru.pop(cid, None)
-        if checkpoint is None:
-            return []
-        self.used -= checkpoint.nbytes
-        for key in checkpoint.keys:
-            holders = self._by_key[key]
-            holders.discard(cid)
-            if not holders:
-                del self._by_key[key]
-        gone = []
-        for block in checkpoint.chain:
-            self._blocks[block] -= 1
-            if not self._blocks[block]:
-                del self._blocks[block]
-                gone.append(block)
-        return gone
 
 
 class SimReplica:
@@ -283,7 +216,7 @@ class SimReplica:
         job.shipped_bytes += checkpoint.nbytes
         self._loop.at(self._loop.now + move_s, self._pulled, job, checkpoint)
 
-    def _pulled(self, job: Job, checkpoint: _Checkpoint) -> None:
+    def _pulled(self, job: Job, checkpoint: SimCheckpoint) -> None:
         self._store(checkpoint)
         self._enqueue(job)
 
@@ -388,7 +321,7 @@ class SimReplica:
         job.prefill_s = computed / p.prefill_tokens_per_s
         self.busy_s += job.prefill_s + job.reply_tokens / p.decode_tokens_per_s / p.slots
         job.first_token_s = now + 1 / p.decode_tokens_per_s
-        state = _Checkpoint(job.keys, job.lengths, job.chain, job.n_prompt * p.bytes_per_token)
+        state = SimCheckpoint(job.keys, job.lengths, job.chain, job.n_prompt * p.bytes_per_token)
         cid = self._store(state)
         if cid is not None:
             self._prompt_checkpoint[id(job)] = cid
@@ -413,7 +346,7 @@ class SimReplica:
     def _finish(self, job: Job) -> None:
         """Replayed: the prompt and its reply are stored, the slot is free."""
         keys, lengths, chain = job.reply_keys
-        self._store(_Checkpoint(keys, lengths, chain, lengths[-1] * self.profile.bytes_per_token))
+        self._store(SimCheckpoint(keys, lengths, chain, lengths[-1] * self.profile.bytes_per_token))
         cid = self._prompt_checkpoint.pop(id(job), None)
         if cid is not None:  # the prompt's state, served by the one with its reply now
             self._forget(self.cache.remove(cid))
@@ -422,7 +355,7 @@ class SimReplica:
 
     # ---- the cache and the index ---------------------------------------------------------
 
-    def _store(self, checkpoint: _Checkpoint) -> int | None:
+    def _store(self, checkpoint: SimCheckpoint) -> int | None:
         cid, gone = self.cache.add(checkpoint)
         self._forget(gone)
         if cid is not None and self._baton:
