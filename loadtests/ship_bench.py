@@ -7,8 +7,9 @@ each prefix length, replica A computes the prefix; replica B, which has nothing 
 asked for the same prefix plus two tokens and pulls A's state (index lookup, export,
 transfer through Ray's object store, validation, restore); replica C, with the cache off,
 computes it all. Each length is pulled `runs` times, a new prefix each time, and the run
-with the median move is reported with the range over all runs. Last, the object store alone moves the largest state's bytes between two
-actors placed like A and B: the floor of an export that copies the state into the store.
+with the median move is reported with the range over all runs. Last, the object store
+alone moves the largest state's bytes between two actors placed like A and B: the floor of
+an export that copies the state into the store.
 
 The move itself — from B asking A for the state until the state is restored in B's slot —
 is timed on B and split into stages from the replicas' own counters: export (A signs the
