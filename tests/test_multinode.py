@@ -47,6 +47,10 @@ ENGINE = {"n_ctx": 1024, "n_slots": 1, "n_threads": 1, "prefill_chunk": 128}
 HEARTBEAT_S = 0.25
 LIVENESS_TTL_S = 2.0
 SYSTEM = "You answer in short sentences about nodes, object stores and state. " * 12
+# The drained-node test's own end of the system prompt: with the user message and the
+# template around it, well over OWN_TOKENS tokens that no other test's prompt shares.
+OWN_SUFFIX = "this conversation was computed on the node that is drained, and nowhere else."
+OWN_TOKENS = 16
 LOAD_WORKERS = 3
 START_TIMEOUT_S = 180.0
 
@@ -377,7 +381,7 @@ def test_a_drained_worker_node_hands_its_conversation_over(app: App, nodes: Thre
     the replica hands its checkpoints over, and its conversation goes on from cache."""
     spare = nodes.add_worker()  # room for the replacement: one replica per node
     messages = [
-        {"role": "system", "content": SYSTEM + f" (drained, {app.index})"},
+        {"role": "system", "content": SYSTEM + f" (drained, {app.index}): {OWN_SUFFIX}"},
         {"role": "user", "content": "Start."},
     ]
     first = _chat(app.url, app.name, messages)
@@ -403,10 +407,13 @@ def test_a_drained_worker_node_hands_its_conversation_over(app: App, nodes: Thre
 
         reply = _chat(app.url, app.name, messages)
         assert reply.headers["x-baton-replica"] != holder
-        usage = reply.json()["usage"]
-        assert (
-            usage["prompt_tokens_details"]["cached_tokens"]
-            >= first.json()["usage"]["prompt_tokens"]
-        )
+        cached = reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        # Only the drained replica computed this conversation past SYSTEM (shared with the
+        # other tests): a state within its last OWN_TOKENS tokens came by the hand-off.
+        # Which one serves it depends on where the peers took the states and on routing
+        # (this hybrid model's checkpoints: two tokens before the prompt's end, the start of
+        # the last user message; the one after the reply prefixes the next prompt only if
+        # the reply tokenizes the same once rendered, and the tiny model's reply is noise).
+        assert cached >= first.json()["usage"]["prompt_tokens"] - OWN_TOKENS
     finally:  # the drained node goes, whatever happened
         nodes.cluster.remove_node(nodes.workers.pop(drained))

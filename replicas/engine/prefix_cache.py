@@ -31,7 +31,7 @@ from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.engine.prompt import Prompt
 from baton_serve.replicas.engine.protocol import EngineError
 from baton_serve.replicas.engine.slots import Phase, Running, Slot
-from baton_serve.replicas.engine.stats import EngineStats
+from baton_serve.replicas.engine.stats import ASSUMED_PREFILL_TOKENS_PER_S, EngineStats
 from baton_serve.replicas.telemetry import metrics
 
 logger = logging.getLogger("baton.engine")
@@ -335,7 +335,7 @@ class PrefixCache:
         if not self.config.prefix_cache or self.kind.needs_checkpoints:
             return  # hybrid states are checkpointed as they are computed
         for slot in sorted(slots, key=lambda s: s.last_used):  # the most recent stored last
-            if slot.running is None and self._adds_a_block(slot):
+            if slot.running is None and self._worth_saving(slot):
                 self.save_checkpoint(slot)
 
     def _victim(self, free: list[Slot]) -> Slot:
@@ -349,24 +349,31 @@ class PrefixCache:
         slot.tokens = []
 
     def _keep(self, slot: Slot) -> None:
-        """Save an attention slot's KV before it is given away, where it holds a block more
-        than the store (hybrid states are checkpointed as they are computed)."""
+        """Save an attention slot's KV before it is given away, where that is worth it
+        (hybrid states are checkpointed as they are computed)."""
         if (
             self.config.prefix_cache
             and not self.kind.needs_checkpoints
-            and self._adds_a_block(slot)
+            and self._worth_saving(slot)
         ):
             self.save_checkpoint(slot)
 
-    def _adds_a_block(self, slot: Slot) -> bool:
-        """Whether an attention slot's KV holds at least one block more than the longest
-        stored checkpoint it begins with. A few tokens more are recomputed sooner than a
-        state is saved, and saving them would hold a near-copy (a pulled state plus the
-        request's own tokens, say)."""
+    def _worth_saving(self, slot: Slot) -> bool:
+        """Whether saving an attention slot's KV takes less time than recomputing what it
+        holds beyond the longest stored checkpoint it begins with, at this engine's measured
+        speeds. The save is paid now, by the request taking the slot; a pulled state plus a
+        request's few tokens is not worth a second copy."""
         if not slot.tokens:
             return False
         stored = self.store.longest_match(self.hasher, slot.tokens, len(slot.tokens), touch=False)
-        return stored is None or len(slot.tokens) - stored.n_tokens >= self.hasher.block_tokens
+        if stored is None:
+            return True
+        extra = len(slot.tokens) - stored.n_tokens
+        nbytes = self.state_bytes(len(slot.tokens))
+        if extra <= 0 or not nbytes:
+            return extra > 0
+        speed = self.stats.prefill_tokens_per_s or ASSUMED_PREFILL_TOKENS_PER_S
+        return extra / speed > nbytes / self.stats.save_bytes_per_s
 
     def _restore(self, slot: Slot, checkpoint: Checkpoint) -> bool:
         started = time.perf_counter()
@@ -386,7 +393,10 @@ class PrefixCache:
         prefix_hash = self.hasher.prefix_hash(slot.tokens)
         if prefix_hash in self.store:
             return
+        started = time.perf_counter()
         state = self.context.save_state(slot.seq_id)
+        self.stats.save_seconds += time.perf_counter() - started
+        self.stats.saved_bytes += len(state)
         checkpoint = Checkpoint(prefix_hash=prefix_hash, tokens=slot.tokens, state=state)
         if self.store.put(checkpoint):
             self.stats.checkpoints_saved += 1

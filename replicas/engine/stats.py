@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+ASSUMED_PREFILL_TOKENS_PER_S = 200.0  # until an engine has measured its own
+
 
 @dataclass(frozen=True)
 class EngineLoad:
@@ -34,9 +36,16 @@ class EngineStats:
     blob_validate_seconds: float = 0.0  # checking peers' blobs before they are stored
     restore_seconds: float = 0.0  # llama_state_seq_set_data
     last_restore_done: float = 0.0  # time.perf_counter() when the last restore finished
+    save_seconds: float = 0.0  # llama_state_seq_get_data, into a new buffer
+    saved_bytes: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
         """Measured prefill speed (prompt and replay tokens per second), once known."""
         tokens = self.prompt_tokens_computed + self.replayed_tokens
         return tokens / self.prefill_seconds if self.prefill_seconds > 0 and tokens >= 64 else None
+
+    @property
+    def save_bytes_per_s(self) -> float:
+        """Measured speed of saving a sequence state, or a cautious 1 GB/s until then."""
+        return self.saved_bytes / self.save_seconds if self.save_seconds > 0 else 1e9
