@@ -343,7 +343,7 @@ class PrefixCache:
         return min(free, key=lambda s: (bool(s.tokens), s.last_used))
 
     def _evict(self, slot: Slot) -> None:
-        """Empty a slot; an attention model's KV is saved to the store first."""
+        """Empty a slot; an attention model's KV is saved to the store first where worth it."""
         self._keep(slot)
         self.context.clear(slot.seq_id)
         slot.tokens = []
