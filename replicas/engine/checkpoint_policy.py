@@ -64,3 +64,16 @@ def prefill_pieces(start: int, end: int, cuts: list[int], max_piece: int) -> lis
         ends.extend(previous + gap * (i + 1) // n for i in range(n))
         previous = boundary
     return ends
+
+
+def worth_saving(
+    extra_tokens: int, state_bytes: int, prefill_tokens_per_s: float, save_bytes_per_s: float
+) -> bool:
+    """Whether an attention slot about to be given away should be saved: it holds
+    `extra_tokens` beyond the longest stored state it begins with, and saving its
+    `state_bytes` (paid now, by the request taking the slot) takes less time than computing
+    those tokens again would. A pulled state plus a request's few tokens is not worth a
+    second copy. A `state_bytes` of 0 (not known: sliding windows) saves it."""
+    if extra_tokens <= 0 or not state_bytes:
+        return extra_tokens > 0
+    return extra_tokens / prefill_tokens_per_s > state_bytes / save_bytes_per_s

@@ -24,7 +24,11 @@ from baton_serve.cache_store.disk_tier import DiskEntry, DiskTier
 from baton_serve.cache_store.prefix_hash import PrefixHasher, common_prefix_length
 from baton_serve.cache_store.state_blob import BlobError, BlobParts, Buffer
 from baton_serve.replicas.engine.checkpoint_codec import CheckpointCodec, frozen
-from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE, prefill_checkpoints
+from baton_serve.replicas.engine.checkpoint_policy import (
+    MIN_PIECE,
+    prefill_checkpoints,
+    worth_saving,
+)
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_context import LlamaContext, StateRestoreError
 from baton_serve.replicas.engine.llama_model import LlamaModel
@@ -332,11 +336,9 @@ class PrefixCache:
     def keep_slots(self, slots: list[Slot]) -> None:
         """Save what idle slots hold to the store (attention models: a slot's KV is saved
         only when the slot is given away). Only once the engine loop has ended."""
-        if not self.config.prefix_cache or self.kind.needs_checkpoints:
-            return  # hybrid states are checkpointed as they are computed
         for slot in sorted(slots, key=lambda s: s.last_used):  # the most recent stored last
-            if slot.running is None and self._worth_saving(slot):
-                self.save_checkpoint(slot)
+            if slot.running is None:
+                self._keep(slot)
 
     def _victim(self, free: list[Slot]) -> Slot:
         """The free slot whose contents are least worth keeping: empty first, then LRU."""
@@ -351,29 +353,16 @@ class PrefixCache:
     def _keep(self, slot: Slot) -> None:
         """Save an attention slot's KV before it is given away, where that is worth it
         (hybrid states are checkpointed as they are computed)."""
-        if (
-            self.config.prefix_cache
-            and not self.kind.needs_checkpoints
-            and self._worth_saving(slot)
+        if not slot.tokens or not self.config.prefix_cache or self.kind.needs_checkpoints:
+            return
+        stored = self.store.longest_match(self.hasher, slot.tokens, len(slot.tokens), touch=False)
+        if stored is None or worth_saving(
+            len(slot.tokens) - stored.n_tokens,
+            self.state_bytes(len(slot.tokens)),
+            self.stats.prefill_tokens_per_s or ASSUMED_PREFILL_TOKENS_PER_S,
+            self.stats.save_bytes_per_s,
         ):
             self.save_checkpoint(slot)
-
-    def _worth_saving(self, slot: Slot) -> bool:
-        """Whether saving an attention slot's KV takes less time than recomputing what it
-        holds beyond the longest stored checkpoint it begins with, at this engine's measured
-        speeds. The save is paid now, by the request taking the slot; a pulled state plus a
-        request's few tokens is not worth a second copy."""
-        if not slot.tokens:
-            return False
-        stored = self.store.longest_match(self.hasher, slot.tokens, len(slot.tokens), touch=False)
-        if stored is None:
-            return True
-        extra = len(slot.tokens) - stored.n_tokens
-        nbytes = self.state_bytes(len(slot.tokens))
-        if extra <= 0 or not nbytes:
-            return extra > 0
-        speed = self.stats.prefill_tokens_per_s or ASSUMED_PREFILL_TOKENS_PER_S
-        return extra / speed > nbytes / self.stats.save_bytes_per_s
 
     def _restore(self, slot: Slot, checkpoint: Checkpoint) -> bool:
         started = time.perf_counter()
