@@ -155,6 +155,7 @@ async def _pull(holder, puller, tokens: tuple[int, ...]) -> dict:
         "prompt": prompt,
         "ship_s": ship_s,
         "move_s": move_s,
+        "gb_per_s": state_bytes / move_s / 1e9 if move_s else None,
         "stages_s": stages,
         "cached_tokens": shipped.usage.cached_tokens,
         "state_bytes": state_bytes,
@@ -165,16 +166,14 @@ def _row(n: int, pulls: list[dict], recompute_s: float, computed_tokens: int) ->
     """One prefix length: the run with the median move (or the median request where
     nothing was pulled), with every run's GB/s."""
     moved = [p for p in pulls if p["move_s"]]
-    key = (lambda p: p["move_s"]) if moved else (lambda p: p["ship_s"])
-    ranked = sorted(moved or pulls, key=key)
+    ranked = sorted(moved or pulls, key=lambda p: p["move_s"] if moved else p["ship_s"])
     median = ranked[(len(ranked) - 1) // 2]
-    gb_per_s = [p["state_bytes"] / p["move_s"] / 1e9 for p in moved]
     return {
         "prefix_tokens": n,
         "ship_s": median["ship_s"],
         "move_s": median["move_s"],
-        "gb_per_s": median["state_bytes"] / median["move_s"] / 1e9 if moved else None,
-        "gb_per_s_runs": gb_per_s,
+        "gb_per_s": median["gb_per_s"],
+        "gb_per_s_runs": [p["gb_per_s"] for p in moved],
         "stages_s": median["stages_s"],
         "recompute_s": recompute_s,
         "ratio": median["ship_s"] / recompute_s,
