@@ -19,6 +19,17 @@ from baton_serve.loadtests.restart_cli import add_restart_command
 from baton_serve.replicas.models.model_source import resolve_model
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     """Add `bench` and its benchmarks to the `baton` subcommands."""
     bench = commands.add_parser("bench", help="benchmarks that print figures")
@@ -62,7 +73,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     ship = benches.add_parser("ship", help="pull a prefix state from a peer vs recompute it")
     ship.add_argument("--model", help=MODEL_HELP)
     ship.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 4096])
-    ship.add_argument("--runs", type=int, default=3, help="pulls per prefix length")
+    ship.add_argument("--runs", type=_positive_int, default=3, help="pulls per prefix length")
     ship.add_argument(
         "--cross-node",
         action="store_true",
@@ -129,8 +140,10 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     )
     for name, what in _SIM_PROFILE_FLAGS.items():
         sim.add_argument(f"--{name}", type=float, help=what)
-    sim.add_argument("--slots", type=int, help="requests a replica runs at once")
-    sim.add_argument("--prefill-chunk", type=int, help="prompt tokens of one prefill step")
+    sim.add_argument("--slots", type=_positive_int, help="requests a replica runs at once")
+    sim.add_argument(
+        "--prefill-chunk", type=_positive_int, help="prompt tokens of one prefill step"
+    )
     sim.add_argument("--sessions-per-replica", type=int, help="sessions per replica (default 12)")
     sim.add_argument(
         "--load", type=float, help="ideal prefill work over prefill capacity (default 0.7)"

@@ -45,6 +45,17 @@ def test_make_model_writes_a_loadable_hybrid(tmp_path: Path) -> None:
         assert llama_cpp.llama_model_n_embd(model.pointer) == 96
 
 
+def test_bench_counts_below_one_are_refused_by_name(tmp_path: Path) -> None:
+    for args, flag in (
+        (("ship", "--runs", "0"), "--runs"),
+        (("sim", "--validate", "--prefill-chunk", "0"), "--prefill-chunk"),
+        (("sim", "--slots", "two"), "--slots"),
+    ):
+        done = _baton("bench", *args, cache=tmp_path)
+        assert done.returncode == 2, args
+        assert f"argument {flag}:" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_make_model_rejects_an_unknown_arch(tmp_path: Path) -> None:
     done = _baton("make-model", "--arch", "gpt5", "--out", str(tmp_path / "x.gguf"), cache=tmp_path)
     assert done.returncode == 2
