@@ -44,6 +44,9 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
         "--concurrency", type=int, default=0, help="also measure K concurrent streams"
     )
     engine.add_argument(
+        "--threads", type=_positive_int, help="llama.cpp threads (default: every core)"
+    )
+    engine.add_argument(
         "--cpu-repack",
         choices=("auto", "on", "off"),
         default="auto",
@@ -195,12 +198,14 @@ _ROUTING_WORKLOAD_FLAGS = {  # flag → what it sets (defaults: `RoutingWorkload
 
 _SIM_PROFILE_FLAGS = {  # flag -> what it overrides in the profile
     "prefill-tok-s": "prompt tokens per second a replica computes",
-    "decode-tok-s": "tokens per second one slot decodes",
+    "decode-tok-s": "tokens per second one stream decodes alone",
+    "batch-decode-tok-s": "tokens per second all slots decode together",
     "link-gb-s": "GB/s a state moves between replicas",
     "restore-gb-s": "GB/s a pulled state is restored",
     "ship-latency-s": "fixed cost of one pull (s)",
     "bytes-per-token": "state bytes per token of context",
     "cache-gb": "each replica's checkpoint budget (GB)",
+    "step-noise": "sigma of the lognormal noise on each step's time (0: none)",
 }
 
 
@@ -218,6 +223,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
             reply_tokens=args.reply_tokens,
             concurrency=args.concurrency,
             cpu_repack={"auto": None, "on": True, "off": False}[args.cpu_repack],
+            **({"threads": args.threads} if args.threads else {}),
             progress=progress,
         )
         progress.step("plotting")
@@ -355,6 +361,7 @@ def _bench_sim(args: argparse.Namespace) -> int:
         args.profile,
         prefill_tokens_per_s=args.prefill_tok_s,
         decode_tokens_per_s=args.decode_tok_s,
+        batch_decode_tokens_per_s=args.batch_decode_tok_s,
         link_bytes_per_s=scaled(args.link_gb_s, 1e9),
         restore_bytes_per_s=scaled(args.restore_gb_s, 1e9),
         ship_latency_s=args.ship_latency_s,
@@ -362,6 +369,7 @@ def _bench_sim(args: argparse.Namespace) -> int:
         cache_bytes=None if args.cache_gb is None else int(args.cache_gb * 1e9),
         slots=args.slots,
         prefill_chunk=args.prefill_chunk,
+        step_noise=args.step_noise,
     )
     policies = args.policies or list(POLICIES)
     unknown = [p for p in policies if p not in POLICIES]

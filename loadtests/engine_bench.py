@@ -41,11 +41,16 @@ class TurnRow:
 SPEED_PROMPT_TOKENS = 1024
 SPEED_DECODE_TOKENS = 64
 SPEED_RUNS = 5
+ALL_CORES = os.cpu_count() or 1  # the engine's default
 
 
-def raw_speed(model: Path, *, cpu_repack: bool | None, progress: Progress = SILENT) -> dict:
+def raw_speed(
+    model: Path, *, cpu_repack: bool | None, threads: int = ALL_CORES, progress: Progress = SILENT
+) -> dict:
     """Prefill and single-stream decode tokens/s with the cache off, over `SPEED_RUNS` runs."""
-    config = EngineConfig(n_ctx=2048, n_slots=1, prefix_cache=False, cpu_repack=cpu_repack)
+    config = EngineConfig(
+        n_ctx=2048, n_slots=1, prefix_cache=False, cpu_repack=cpu_repack, n_threads=threads
+    )
     with Engine(str(model), config, hmac_key=BENCH_HMAC_KEY) as engine:
         n_vocab = engine.model.n_vocab
         prompt = Prompt(
@@ -81,10 +86,11 @@ def run_chat(
     reply_tokens: int,
     n_ctx: int,
     cpu_repack: bool | None = None,
+    threads: int = ALL_CORES,
     progress: Progress = SILENT,
 ) -> list[TurnRow]:
     """The same conversation on two engines (cache on / off); one row per turn."""
-    config = EngineConfig(n_ctx=n_ctx, n_slots=2, cpu_repack=cpu_repack)
+    config = EngineConfig(n_ctx=n_ctx, n_slots=2, cpu_repack=cpu_repack, n_threads=threads)
     with (
         Engine(str(model), config, hmac_key=BENCH_HMAC_KEY) as cached,
         Engine(
@@ -127,11 +133,12 @@ def run_chat(
     return rows
 
 
-def decode_throughput(model: Path, *, streams: int, tokens: int, n_ctx: int) -> float:
+def decode_throughput(
+    model: Path, *, streams: int, tokens: int, n_ctx: int, threads: int = ALL_CORES
+) -> float:
     """Aggregate generated tokens per second with `streams` concurrent requests."""
-    with Engine(
-        str(model), EngineConfig(n_ctx=n_ctx, n_slots=streams), hmac_key=BENCH_HMAC_KEY
-    ) as engine:
+    config = EngineConfig(n_ctx=n_ctx, n_slots=streams, n_threads=threads)
+    with Engine(str(model), config, hmac_key=BENCH_HMAC_KEY) as engine:
         sampling = SamplingParams(max_tokens=tokens, ignore_eos=True)
         prompts = [
             engine.text_prompt(f"Stream {i} writes a story about number {i}.")
@@ -154,12 +161,13 @@ def engine_benchmark(
     reply_tokens: int = 32,
     concurrency: int = 0,
     cpu_repack: bool | None = None,
+    threads: int = ALL_CORES,
     progress: Progress = SILENT,
 ) -> dict:
     n_ctx = system_tokens + turns * (turn_tokens + reply_tokens + 32) + 256
     backend = ggml_backends.ensure_loaded()
     progress.step("loading the model for the speed runs")
-    speed = raw_speed(model, cpu_repack=cpu_repack, progress=progress)
+    speed = raw_speed(model, cpu_repack=cpu_repack, threads=threads, progress=progress)
     progress.step("multi-turn chat: loading two engines (cache on, cache off)")
     rows = run_chat(
         model,
@@ -169,12 +177,13 @@ def engine_benchmark(
         reply_tokens=reply_tokens,
         n_ctx=n_ctx,
         cpu_repack=cpu_repack,
+        threads=threads,
         progress=progress,
     )
     new = sum(r.new_tokens for r in rows)
     result: dict = {
         "model": str(model),
-        "threads": os.cpu_count(),
+        "threads": threads,
         "cpu_backend": backend.name,
         "system_info": ggml_backends.system_info(),
         "speed": speed,
@@ -189,8 +198,8 @@ def engine_benchmark(
     }
     if concurrency > 1:
         progress.step(f"decode throughput: 1 stream, then {concurrency}")
-        one = decode_throughput(model, streams=1, tokens=64, n_ctx=512)
-        many = decode_throughput(model, streams=concurrency, tokens=64, n_ctx=512)
+        one = decode_throughput(model, streams=1, tokens=64, n_ctx=512, threads=threads)
+        many = decode_throughput(model, streams=concurrency, tokens=64, n_ctx=512, threads=threads)
         result["decode_tokens_per_s"] = {"1": one, str(concurrency): many, "speedup": many / one}
     return result
 
@@ -204,7 +213,8 @@ def format_report(result: dict) -> str:
     speed = result["speed"]
     lines = [
         f"model: {result['model']}",
-        f"llama.cpp CPU backend: {result['cpu_backend']}, weight repacking "
+        f"llama.cpp CPU backend: {result['cpu_backend']}, {result['threads']} thread(s), "
+        "weight repacking "
         f"{'on' if speed['cpu_repack'] else 'off'}",
         f"  {result['system_info']}",
         f"speed (cache off, median [min-max] of {SPEED_RUNS}): prefill "

@@ -33,36 +33,45 @@ TARGET_REPLICAS = 64
 P99_RATIO_TARGET = 0.5  # Baton's TTFT p99 over the best other policy's
 IMBALANCE_TARGET = 1.3
 AGREEMENT = 0.25  # simulated within this share of measured
+VALIDATION_SEEDS = 9
 
 PROFILES = {
     # SmolLM2-135M Q4_1 on this 2-core machine, one llama.cpp thread per replica as in
-    # `bench routing`: ~100 prompt tok/s there; 89.5 tok/s decode over 4 streams (`bench
-    # engine`); a 2,048-token state is 47.2 MB and moves in 0.027 s, 0.007 s of it the
-    # restore, the whole pull about 0.02 s more (`bench ship`, 2026-11-24); the store's
-    # default budget is 2 GiB.
+    # `bench routing`: ~100 prompt tok/s at its 1,000-2,000-token contexts; decode 60 tok/s
+    # for one stream and 60 tok/s for 4 together (`bench engine --threads 1 --concurrency
+    # 4`: a step costs about the same per stream at any batch on one CPU thread); a
+    # 2,048-token state is 47.2 MB and moves in 0.027 s, 0.007 s of it the restore, the
+    # whole pull about 0.02 s more (`bench ship`, 2026-11-24); the store's default budget is
+    # 2 GiB. Step noise 0.15: short follow-ups' TTFT per token spreads by 7-16% (CV) in
+    # `bench routing` runs, where two replicas share two cores with the gateway and client.
     "cpu": Profile(
         "cpu",
         prefill_tokens_per_s=100.0,
-        decode_tokens_per_s=22.0,
+        decode_tokens_per_s=60.0,
+        batch_decode_tokens_per_s=60.0,
         slots=4,
         link_bytes_per_s=2.3e9,
         ship_latency_s=0.02,
         restore_bytes_per_s=6.9e9,
         bytes_per_token=23_047,
         cache_bytes=2 * 2**30,
+        step_noise=0.15,
     ),
     # A GPU serving an 8B GQA model (128 KiB of fp16 KV per token): parameters, not a
-    # measurement; override them on the command line.
+    # measurement; override them on the command line. A decode step takes about as long
+    # for 16 streams as for one (weights are read once per step).
     "gpu": Profile(
         "gpu",
         prefill_tokens_per_s=10_000.0,
         decode_tokens_per_s=100.0,
+        batch_decode_tokens_per_s=1600.0,
         slots=16,
         link_bytes_per_s=25e9,
         ship_latency_s=0.005,
         restore_bytes_per_s=50e9,
         bytes_per_token=131_072,
         cache_bytes=40 * 10**9,
+        step_noise=0.05,
     ),
 }
 
@@ -156,12 +165,27 @@ def targets(results: dict[str, dict[str, dict]]) -> dict:
     }
 
 
-def validation(profile: Profile, policies: Sequence[str] = tuple(MEASURED_ROUTING)) -> dict:
-    """`bench routing`'s workload on 2 simulated replicas, beside its measured figures."""
+def validation(
+    profile: Profile,
+    policies: Sequence[str] = tuple(MEASURED_ROUTING),
+    seeds: int = VALIDATION_SEEDS,
+) -> dict:
+    """`bench routing`'s workload on 2 simulated replicas, beside its measured figures: each
+    figure the median over `seeds` runs (the host's noise and pow2's draws differ by seed;
+    the measured run is one draw of them), with its range."""
     rows = {}
     for policy in policies:
-        simulated = summarize(Cluster(profile, 2, policy).run(routing_bench_phases()))
-        row = {"simulated": simulated}
+        runs = [
+            summarize(Cluster(profile, 2, policy, seed).run(routing_bench_phases()))
+            for seed in range(seeds)
+        ]
+        keys = ("ttft_p50_s", "ttft_mean_s", "computed_over_new")
+        simulated = {key: float(np.median([run[key] for run in runs])) for key in keys}
+        simulated["requests"] = runs[0]["requests"]
+        spread = {
+            key: [min(run[key] for run in runs), max(run[key] for run in runs)] for key in keys
+        }
+        row = {"simulated": simulated, "range": spread, "seeds": seeds}
         measured = MEASURED_ROUTING.get(policy)
         if measured:
             row["measured"] = measured
@@ -179,8 +203,10 @@ def validation(profile: Profile, policies: Sequence[str] = tuple(MEASURED_ROUTIN
 def format_report(result: dict) -> str:
     lines = [
         f"profile {result['profile']['name']}: prefill {result['profile']['prefill_tokens_per_s']:g}"
-        f" tok/s, decode {result['profile']['decode_tokens_per_s']:g} tok/s per slot,"
-        f" {result['profile']['slots']} slots, link {result['profile']['link_bytes_per_s'] / 1e9:g} GB/s",
+        f" tok/s, decode {result['profile']['decode_tokens_per_s']:g} tok/s for one stream and"
+        f" {result['profile']['batch_decode_tokens_per_s']:g} for all"
+        f" {result['profile']['slots']} slots, link {result['profile']['link_bytes_per_s'] / 1e9:g} GB/s,"
+        f" step noise {result['profile']['step_noise']:g}",
         "",
         "| replicas | policy | requests | TTFT p50 s | p95 s | p99 s | cache hit | computed / new"
         " | load imbalance | shipped GB |",
@@ -211,12 +237,24 @@ def format_validation(result: dict) -> str:
     for policy, row in result["policies"].items():
         sim, measured, agree = row["simulated"], row.get("measured", {}), row.get("agree", {})
 
-        def cell(key: str, sim: dict = sim, measured: dict = measured, agree: dict = agree) -> str:
+        def cell(
+            key: str,
+            sim: dict = sim,
+            measured: dict = measured,
+            agree: dict = agree,
+            spread: dict = row["range"],
+        ) -> str:
+            low, high = spread[key]
+            simulated = f"{sim[key]:.3f} ({low:.2f}-{high:.2f})"
             if key not in measured:
-                return f"{sim[key]:.3f} | – | –"
-            return f"{sim[key]:.3f} | {measured[key]:.3f} | {'yes' if agree[key] else 'NO'}"
+                return f"{simulated} | – | –"
+            return f"{simulated} | {measured[key]:.3f} | {'yes' if agree[key] else 'NO'}"
 
         cells = " | ".join(cell(key) for key in ("ttft_p50_s", "ttft_mean_s", "computed_over_new"))
         lines.append(f"| {policy} | {cells} |")
-    lines.append(f"(agree: within {AGREEMENT:.0%} of the measured figure)")
+    seeds = next(iter(result["policies"].values()))["seeds"] if result["policies"] else 0
+    lines.append(
+        f"(simulated: the median (range) over {seeds} seeds; agree: within {AGREEMENT:.0%}"
+        " of the measured figure)"
+    )
     return "\n".join(lines)

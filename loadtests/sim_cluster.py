@@ -75,6 +75,7 @@ class Cluster:
                 self.replicas,
                 self._done,
                 baton=policy == BATON,
+                seed=seed,
             )
         self.policy = make_policy(
             policy, self.replicas, self.index, lambda: self.loop.now, profile.block_tokens, seed
@@ -127,7 +128,7 @@ class Cluster:
         segments = before + spec.added
         keys, lengths = prefix_keys(segments)
         reply_tokens = (
-            spec.reply_tokens if recorded else int(BLOCKER_S * self.profile.decode_tokens_per_s)
+            spec.reply_tokens if recorded else int(BLOCKER_S / self.profile.decode_step_s(1))
         )
         reply = (next(self._reply_ids), reply_tokens)
         reply_keys, reply_lengths = prefix_keys(segments + (reply,))

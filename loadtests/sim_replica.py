@@ -2,11 +2,12 @@
 prefix cache of checkpoints under a byte budget, and peer pulls by the replica's own rule.
 
 - **Slots and steps**: `profile.slots` requests run at once (the engine's `n_slots`); the
-  rest queue in order. As the engine does, a replica alternates a decode step (one token for
-  every decoding slot, `1 / decode_tokens_per_s` long) with a prefill step (the next
-  `prefill_chunk` tokens of the prompt with the shortest remaining prefill, less what it
-  could have computed while it waited, at `prefill_tokens_per_s`). So a replica that is
-  prefilling decodes one token per cycle, and one that is decoding prefills a little slower.
+  rest queue in order. As the engine's loop does, a replica runs one step at a time: a
+  decode step (one token for every decoding slot; `decode_step_s` grows with the batch)
+  unless a prefill step is due — the two alternate when both wait — else a prefill step
+  (the next `prefill_chunk` tokens of the prompt with the shortest remaining prefill, less
+  what it could have computed while it waited). A prompt's last step gives its first
+  token. Every step's time carries the host's noise (`step_noise`).
 - **Replays**: once a reply is sent, its tokens are prefilled in its slot (the engine's
   replay, which makes the stored state exact), first in line; then the slot is free.
 - **Prefix cache** (attention): a checkpoint serves every prefix of itself; one is stored
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,7 +50,8 @@ class Profile:
 
     name: str
     prefill_tokens_per_s: float
-    decode_tokens_per_s: float  # per slot
+    decode_tokens_per_s: float  # one stream decoding alone
+    batch_decode_tokens_per_s: float  # all `slots` streams decoding at once, together
     slots: int
     link_bytes_per_s: float
     ship_latency_s: float  # per pull: the peer's export call, the index lookup
@@ -57,15 +60,25 @@ class Profile:
     cache_bytes: int
     block_tokens: int = 64
     prefill_chunk: int = 256  # prompt tokens of one prefill step (the engine's default)
+    step_noise: float = 0.0  # sigma of a mean-1 lognormal factor on each step's time (0: none)
 
-    def rates(self, prefilling: bool, decoding: bool) -> tuple[float, float]:
-        """Tokens per second of the prompt being prefilled, and of each decoding slot."""
-        if not prefilling:
-            return 0.0, self.decode_tokens_per_s
-        if not decoding:
-            return self.prefill_tokens_per_s, 0.0
-        cycle = self.prefill_chunk / self.prefill_tokens_per_s + 1 / self.decode_tokens_per_s
-        return self.prefill_chunk / cycle, 1 / cycle
+    def decode_step_s(self, streams: int) -> float:
+        """Seconds of one decode step for `streams` decoding slots: linear between one
+        stream alone and all `slots` together (a CPU's step grows with its batch, a GPU's
+        hardly does)."""
+        one = 1 / self.decode_tokens_per_s
+        if self.slots == 1:
+            return one
+        full = self.slots / self.batch_decode_tokens_per_s
+        return one + (streams - 1) * (full - one) / (self.slots - 1)
+
+    def prefill_speed(self, streams: int) -> float:
+        """Prompt tokens per second while `streams` slots decode (a decode step after
+        every prefill step): what an in-flight prefix's expected end is estimated with."""
+        if not streams:
+            return self.prefill_tokens_per_s
+        step_s = self.prefill_chunk / self.prefill_tokens_per_s + self.decode_step_s(streams)
+        return self.prefill_chunk / step_s
 
 
 class EventLoop:
@@ -136,6 +149,7 @@ class SimReplica:
         peers: dict[str, SimReplica],
         on_done: Callable[[Job, SimReplica], None],
         baton: bool,
+        seed: int = 0,
     ) -> None:
         self.rid = rid
         self.profile = profile
@@ -149,10 +163,9 @@ class SimReplica:
         self._running = 0
         self._prefilling: list[Job] = []
         self._decoding: list[Job] = []
-        self._stepping: Job | None = None  # the prompt the prefill step under way computes
-        self._step_left = 0.0  # its tokens left in that step
-        self._updated = loop.now
-        self._version = 0
+        self._stepping = False  # a step is under way
+        self._noise = random.Random(f"{seed}-{rid}")
+        self._last_step_was_prefill = False
         self._prompt_checkpoint: dict[int, int] = {}  # id(job) -> its prompt's checkpoint
         index.alive[rid] = FOREVER
 
@@ -243,10 +256,9 @@ class SimReplica:
                 job.dominates = cid
         job.reused = min(local, job.n_prompt - 1)  # the last token is always computed
         job.remaining = job.n_prompt - job.reused
-        self._advance()
         self._prefilling.append(job)
         ahead = sum(j.remaining for j in self._prefilling if self._rank(j) <= self._rank(job))
-        ends = self._loop.now + ahead / self._rates()[0]
+        ends = self._loop.now + ahead / self.profile.prefill_speed(len(self._decoding))
         size = self.profile.block_tokens
         coming = [
             IndexEntry(h, (i + 1) * size, (i + 1) * size * self.profile.bytes_per_token, ends)
@@ -255,72 +267,68 @@ class SimReplica:
         ]
         if self._baton:
             self._index.publish(self.rid, coming, FOREVER)
-        self._reschedule()
-
-    def _rates(self) -> tuple[float, float]:
-        return self.profile.rates(bool(self._prefilling), bool(self._decoding))
-
-    def _prefill_step(self) -> Job:
-        """The prompt the prefill step under way computes. A step is not interrupted; the
-        next one takes the prompt with the shortest remaining prefill, as the engine does."""
-        if self._stepping is None:
-            self._stepping = min(self._prefilling, key=self._rank)
-            self._step_left = min(float(self.profile.prefill_chunk), self._stepping.remaining)
-        return self._stepping
+        self._next_step()
 
     def _rank(self, job: Job) -> float:
         """The engine's prefill priority, lowest first: the tokens left, less those the
         replica computes in the time the request has waited (an order that time keeps)."""
         return job.remaining + self.profile.prefill_tokens_per_s * job.submitted_s
 
-    def _advance(self) -> None:
-        """Bring the prefill step under way and every decoding slot up to now."""
-        now = self._loop.now
-        if now > self._updated:
-            prefill, decode = self._rates()
-            if self._prefilling:
-                done = (now - self._updated) * prefill
-                self._prefill_step().remaining -= done
-                self._step_left -= done
-            for job in self._decoding:
-                job.decode_left -= (now - self._updated) * decode
-        self._updated = now
-
-    def _reschedule(self) -> None:
-        self._version += 1
-        prefill, decode = self._rates()
-        waits = []
-        if self._prefilling:
-            self._prefill_step()
-            waits.append(max(self._step_left, 0.0) / prefill)
-        if self._decoding:
-            waits.append(max(min(j.decode_left for j in self._decoding), 0.0) / decode)
-        if waits:
-            self._loop.at(self._loop.now + min(waits), self._step_event, self._version)
-
-    def _step_event(self, version: int) -> None:
-        if version != self._version:
+    def _next_step(self) -> None:
+        """Start the engine's next step unless one is under way: a decode step (a token for
+        every decoding slot) unless a prefill step is due — one alternates with the other
+        when both wait — else the next `prefill_chunk` tokens of the prompt ranked first."""
+        if self._stepping:
             return
-        self._advance()
-        if self._step_left <= 1e-6:
-            self._stepping = None
-        prefilled = [j for j in self._prefilling if j.remaining <= 1e-6]
-        self._prefilling = [j for j in self._prefilling if j.remaining > 1e-6]
-        decoded = [j for j in self._decoding if j.decode_left <= 1e-6]
-        self._decoding = [j for j in self._decoding if j.decode_left > 1e-6]
-        for job in prefilled:
+        p, now = self.profile, self._loop.now
+        if self._decoding and not (self._prefilling and not self._last_step_was_prefill):
+            batch = list(self._decoding)
+            step_s = self._noisy(p.decode_step_s(len(batch)))
+            self._loop.at(now + step_s, self._decode_step_done, batch)
+        elif self._prefilling:
+            job = min(self._prefilling, key=self._rank)
+            tokens = min(float(p.prefill_chunk), job.remaining)
+            step_s = self._noisy(tokens / p.prefill_tokens_per_s)
+            self._loop.at(now + step_s, self._prefill_step_done, job, tokens)
+        else:
+            return
+        self._stepping = True
+
+    def _noisy(self, seconds: float) -> float:
+        """A step's duration with the host's noise: without it, simulated replicas fall
+        into a lockstep that real ones never keep (requests arriving in the same order
+        every round, so round robin sends a session to the same replica every time)."""
+        sigma = self.profile.step_noise
+        if not sigma:
+            return seconds
+        return seconds * self._noise.lognormvariate(-sigma * sigma / 2, sigma)  # mean 1
+
+    def _prefill_step_done(self, job: Job, tokens: float) -> None:
+        self._stepping, self._last_step_was_prefill = True, True  # no step starts meanwhile
+        job.remaining -= tokens
+        if job.remaining <= 1e-9:
+            self._prefilling.remove(job)
             (self._finish if job.replaying else self._prefilled)(job)
-        for job in decoded:
-            self._decoded(job)
-        self._reschedule()
+        self._stepping = False
+        self._next_step()
+
+    def _decode_step_done(self, batch: list[Job]) -> None:
+        self._stepping, self._last_step_was_prefill = True, False
+        for job in batch:
+            job.decode_left -= 1
+            if job.decode_left <= 0:
+                self._decoding.remove(job)
+                self._decoded(job)
+        self._stepping = False
+        self._next_step()
 
     def _prefilled(self, job: Job) -> None:
         now, p = self._loop.now, self.profile
         job.prefilled = True
         computed = job.n_prompt - job.reused
         job.prefill_s = computed / p.prefill_tokens_per_s
-        self.busy_s += job.prefill_s + job.reply_tokens / p.decode_tokens_per_s / p.slots
-        job.first_token_s = now + 1 / p.decode_tokens_per_s
+        self.busy_s += job.prefill_s + job.reply_tokens / p.batch_decode_tokens_per_s
+        job.first_token_s = now  # sampled from the prompt's last prefill step
         state = SimCheckpoint(job.keys, job.lengths, job.chain, job.n_prompt * p.bytes_per_token)
         cid = self._store(state)
         if cid is not None:
@@ -331,8 +339,11 @@ class SimReplica:
             self._start(waiter)
         for callback in job.on_prefilled:
             callback()
-        job.decode_left = job.reply_tokens
-        self._decoding.append(job)
+        job.decode_left = job.reply_tokens - 1
+        if job.decode_left > 0:
+            self._decoding.append(job)
+        else:
+            self._decoded(job)
 
     def _decoded(self, job: Job) -> None:
         """The reply is sent; its slot replays it."""

@@ -76,11 +76,14 @@ def test_bench_engine_json_reports_cache_savings(tmp_path: Path) -> None:
         "40",
         "--reply-tokens",
         "8",
+        "--threads",
+        "1",
         "--json",
         cache=tmp_path,
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
+    assert result["threads"] == 1
     assert len(result["turns"]) == 3
     assert result["computed_over_new_no_cache"] > 2 * result["computed_over_new"]
     for row in result["turns"][1:]:
