@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from baton_serve.cache_store.prefix_hash import token_array
+from baton_serve.cache_store.state_blob import PayloadSeal
 
 
 @dataclass(eq=False)
@@ -14,9 +15,9 @@ class Checkpoint:
     """A llama.cpp sequence state saved after `tokens`; compares by identity.
 
     `state` is kept as given, as a read-only byte view: the checkpoint takes the buffer
-    over (no copy; whoever made it must not write to it again). `digest` is the payload
-    digest of its signed blob once known (`state_blob`), so exporting it again does not
-    hash it again. `shared` is a handle to the same state in a store that peers read without
+    over (no copy; whoever made it must not write to it again). `seal` authenticates the
+    state in its signed blob once known (`state_blob.PayloadSeal`), so exporting it again
+    does not read the state again. `shared` is a handle to the same state in a store that peers read without
     a copy (a Ray ObjectRef, when the replica put it in Ray's object store; `state` is then
     a view of that copy), handed to peers instead of the bytes.
     """
@@ -24,7 +25,7 @@ class Checkpoint:
     prefix_hash: bytes
     tokens: np.ndarray
     state: memoryview
-    digest: bytes | None = None
+    seal: PayloadSeal | None = None
     shared: object | None = None
 
     def __post_init__(self) -> None:

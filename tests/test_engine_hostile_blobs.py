@@ -12,11 +12,10 @@ import hmac
 import random
 import struct
 
-import blake3
 import numpy as np
 import pytest
 
-from baton_serve.cache_store.state_blob import HEADER_SIZE, BlobError
+from baton_serve.cache_store.state_blob import HEADER_SIZE, BlobError, seal_payload
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.prompt import Prompt
@@ -24,7 +23,7 @@ from baton_serve.replicas.engine.sampling import SamplingParams
 
 HMAC_KEY = b"test-cluster-key"
 
-_SIGNED = struct.Struct("<8sHH32sI16sQ32s")  # the header layout, written out independently
+_SIGNED = struct.Struct("<8sHH32sI16sQ16sB32s")  # the header layout, written out independently
 RNG = random.Random(20261121)
 
 
@@ -63,7 +62,8 @@ def _valid_blob(engine: Engine) -> bytes:
 
 
 def _resign(blob: bytes, key: bytes = HMAC_KEY, **fields: object) -> bytes:
-    """Rewrite header fields and sign again: only the field checks can catch these."""
+    """Rewrite header fields and sign again (the header and the token ids): only the field
+    checks can catch these."""
     names = (
         "magic",
         "version",
@@ -72,12 +72,27 @@ def _resign(blob: bytes, key: bytes = HMAC_KEY, **fields: object) -> bytes:
         "n_tokens",
         "prefix_hash",
         "state_len",
+        "nonce",
+        "lanes",
         "checksum",
     )
     values = dict(zip(names, _SIGNED.unpack_from(blob)))
     values.update(fields)
     signed = _SIGNED.pack(*(values[n] for n in names))
-    return signed + hmac.new(key, signed, hashlib.sha256).digest() + blob[HEADER_SIZE:]
+    token_ids = blob[HEADER_SIZE : HEADER_SIZE + 4 * min(int(values["n_tokens"]), 1 << 20)]
+    mac = hmac.new(key, signed + token_ids, hashlib.sha256).digest()
+    return signed + mac + blob[HEADER_SIZE:]
+
+
+def _resealed(blob: bytes, state: bytes) -> dict[str, object]:
+    """The header fields that seal `state` (as its signer would)."""
+    seal = seal_payload(HMAC_KEY, state)
+    return {
+        "state_len": len(state),
+        "nonce": seal.nonce,
+        "lanes": seal.lanes,
+        "checksum": seal.digest,
+    }
 
 
 def _flip(blob: bytes, bit: int) -> bytes:
@@ -118,7 +133,11 @@ def _cases() -> list[tuple[str, object]]:
         ("missing-hmac", lambda b, o: b[: HEADER_SIZE - 32] + bytes(32) + b[HEADER_SIZE:]),
         ("other-model", lambda b, o: o),
         ("other-model-relabelled", lambda b, o: _resign(o, fingerprint=b[12:44])),
-        ("wrong-version", lambda b, o: _resign(b, version=3)),
+        ("wrong-version", lambda b, o: _resign(b, version=4)),
+        ("version-2-blake3", lambda b, o: _resign(b, version=2)),
+        ("lanes-zero", lambda b, o: _resign(b, lanes=0)),
+        ("lanes-too-many", lambda b, o: _resign(b, lanes=200)),
+        ("lanes-changed", lambda b, o: _resign(b, lanes=2)),
         ("version-zero", lambda b, o: _resign(b, version=0)),
         (
             "version-1-sha256",
@@ -144,9 +163,7 @@ def _cases() -> list[tuple[str, object]]:
         (
             "truncated-state-resigned",
             lambda b, o: _resign(
-                b[:-100],
-                state_len=_SIGNED.unpack_from(b)[6] - 100,
-                checksum=blake3.blake3(b[HEADER_SIZE:-100]).digest(),
+                b[:-100], **_resealed(b, b[HEADER_SIZE + 4 * _SIGNED.unpack_from(b)[4] : -100])
             ),
         ),
     ]

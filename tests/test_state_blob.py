@@ -4,9 +4,9 @@ import random
 import struct
 from typing import Any
 
-import blake3
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from baton_serve.cache_store.prefix_hash import PrefixHasher
 from baton_serve.cache_store.state_blob import (
@@ -14,17 +14,35 @@ from baton_serve.cache_store.state_blob import (
     HEADER_SIZE,
     MAGIC,
     BlobError,
+    PayloadSeal,
     decode_blob,
     encode_blob,
     encode_parts,
+    seal_payload,
 )
 
-# The wire format, spelled out independently of the implementation: `digest` is the
-# BLAKE3-256 of the payload, `hmac` HMAC-SHA256 of the header before it.
-LAYOUT = struct.Struct("<8sHH32sI16sQ32s32s")
+# The wire format, spelled out independently of the implementation: the state is cut into
+# `lanes` equal lanes, each GMAC'd (AES-256-GCM, no plaintext) under a key derived from the
+# HMAC key, IV = nonce + the lane's index; `digest` is the SHA-256 of the lanes' tags;
+# `hmac` is HMAC-SHA256 of the header before it and the token ids.
+LAYOUT = struct.Struct("<8sHH32sI16sQ16sB32s32s")
 FIELDS = ("magic", "version", "flags", "fingerprint", "n_tokens", "prefix_hash", "state_len",
-          "digest", "hmac")  # fmt: skip
+          "nonce", "lanes", "digest", "hmac")  # fmt: skip
 SIGNED_SIZE = LAYOUT.size - 32
+GMAC_LABEL = b"baton state blob GMAC key, format 3"
+
+
+def lanes_digest(key: bytes, nonce: bytes, lanes: int, state: bytes) -> bytes:
+    gmac = AESGCM(hmac.new(key, GMAC_LABEL, hashlib.sha256).digest())
+    size = len(state)
+    tags = [
+        gmac.encrypt(
+            nonce + i.to_bytes(4, "big"), b"", state[i * size // lanes : (i + 1) * size // lanes]
+        )
+        for i in range(lanes)
+    ]
+    return hashlib.sha256(b"".join(tags)).digest()
+
 
 RNG = random.Random(20240601)
 KEY = RNG.randbytes(32)
@@ -34,6 +52,8 @@ OTHER_FINGERPRINT = hashlib.sha256(b"model-b").digest()
 HASHER = PrefixHasher(FINGERPRINT, block_tokens=8)
 TOKENS = [RNG.randrange(50_000) for _ in range(50)]
 STATE = RNG.randbytes(1000)
+NONCE = RNG.randbytes(16)
+SEAL = seal_payload(KEY, STATE, nonce=NONCE)
 
 
 def make_blob(**overrides: Any) -> bytes:
@@ -43,6 +63,7 @@ def make_blob(**overrides: Any) -> bytes:
         "tokens": TOKENS,
         "state": STATE,
         "key": KEY,
+        "seal": SEAL,
     }
     return encode_blob(**(args | overrides))
 
@@ -51,15 +72,19 @@ BLOB = make_blob()
 
 
 def reseal(blob: bytes, *, key: bytes = KEY, payload: bytes | None = None, **fields: Any) -> bytes:
-    """Rewrite header fields (and optionally the payload) and sign the result validly."""
+    """Rewrite header fields (and optionally the payload: token ids, then the state) and
+    sign the result validly."""
     header = dict(zip(FIELDS, LAYOUT.unpack_from(blob), strict=True))
+    token_bytes = 4 * header["n_tokens"]
     header.update(fields)
     if payload is None:
         payload = blob[HEADER_SIZE:]
     else:
-        header["digest"] = blake3.blake3(payload).digest()
+        state = payload[token_bytes:]
+        header["digest"] = lanes_digest(key, header["nonce"], header["lanes"], state)
     signed = LAYOUT.pack(*header.values())[:SIGNED_SIZE]
-    return signed + hmac.new(key, signed, hashlib.sha256).digest() + payload
+    mac = hmac.new(key, signed + payload[: 4 * min(header["n_tokens"], 2**20)], hashlib.sha256)
+    return signed + mac.digest() + payload
 
 
 def flip_bit(blob: bytes, bit: int) -> bytes:
@@ -107,7 +132,8 @@ def hostile_cases() -> list[Any]:
             "bad_version",
             {},
         ),
-        "version-2": (reseal(BLOB, version=FORMAT_VERSION + 1), "bad_version", {}),
+        "version-2-blake3": (reseal(BLOB, version=2), "bad_version", {}),
+        "version-next": (reseal(BLOB, version=FORMAT_VERSION + 1), "bad_version", {}),
         "version-max": (reseal(BLOB, version=0xFFFF), "bad_version", {}),
         "flags-1": (reseal(BLOB, flags=1), "bad_flags", {}),
         "flags-high": (reseal(BLOB, flags=0x8000), "bad_flags", {}),
@@ -132,6 +158,15 @@ def hostile_cases() -> list[Any]:
         "doubled": (BLOB + BLOB, "bad_length", {}),
         "wrong-prefix-hash": (make_blob(prefix_hash=bytes(16)), "bad_prefix_hash", {}),
         "negative-token": (reseal(BLOB, payload=negative.tobytes() + STATE), "bad_tokens", {}),
+        "lanes-0": (reseal(BLOB, lanes=0), "bad_lanes", {}),
+        "lanes-9": (reseal(BLOB, lanes=9), "bad_lanes", {}),
+        "lanes-2-not-resealed": (reseal(BLOB, lanes=2), "bad_checksum", {}),
+        "other-nonce": (reseal(BLOB, nonce=bytes(16)), "bad_checksum", {}),
+        "digest-of-other-key": (
+            reseal(BLOB, digest=lanes_digest(OTHER_KEY, NONCE, 1, STATE)),
+            "bad_checksum",
+            {},
+        ),
         "empty-key": (BLOB, "no_key", {"key": b""}),
     }
     for name, (data, reason, overrides) in named.items():
@@ -200,10 +235,12 @@ def test_hostile_parts_rejected(data: tuple, reason: str) -> None:
     assert info.value.reason == reason, str(info.value)
 
 
-def test_retired_version_is_named() -> None:
+def test_retired_versions_are_named() -> None:
     old = reseal(BLOB, version=1, digest=hashlib.sha256(BLOB[HEADER_SIZE:]).digest())
     with pytest.raises(BlobError, match="version 1 .*SHA-256.* no longer accepted"):
         decode_blob(old, key=KEY, fingerprint=FINGERPRINT)
+    with pytest.raises(BlobError, match="version 2 .*BLAKE3.* no longer accepted"):
+        decode_blob(reseal(BLOB, version=2), key=KEY, fingerprint=FINGERPRINT)
 
 
 def test_parts_travel_without_copying_the_state() -> None:
@@ -214,22 +251,57 @@ def test_parts_travel_without_copying_the_state() -> None:
         tokens=TOKENS,
         state=state,
         key=KEY,
+        seal=SEAL,
     )
     assert head + bytes(view) == BLOB
     assert np.shares_memory(np.frombuffer(view, dtype=np.uint8), state)
     blob = decode_blob((head, state), key=KEY, fingerprint=FINGERPRINT, hasher=HASHER)
     assert np.shares_memory(np.frombuffer(blob.state, dtype=np.uint8), state)
     assert blob.tokens.tolist() == TOKENS and blob.state.readonly
-    assert blob.digest == blake3.blake3(BLOB[HEADER_SIZE:]).digest()
+    assert blob.seal == SEAL
 
 
-def test_a_known_digest_is_used_not_recomputed() -> None:
-    """An exporter passes its stored checkpoint's digest; a wrong one is caught on arrival."""
-    digest = blake3.blake3(BLOB[HEADER_SIZE:]).digest()
-    assert make_blob(digest=digest) == BLOB
-    wrong = make_blob(digest=bytes(32))
+def test_a_known_seal_is_used_not_recomputed() -> None:
+    """An exporter passes its stored checkpoint's seal; a wrong one is caught on arrival."""
+    assert SEAL == PayloadSeal(NONCE, 1, lanes_digest(KEY, NONCE, 1, STATE))
+    wrong = make_blob(seal=PayloadSeal(NONCE, 1, bytes(32)))
     with pytest.raises(BlobError) as info:
         decode_blob(wrong, key=KEY, fingerprint=FINGERPRINT)
+    assert info.value.reason == "bad_checksum"
+
+
+def test_each_seal_has_its_own_nonce() -> None:
+    first, second = make_blob(seal=None), make_blob(seal=None)
+    assert first != second  # a random nonce each time
+    for blob in (first, second):
+        assert bytes(decode_blob(blob, key=KEY, fingerprint=FINGERPRINT).state) == STATE
+
+
+@pytest.mark.parametrize(
+    ("state_bytes", "lanes"), [(1000, 1), (2 << 20, 2), ((5 << 20) + 7, 5), (40 << 20, 8)]
+)
+def test_a_big_state_is_sealed_in_lanes_on_every_core(state_bytes: int, lanes: int) -> None:
+    """One lane per MiB, up to 8: the receiver checks them on several cores at once. The
+    seal is the same whichever number of threads computes it."""
+    state = np.random.default_rng(state_bytes).integers(0, 256, state_bytes, dtype=np.uint8)
+    seal = seal_payload(KEY, state, nonce=NONCE)
+    assert seal.lanes == lanes
+    assert seal == seal_payload(KEY, state, nonce=NONCE, threads=1)
+    assert seal.digest == lanes_digest(KEY, NONCE, lanes, state.tobytes())
+    blob = encode_parts(
+        fingerprint=FINGERPRINT,
+        prefix_hash=HASHER.prefix_hash(TOKENS),
+        tokens=TOKENS,
+        state=state,
+        key=KEY,
+        seal=seal,
+    )
+    decoded = decode_blob(blob, key=KEY, fingerprint=FINGERPRINT, threads=2)
+    assert decoded.seal == seal
+    damaged = state.copy()
+    damaged[-1] ^= 1  # the last lane's last byte
+    with pytest.raises(BlobError) as info:
+        decode_blob((blob[0], damaged), key=KEY, fingerprint=FINGERPRINT)
     assert info.value.reason == "bad_checksum"
 
 
@@ -244,7 +316,7 @@ def test_round_trip() -> None:
 
 
 def test_header_layout() -> None:
-    assert HEADER_SIZE == LAYOUT.size == 136
+    assert HEADER_SIZE == LAYOUT.size == 153
     header = dict(zip(FIELDS, LAYOUT.unpack_from(BLOB), strict=True))
     assert header["magic"] == MAGIC
     assert header["version"] == FORMAT_VERSION
@@ -252,8 +324,11 @@ def test_header_layout() -> None:
     assert header["fingerprint"] == FINGERPRINT
     assert header["n_tokens"] == len(TOKENS)
     assert header["state_len"] == len(STATE)
-    assert header["digest"] == blake3.blake3(BLOB[HEADER_SIZE:]).digest()
-    assert header["hmac"] == hmac.new(KEY, BLOB[:SIGNED_SIZE], hashlib.sha256).digest()
+    assert header["nonce"] == NONCE and header["lanes"] == 1
+    assert header["digest"] == lanes_digest(KEY, NONCE, 1, STATE)
+    token_ids = np.array(TOKENS, dtype="<i4").tobytes()
+    signed = BLOB[:SIGNED_SIZE] + token_ids
+    assert header["hmac"] == hmac.new(KEY, signed, hashlib.sha256).digest()
     assert BLOB[HEADER_SIZE:] == np.array(TOKENS, dtype="<i4").tobytes() + STATE
 
 

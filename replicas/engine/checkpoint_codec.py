@@ -1,7 +1,7 @@
 """Signed state blobs of one engine's checkpoints (`state_blob`), and their last check.
 
-A checkpoint's payload is hashed once — in the background after it is saved, or by its
-first export — so an export signs only a header. A blob is validated completely (the
+A checkpoint's state is sealed once — in the background after it is saved, or by its
+first export — so an export signs only a header and the token ids. A blob is validated completely (the
 blob's own checks, then the exact state size this engine measured) before llama.cpp sees a
 byte of it.
 """
@@ -25,7 +25,7 @@ from baton_serve.cache_store.state_blob import (
     decode_blob,
     encode_blob,
     encode_parts,
-    payload_digest,
+    seal_payload,
 )
 from baton_serve.replicas.engine.stats import EngineStats
 
@@ -48,23 +48,23 @@ class CheckpointCodec:
         self.state_size = state_size  # (fixed, per token); None where it is not linear
         self.stats = stats
         self._key = hmac_key
-        # Off the engine thread: the hash releases the GIL.
-        self._digester = ThreadPoolExecutor(1, thread_name_prefix="baton-blob-digest")
+        # Off the engine thread: sealing releases the GIL.
+        self._sealer = ThreadPoolExecutor(1, thread_name_prefix="baton-blob-seal")
         # Where a replica can share states with peers without a copy per export (Ray's
         # object store): sets a new checkpoint's `shared` and `state`, in the background.
         self.share: Callable[[Checkpoint], None] | None = None
 
-    def digest_later(self, checkpoint: Checkpoint) -> None:
-        """Hash a new checkpoint's payload in the background (on one core: the engine's own
+    def seal_later(self, checkpoint: Checkpoint) -> None:
+        """Seal a new checkpoint's state in the background (on one core: the engine's own
         threads come first) and share it, ready for its exports."""
-        self._digester.submit(self._prepare_export, checkpoint)
+        self._sealer.submit(self._prepare_export, checkpoint)
 
     def _prepare_export(self, checkpoint: Checkpoint) -> None:
         try:
-            _fill_digest(checkpoint, 1)
+            _fill_seal(checkpoint, self._key, 1)
             if self.share is not None:
                 self.share(checkpoint)
-        except Exception:  # its exports hash it or copy it then: slower, still correct
+        except Exception:  # its exports seal it or copy it then: slower, still correct
             logger.exception("preparing a checkpoint for export failed")
 
     def parts(self, checkpoint: Checkpoint) -> tuple[bytes, memoryview]:
@@ -80,14 +80,14 @@ class CheckpointCodec:
         return encode_blob(**self._fields(checkpoint))
 
     def _fields(self, checkpoint: Checkpoint) -> dict[str, Any]:
-        _fill_digest(checkpoint)  # usually done already, in the background; a peer waits
+        _fill_seal(checkpoint, self._key)  # usually done already, in the background
         return {
             "fingerprint": self.fingerprint,
             "prefix_hash": checkpoint.prefix_hash,
             "tokens": checkpoint.tokens,
             "state": checkpoint.state,
             "key": self._key,
-            "digest": checkpoint.digest,
+            "seal": checkpoint.seal,
         }
 
     def checked(self, blob: Buffer | BlobParts) -> Checkpoint:
@@ -109,13 +109,13 @@ class CheckpointCodec:
             prefix_hash=state.prefix_hash,
             tokens=state.tokens,
             state=state.state,
-            digest=state.digest,
+            seal=state.seal,
         )
 
 
-def _fill_digest(checkpoint: Checkpoint, threads: int = ALL_CORES) -> None:
-    if checkpoint.digest is None:
-        checkpoint.digest = payload_digest(checkpoint.tokens, checkpoint.state, threads=threads)
+def _fill_seal(checkpoint: Checkpoint, key: bytes, threads: int = ALL_CORES) -> None:
+    if checkpoint.seal is None:
+        checkpoint.seal = seal_payload(key, checkpoint.state, threads=threads)
 
 
 def frozen(blob: Buffer | BlobParts) -> Buffer | BlobParts:

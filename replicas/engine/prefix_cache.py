@@ -391,7 +391,7 @@ class PrefixCache:
             self.stats.checkpoints_saved += 1
             metrics.CHECKPOINTS_TAKEN.inc()
             self._added(checkpoint)
-            self.codec.digest_later(checkpoint)
+            self.codec.seal_later(checkpoint)
 
     def _added(self, checkpoint: Checkpoint) -> None:
         if self.listener is not None:
