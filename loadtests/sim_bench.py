@@ -40,9 +40,9 @@ PROFILES = {
     # `bench routing`: ~100 prompt tok/s at its 1,000-2,000-token contexts; decode 60 tok/s
     # for one stream and 60 tok/s for 4 together (`bench engine --threads 1 --concurrency
     # 4`: a step costs about the same per stream at any batch on one CPU thread); a
-    # 2,048-token state is 47.2 MB and moves in 0.027 s, 0.007 s of it the restore, the
-    # whole pull about 0.02 s more (`bench ship`, 2026-11-24); the store's default budget is
-    # 2 GiB. Step noise 0.15: short follow-ups' TTFT per token spreads by 7-16% (CV) in
+    # 2,048-token state is 47.2 MB and moves in 0.019 s, 0.006 s of it the restore, the
+    # whole pull about 0.02 s more (`bench ship`, 2026-11-24, state blob format 3); the
+    # store's default budget is 2 GiB. Step noise 0.15: short follow-ups' TTFT per token spreads by 7-16% (CV) in
     # `bench routing` runs, where two replicas share two cores with the gateway and client.
     "cpu": Profile(
         "cpu",
@@ -50,9 +50,9 @@ PROFILES = {
         decode_tokens_per_s=60.0,
         batch_decode_tokens_per_s=60.0,
         slots=4,
-        link_bytes_per_s=2.3e9,
+        link_bytes_per_s=3.6e9,
         ship_latency_s=0.02,
-        restore_bytes_per_s=6.9e9,
+        restore_bytes_per_s=8.1e9,
         bytes_per_token=23_047,
         cache_bytes=2 * 2**30,
         step_noise=0.15,

@@ -41,6 +41,7 @@ from baton_serve.replicas.shipping import (
     shipped_blob,
     shipped_nbytes,
 )
+from baton_serve.replicas.state_stream import STREAMED, StreamOffer, StreamSender
 from baton_serve.replicas.telemetry import metrics, tracing
 from baton_serve.replicas.telemetry.logs import request_fields
 
@@ -62,6 +63,7 @@ class ReplicaStats:
     pulls_rejected: int = 0  # the blob failed validation
     exports: int = 0
     exported_bytes: int = 0
+    streamed_exports: int = 0  # of `exports`, sent over the pulling peer's own stream
     adopted: int = 0  # checkpoints a leaving peer handed over
     adopted_bytes: int = 0
     index_errors: int = 0
@@ -95,6 +97,7 @@ class Replica:
             default_prefill_tokens_per_s=self.policy.prefill_tokens_per_s,
             on_error=self._index_error,
         )
+        self.streams = StreamSender()
         self._tasks: list[asyncio.Task[None]] = []
         self._leaving = False
 
@@ -149,7 +152,7 @@ class Replica:
 
     def _export_checkpoint(self, checkpoint: Checkpoint) -> PeerReply | None:
         parts = self.engine.cache.export_checkpoint(checkpoint.prefix_hash)
-        return self._shipped(None if parts is None else (parts, checkpoint.shared))
+        return None if parts is None else self._shipped((parts, checkpoint.shared))
 
     async def adopt(self, reply: PeerReply) -> bool:
         """Keep a checkpoint a leaving peer hands over: checked in full like a pulled one,
@@ -332,38 +335,44 @@ class Replica:
         return "pulled"
 
     async def export_when_ready(
-        self, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
-    ) -> PeerReply | None:
-        """`export_best`, waiting up to `wait_s` for a checkpoint being computed here."""
+        self,
+        tokens: tuple[int, ...],
+        min_tokens: int,
+        wait_s: float = 0.0,
+        offer: StreamOffer | None = None,
+    ) -> PeerReply | str | None:
+        """For a peer: our checkpoint giving the longest prefix of `tokens`, signed, waiting
+        up to `wait_s` for one being computed here. Sent over the peer's stream `offer` when
+        it is on another node (then `STREAMED`); otherwise its state is the ObjectRef of its
+        copy in the object store (see `share_in_object_store`), or a uint8 view of the stored
+        one (Ray copies it into the object store then)."""
         deadline = time.monotonic() + wait_s
         while True:
-            # A first export hashes the whole state: keep the event loop free meanwhile.
-            blob = await asyncio.to_thread(self.export_best, tokens, min_tokens)
-            if blob is not None or time.monotonic() >= deadline:
-                return blob
+            # A first export seals the whole state: keep the event loop free meanwhile.
+            found = await asyncio.to_thread(self.engine.cache.export_best, tokens, min_tokens)
+            if found is not None:
+                (head, state), _ = found
+                if await self.streams.send(offer, head, state):
+                    self._count_export(len(head) + len(state))
+                    self.stats.streamed_exports += 1
+                    return STREAMED
+                return self._shipped(found)
+            if time.monotonic() >= deadline:
+                return None
             await asyncio.sleep(EXPORT_POLL_S)
 
-    def export_best(self, tokens: tuple[int, ...], min_tokens: int) -> PeerReply | None:
-        """For a peer: our checkpoint giving the longest prefix of `tokens`, signed, its
-        state the ObjectRef of its copy in the object store (see `share_in_object_store`),
-        or a uint8 view of the stored one (Ray copies it into the object store then)."""
-        return self._shipped(self.engine.cache.export_best(tokens, min_tokens))
-
-    def _shipped(
-        self, found: tuple[tuple[bytes, memoryview], object | None] | None
-    ) -> PeerReply | None:
+    def _shipped(self, found: tuple[tuple[bytes, memoryview], object | None]) -> PeerReply:
         """A stored checkpoint's signed blob parts and shared handle in their travelling
         form, counted."""
-        if found is None:
-            return None
         (head, state), shared = found
-        blob = shipped_blob(head, state, shared)
-        nbytes = len(head) + len(state)
+        self._count_export(len(head) + len(state))
+        return shipped_blob(head, state, shared)
+
+    def _count_export(self, nbytes: int) -> None:
         self.stats.exports += 1
         self.stats.exported_bytes += nbytes
         metrics.CHECKPOINTS_SHIPPED.inc()
         metrics.SHIPPED_BYTES.inc(nbytes)
-        return blob
 
     async def _gauge_loop(self) -> None:
         while True:

@@ -22,9 +22,10 @@ from baton_serve.replicas.shipping import (
     PeerReply,
     ShippedBlob,
     ShipPolicy,
-    received_blob,
+    fetch_offering_stream,
     share_in_object_store,
 )
+from baton_serve.replicas.state_stream import StateReceiver, StreamOffer
 
 NAMESPACE = "baton"
 
@@ -41,13 +42,18 @@ class ActorPeers:
 
     def __init__(self) -> None:
         self._handles: dict[str, ray.actor.ActorHandle] = {}
+        self._receiver: StateReceiver | None = None  # opened by the first pull
 
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
     ) -> ShippedBlob | None:
+        self._receiver = self._receiver or StateReceiver()
         with self._forgotten_on_error(replica_id):
-            reply = await self._peer(replica_id).export_best.remote(tokens, min_tokens, wait_s)
-            return await received_blob(reply)
+            peer = self._peer(replica_id)
+            return await fetch_offering_stream(
+                self._receiver,
+                lambda offer: peer.export_best.remote(tokens, min_tokens, wait_s, offer),
+            )
 
     async def offer(self, replica_id: str, blob: PeerReply) -> bool:
         with self._forgotten_on_error(replica_id):
@@ -120,9 +126,13 @@ class ReplicaHost:
         return await self._replica.generate(ReplicaRequest(generation=request))
 
     async def export_best(
-        self, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
-    ) -> PeerReply | None:
-        return await self._replica.export_when_ready(tuple(tokens), min_tokens, wait_s)
+        self,
+        tokens: tuple[int, ...],
+        min_tokens: int,
+        wait_s: float = 0.0,
+        offer: StreamOffer | None = None,
+    ) -> PeerReply | str | None:
+        return await self._replica.export_when_ready(tuple(tokens), min_tokens, wait_s, offer)
 
     async def adopt(self, blob: PeerReply) -> bool:
         return await self._replica.adopt(blob)

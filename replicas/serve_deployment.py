@@ -29,9 +29,10 @@ from baton_serve.replicas.replica import Replica
 from baton_serve.replicas.shipping import (
     PeerReply,
     ShippedBlob,
-    received_blob,
+    fetch_offering_stream,
     share_in_object_store,
 )
+from baton_serve.replicas.state_stream import StateReceiver, StreamOffer
 from baton_serve.replicas.telemetry.setup import configure_process
 from baton_serve.replicas.telemetry.startup import report_stage
 
@@ -58,14 +59,18 @@ class ServePeers:
     def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = handle.options(method_name="export_best")
         self._adopt = handle.options(method_name="adopt")
+        self._receiver: StateReceiver | None = None  # opened by the first pull
 
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
     ) -> ShippedBlob | None:
-        reply = await self._handle.remote(
-            tokens, min_tokens, wait_s, **{TARGET_REPLICA_KWARG: replica_id}
+        self._receiver = self._receiver or StateReceiver()
+        return await fetch_offering_stream(
+            self._receiver,
+            lambda offer: self._handle.remote(
+                tokens, min_tokens, wait_s, offer, **{TARGET_REPLICA_KWARG: replica_id}
+            ),
         )
-        return await received_blob(reply)
 
     async def offer(self, replica_id: str, blob: PeerReply) -> bool:
         return await self._adopt.remote(blob, **{TARGET_REPLICA_KWARG: replica_id})
@@ -117,10 +122,11 @@ class ReplicaDeployment:
         tokens: tuple[int, ...],
         min_tokens: int,
         wait_s: float = 0.0,
+        offer: StreamOffer | None = None,
         target_replica: str | None = None,
-    ) -> PeerReply | None:
+    ) -> PeerReply | str | None:
         """For a peer (the router already sent this call to `target_replica`)."""
-        return await self.replica.export_when_ready(tuple(tokens), min_tokens, wait_s)
+        return await self.replica.export_when_ready(tuple(tokens), min_tokens, wait_s, offer)
 
     async def adopt(self, blob: PeerReply, target_replica: str | None = None) -> bool:
         """For a leaving peer handing over a checkpoint (sent to `target_replica`)."""
@@ -136,6 +142,7 @@ class ReplicaDeployment:
             "cache_bytes": self.replica.engine.cache.store.used_bytes,
             "pulls": self.replica.stats.pulls,
             "pulled_bytes": self.replica.stats.pulled_bytes,
+            "streamed_exports": self.replica.stats.streamed_exports,
             "prefill_tokens_per_s": self.replica.engine.stats.prefill_tokens_per_s or 0.0,
         }
 

@@ -7,7 +7,9 @@ bandwidth from its own pulls), starting from conservative guesses.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,6 +17,7 @@ import numpy as np
 import ray
 
 from baton_serve.cache_store.checkpoint import Checkpoint
+from baton_serve.replicas.state_stream import STREAMED, StateReceiver, StreamOffer
 
 # A signed state blob as it arrives from a peer: its head (header and token ids) and the
 # state as a uint8 array, a read-only view of Ray's object store (the receiver validates
@@ -49,6 +52,22 @@ def share_in_object_store(checkpoint: Checkpoint) -> None:
     ref = ray.put(np.frombuffer(checkpoint.state, dtype=np.uint8))
     checkpoint.state = ray.get(ref).data.cast("B")
     checkpoint.shared = ref
+
+
+async def fetch_offering_stream(
+    receiver: StateReceiver, ask: Callable[[StreamOffer], Awaitable[PeerReply | str | None]]
+) -> ShippedBlob | None:
+    """Ask a peer for a blob (`ask`), offering it a stream to `receiver`: a peer on another
+    node sends the blob over it and answers `STREAMED`; one on this node answers through the
+    object store."""
+    offer, received = receiver.offer()
+    try:
+        reply = await ask(offer)
+        if reply == STREAMED:
+            return await asyncio.wrap_future(received)
+        return await received_blob(reply)  # type: ignore[arg-type]
+    finally:
+        receiver.forget(offer.ticket)
 
 
 def shipped_nbytes(blob: object) -> int:

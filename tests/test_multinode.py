@@ -253,6 +253,8 @@ def test_a_conversation_moved_to_the_other_node_pulls_its_state_across(app: App)
     assert after[other]["pulled_bytes"] > before[other]["pulled_bytes"]
     replica_nodes = _replica_nodes()
     assert replica_nodes[other] != replica_nodes[holder]  # the state crossed nodes
+    # straight from the holder to the puller's own stream, not through the object stores
+    assert after[holder]["streamed_exports"] > before[holder]["streamed_exports"]
     print(f"{app.index}: pulled {after[other]['pulled_bytes'] - before[other]['pulled_bytes']} B")
     usage = moved.json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0  # pulled or held, not computed
