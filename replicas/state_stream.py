@@ -25,6 +25,7 @@ import mmap
 import secrets
 import socket
 import struct
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ class StreamRefused(ConnectionError):
 
 
 def this_node() -> str:
+    """The id of the Ray node this process runs on."""
     return ray.get_runtime_context().get_node_id()
 
 
@@ -123,7 +125,7 @@ class StateReceiver:
 
     def _receive(self, conn: socket.socket) -> None:
         with conn:
-            conn.settimeout(IDLE_TIMEOUT_S)
+            conn.settimeout(CONNECT_TIMEOUT_S)  # a stranger holds this thread no longer
             try:
                 ticket, head_len, state_len = _PREFIX.unpack(_read(conn, _PREFIX.size))
             except (OSError, StreamRefused):
@@ -132,6 +134,7 @@ class StateReceiver:
                 received = self._waiting.pop(ticket, None)
             if received is None:
                 return  # no such pull (a stranger, or one already given up)
+            conn.settimeout(IDLE_TIMEOUT_S)
             try:
                 if head_len > MAX_HEAD_BYTES or state_len > MAX_STATE_BYTES:
                     raise StreamRefused(f"a stream announced {head_len} + {state_len} bytes")
@@ -232,7 +235,7 @@ def _libc_madvise() -> Callable[[int, int, int], int] | None:
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels refuse it (EINVAL): pages fault then
 POPULATE_PIECE_BYTES = 2 << 20
-_madvise = _libc_madvise()
+_madvise = _libc_madvise() if sys.platform == "linux" else None
 
 
 def _read(conn: socket.socket, n: int) -> bytearray:
