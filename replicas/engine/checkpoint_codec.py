@@ -1,9 +1,9 @@
 """Signed state blobs of one engine's checkpoints (`state_blob`), and their last check.
 
 A checkpoint's state is sealed once — in the background after it is saved, or by its
-first export — so an export signs only a header and the token ids. A blob is validated completely (the
-blob's own checks, then the exact state size this engine measured) before llama.cpp sees a
-byte of it.
+first export — so an export signs only a header and the token ids. A blob is validated
+completely (the blob's own checks, then the exact state size this engine measured) before
+llama.cpp sees a byte of it.
 """
 
 from __future__ import annotations
