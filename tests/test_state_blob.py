@@ -56,8 +56,9 @@ NONCE = RNG.randbytes(16)
 SEAL = seal_payload(KEY, STATE, nonce=NONCE)
 
 
-def make_blob(**overrides: Any) -> bytes:
-    args: dict[str, Any] = {
+def blob_fields(**overrides: Any) -> dict[str, Any]:
+    """The encoder's arguments for the test blob, with `overrides`."""
+    fields: dict[str, Any] = {
         "fingerprint": FINGERPRINT,
         "prefix_hash": HASHER.prefix_hash(TOKENS),
         "tokens": TOKENS,
@@ -65,7 +66,11 @@ def make_blob(**overrides: Any) -> bytes:
         "key": KEY,
         "seal": SEAL,
     }
-    return encode_blob(**(args | overrides))
+    return fields | overrides
+
+
+def make_blob(**overrides: Any) -> bytes:
+    return encode_blob(**blob_fields(**overrides))
 
 
 BLOB = make_blob()
@@ -245,14 +250,7 @@ def test_retired_versions_are_named() -> None:
 
 def test_parts_travel_without_copying_the_state() -> None:
     state = np.frombuffer(STATE, dtype=np.uint8)
-    head, view = encode_parts(
-        fingerprint=FINGERPRINT,
-        prefix_hash=HASHER.prefix_hash(TOKENS),
-        tokens=TOKENS,
-        state=state,
-        key=KEY,
-        seal=SEAL,
-    )
+    head, view = encode_parts(**blob_fields(state=state))
     assert head + bytes(view) == BLOB
     assert np.shares_memory(np.frombuffer(view, dtype=np.uint8), state)
     blob = decode_blob((head, state), key=KEY, fingerprint=FINGERPRINT, hasher=HASHER)
@@ -288,14 +286,7 @@ def test_a_big_state_is_sealed_in_lanes_on_every_core(state_bytes: int, lanes: i
     assert seal.lanes == lanes
     assert seal == seal_payload(KEY, state, nonce=NONCE, threads=1)
     assert seal.digest == lanes_digest(KEY, NONCE, lanes, state.tobytes())
-    blob = encode_parts(
-        fingerprint=FINGERPRINT,
-        prefix_hash=HASHER.prefix_hash(TOKENS),
-        tokens=TOKENS,
-        state=state,
-        key=KEY,
-        seal=seal,
-    )
+    blob = encode_parts(**blob_fields(state=state, seal=seal))
     decoded = decode_blob(blob, key=KEY, fingerprint=FINGERPRINT, threads=2)
     assert decoded.seal == seal
     damaged = state.copy()

@@ -54,7 +54,7 @@ from baton_serve.replicas.engine.protocol import (
 from baton_serve.replicas.engine.request_handle import RequestHandle
 from baton_serve.replicas.engine.sampling import SamplingParams, sampling_problem
 from baton_serve.replicas.engine.slots import Phase, Running, Slot, first_admissible, start_request
-from baton_serve.replicas.engine.stats import ASSUMED_PREFILL_TOKENS_PER_S, EngineLoad, EngineStats
+from baton_serve.replicas.engine.stats import EngineLoad, EngineStats
 from baton_serve.replicas.telemetry import metrics
 from baton_serve.replicas.telemetry.logs import request_fields
 
@@ -238,7 +238,7 @@ class Engine:
             self._decode_step(decoding)
             self._last_step_was_prefill = False
         elif prefilling:
-            speed = self.stats.prefill_tokens_per_s or ASSUMED_PREFILL_TOKENS_PER_S
+            speed = self.stats.prefill_speed
             self._prefill_step(min(prefilling, key=lambda r: r.prefill_priority(speed)))
             self._last_step_was_prefill = True
 

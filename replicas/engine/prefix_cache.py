@@ -35,7 +35,7 @@ from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.engine.prompt import Prompt
 from baton_serve.replicas.engine.protocol import EngineError
 from baton_serve.replicas.engine.slots import Phase, Running, Slot
-from baton_serve.replicas.engine.stats import ASSUMED_PREFILL_TOKENS_PER_S, EngineStats
+from baton_serve.replicas.engine.stats import EngineStats
 from baton_serve.replicas.telemetry import metrics
 
 logger = logging.getLogger("baton.engine")
@@ -359,7 +359,7 @@ class PrefixCache:
         if stored is None or worth_saving(
             len(slot.tokens) - stored.n_tokens,
             self.state_bytes(len(slot.tokens)),
-            self.stats.prefill_tokens_per_s or ASSUMED_PREFILL_TOKENS_PER_S,
+            self.stats.prefill_speed,
             self.stats.save_bytes_per_s,
         ):
             self.save_checkpoint(slot)

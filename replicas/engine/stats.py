@@ -46,6 +46,11 @@ class EngineStats:
         return tokens / self.prefill_seconds if self.prefill_seconds > 0 and tokens >= 64 else None
 
     @property
+    def prefill_speed(self) -> float:
+        """Measured prefill speed, or `ASSUMED_PREFILL_TOKENS_PER_S` until then."""
+        return self.prefill_tokens_per_s or ASSUMED_PREFILL_TOKENS_PER_S
+
+    @property
     def save_bytes_per_s(self) -> float:
         """Measured speed of saving a sequence state, or a cautious 1 GB/s until then."""
         return self.saved_bytes / self.save_seconds if self.save_seconds > 0 else 1e9
