@@ -34,6 +34,7 @@ P99_RATIO_TARGET = 0.5  # Baton's TTFT p99 over the best other policy's
 IMBALANCE_TARGET = 1.3
 AGREEMENT = 0.25  # simulated within this share of measured
 VALIDATION_SEEDS = 9
+VALIDATED = ("ttft_p50_s", "ttft_mean_s", "computed_over_new")  # MEASURED_ROUTING's figures
 
 PROFILES = {
     # SmolLM2-135M Q4_1 on this 2-core machine, one llama.cpp thread per replica as in
@@ -42,8 +43,9 @@ PROFILES = {
     # 4`: a step costs about the same per stream at any batch on one CPU thread); a
     # 2,048-token state is 47.2 MB and moves in 0.019 s, 0.006 s of it the restore, the
     # whole pull about 0.02 s more (`bench ship`, 2026-11-24, state blob format 3); the
-    # store's default budget is 2 GiB. Step noise 0.15: short follow-ups' TTFT per token spreads by 7-16% (CV) in
-    # `bench routing` runs, where two replicas share two cores with the gateway and client.
+    # store's default budget is 2 GiB. Step noise 0.15: short follow-ups' TTFT per token
+    # spreads by 7-16% (CV) in `bench routing` runs, where two replicas share two cores with
+    # the gateway and the client.
     "cpu": Profile(
         "cpu",
         prefill_tokens_per_s=100.0,
@@ -179,13 +181,12 @@ def validation(
             summarize(Cluster(profile, 2, policy, seed).run(routing_bench_phases()))
             for seed in range(seeds)
         ]
-        keys = ("ttft_p50_s", "ttft_mean_s", "computed_over_new")
-        simulated = {key: float(np.median([run[key] for run in runs])) for key in keys}
+        simulated = {key: float(np.median([run[key] for run in runs])) for key in VALIDATED}
         simulated["requests"] = runs[0]["requests"]
         spread = {
-            key: [min(run[key] for run in runs), max(run[key] for run in runs)] for key in keys
+            key: [min(run[key] for run in runs), max(run[key] for run in runs)] for key in VALIDATED
         }
-        row = {"simulated": simulated, "range": spread, "seeds": seeds}
+        row = {"simulated": simulated, "range": spread}
         measured = MEASURED_ROUTING.get(policy)
         if measured:
             row["measured"] = measured
@@ -194,7 +195,7 @@ def validation(
                 for key, value in measured.items()
             }
         rows[policy] = row
-    return {"profile": asdict(profile), "policies": rows}
+    return {"profile": asdict(profile), "seeds": seeds, "policies": rows}
 
 
 # ---- text --------------------------------------------------------------------------------------
@@ -250,11 +251,11 @@ def format_validation(result: dict) -> str:
                 return f"{simulated} | – | –"
             return f"{simulated} | {measured[key]:.3f} | {'yes' if agree[key] else 'NO'}"
 
-        cells = " | ".join(cell(key) for key in ("ttft_p50_s", "ttft_mean_s", "computed_over_new"))
+        cells = " | ".join(cell(key) for key in VALIDATED)
         lines.append(f"| {policy} | {cells} |")
-    seeds = next(iter(result["policies"].values()))["seeds"] if result["policies"] else 0
     lines.append(
-        f"(simulated: the median (range) over {seeds} seeds; agree: within {AGREEMENT:.0%}"
+        f"(simulated: the median (range) over {result['seeds']} seeds; agree: within"
+        f" {AGREEMENT:.0%}"
         " of the measured figure)"
     )
     return "\n".join(lines)

@@ -163,7 +163,7 @@ class SimReplica:
         self._running = 0
         self._prefilling: list[Job] = []
         self._decoding: list[Job] = []
-        self._stepping = False  # a step is under way
+        self._stepping = False  # a step is under way, until its effects are applied
         self._noise = random.Random(f"{seed}-{rid}")
         self._last_step_was_prefill = False
         self._prompt_checkpoint: dict[int, int] = {}  # id(job) -> its prompt's checkpoint
@@ -304,7 +304,7 @@ class SimReplica:
         return seconds * self._noise.lognormvariate(-sigma * sigma / 2, sigma)  # mean 1
 
     def _prefill_step_done(self, job: Job, tokens: float) -> None:
-        self._stepping, self._last_step_was_prefill = True, True  # no step starts meanwhile
+        self._last_step_was_prefill = True
         job.remaining -= tokens
         if job.remaining <= 1e-9:
             self._prefilling.remove(job)
@@ -313,7 +313,7 @@ class SimReplica:
         self._next_step()
 
     def _decode_step_done(self, batch: list[Job]) -> None:
-        self._stepping, self._last_step_was_prefill = True, False
+        self._last_step_was_prefill = False
         for job in batch:
             job.decode_left -= 1
             if job.decode_left <= 0:
