@@ -1,5 +1,6 @@
-"""What every `baton bench …` command shares: the model flag's help, progress on stderr, the
-report (a table or JSON), and one line naming the `bench` extra when a package is missing."""
+"""What every `baton bench …` command shares: the model flag's help, argparse types for
+counts, speeds and sizes, progress on stderr, the report (a table or JSON), and one line
+naming the `bench` extra when a package is missing."""
 
 from __future__ import annotations
 
@@ -47,3 +48,32 @@ def needs_extra(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
             ) from exc
 
     return checked
+
+
+def _number(text: str, kind: type[int] | type[float], least: float, inclusive: bool) -> float:
+    """`text` as a `kind` no smaller than `least` (equal only if `inclusive`), or argparse's
+    error naming what is wrong."""
+    try:
+        value = kind(text)
+    except ValueError:
+        noun = "whole number" if kind is int else "number"
+        raise argparse.ArgumentTypeError(f"{text!r} is not a {noun}") from None
+    if value < least or (value == least and not inclusive):
+        bound = f"at least {least:g}" if inclusive else f"more than {least:g}"
+        raise argparse.ArgumentTypeError(f"must be {bound}, got {value:g}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1."""
+    return int(_number(text, int, 1, inclusive=True))
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number above 0 (a speed, a size)."""
+    return _number(text, float, 0, inclusive=False)
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a number of at least 0 (a latency, a noise)."""
+    return _number(text, float, 0, inclusive=True)

@@ -11,23 +11,17 @@ import argparse
 from pathlib import Path
 
 from baton_serve.deploy.config import RouterPolicy
-from baton_serve.loadtests.bench_common import MODEL_HELP
+from baton_serve.loadtests.bench_common import (
+    MODEL_HELP,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
 from baton_serve.loadtests.bench_common import bench_progress as _progress
 from baton_serve.loadtests.bench_common import needs_extra as _needs_extra
 from baton_serve.loadtests.bench_common import print_report as _report
 from baton_serve.loadtests.restart_cli import add_restart_command
 from baton_serve.replicas.models.model_source import resolve_model
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def add_bench_commands(commands: argparse._SubParsersAction) -> None:
@@ -44,7 +38,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
         "--concurrency", type=int, default=0, help="also measure K concurrent streams"
     )
     engine.add_argument(
-        "--threads", type=_positive_int, help="llama.cpp threads (default: every core)"
+        "--threads", type=positive_int, help="llama.cpp threads (default: every core)"
     )
     engine.add_argument(
         "--cpu-repack",
@@ -76,7 +70,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     ship = benches.add_parser("ship", help="pull a prefix state from a peer vs recompute it")
     ship.add_argument("--model", help=MODEL_HELP)
     ship.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 4096])
-    ship.add_argument("--runs", type=_positive_int, default=3, help="pulls per prefix length")
+    ship.add_argument("--runs", type=positive_int, default=3, help="pulls per prefix length")
     ship.add_argument(
         "--cross-node",
         action="store_true",
@@ -142,11 +136,10 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
         help="baton pow2 prefix-affinity chwbl round-robin (default: all)",
     )
     for name, what in _SIM_PROFILE_FLAGS.items():
-        sim.add_argument(f"--{name}", type=float, help=what)
-    sim.add_argument("--slots", type=_positive_int, help="requests a replica runs at once")
-    sim.add_argument(
-        "--prefill-chunk", type=_positive_int, help="prompt tokens of one prefill step"
-    )
+        kind = non_negative_float if name in _MAY_BE_ZERO else positive_float
+        sim.add_argument(f"--{name}", type=kind, help=what)
+    sim.add_argument("--slots", type=positive_int, help="requests a replica runs at once")
+    sim.add_argument("--prefill-chunk", type=positive_int, help="prompt tokens of one prefill step")
     sim.add_argument("--sessions-per-replica", type=int, help="sessions per replica (default 12)")
     sim.add_argument(
         "--load", type=float, help="ideal prefill work over prefill capacity (default 0.7)"
@@ -207,6 +200,7 @@ _SIM_PROFILE_FLAGS = {  # flag -> what it overrides in the profile
     "cache-gb": "each replica's checkpoint budget (GB)",
     "step-noise": "sigma of the lognormal noise on each step's time (0: none)",
 }
+_MAY_BE_ZERO = {"ship-latency-s", "cache-gb", "step-noise"}  # the others are speeds and sizes
 
 
 @_needs_extra

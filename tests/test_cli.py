@@ -50,6 +50,9 @@ def test_bench_counts_below_one_are_refused_by_name(tmp_path: Path) -> None:
         (("ship", "--runs", "0"), "--runs"),
         (("sim", "--validate", "--prefill-chunk", "0"), "--prefill-chunk"),
         (("sim", "--slots", "two"), "--slots"),
+        (("sim", "--validate", "--step-noise", "-0.1"), "--step-noise"),
+        (("sim", "--validate", "--batch-decode-tok-s", "0"), "--batch-decode-tok-s"),
+        (("sim", "--validate", "--prefill-tok-s", "fast"), "--prefill-tok-s"),
     ):
         done = _baton("bench", *args, cache=tmp_path)
         assert done.returncode == 2, args
