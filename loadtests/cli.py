@@ -144,7 +144,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     sim.add_argument(
         "--load", type=float, help="ideal prefill work over prefill capacity (default 0.7)"
     )
-    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--seed", type=int, help="seed of the workload and the draws (default 0)")
     sim.add_argument(
         "--validate",
         action="store_true",
@@ -376,6 +376,7 @@ def _bench_sim(args: argparse.Namespace) -> int:
                 ("--replicas", args.replicas),
                 ("--sessions-per-replica", args.sessions_per_replica),
                 ("--load", args.load),
+                ("--seed", args.seed),  # it takes the median over seeds 0-8
             )
             if value is not None
         ]
@@ -383,10 +384,12 @@ def _bench_sim(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--validate runs bench routing's workload on 2 replicas: drop {ignored}"
             )
+        if args.policies and "chwbl" in args.policies:
+            raise ValueError("--validate: bench routing measured no chwbl run to compare with")
         result = validation(profile, [p for p in policies if p != "chwbl"])
         _report(args, result, format_validation(result), [])
         return 0
-    workload = ClusterWorkload(seed=args.seed)
+    workload = ClusterWorkload(seed=args.seed or 0)
     given = {"sessions_per_replica": args.sessions_per_replica, "load": args.load}
     workload = replace(workload, **{k: v for k, v in given.items() if v is not None})
     with _progress(args, "sim") as progress:

@@ -59,6 +59,13 @@ def test_bench_counts_below_one_are_refused_by_name(tmp_path: Path) -> None:
         assert f"argument {flag}:" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_bench_sim_validate_refuses_what_it_would_not_use(tmp_path: Path) -> None:
+    for extra, named in ((("--seed", "3"), "--seed"), (("--policies", "chwbl"), "chwbl")):
+        done = _baton("bench", "sim", "--validate", *extra, cache=tmp_path)
+        assert done.returncode != 0 and named in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+
+
 def test_make_model_rejects_an_unknown_arch(tmp_path: Path) -> None:
     done = _baton("make-model", "--arch", "gpt5", "--out", str(tmp_path / "x.gguf"), cache=tmp_path)
     assert done.returncode == 2
