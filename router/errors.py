@@ -20,6 +20,7 @@ from baton_serve.replicas.engine.prompt import PromptError
 from baton_serve.replicas.engine.protocol import (
     EngineClosed,
     EngineError,
+    EngineTimeout,
     InvalidGeneration,
     PromptTooLong,
 )
@@ -69,10 +70,12 @@ def invalid_request(message: str, *, param: str | None = None, code: str | None 
     return APIError(400, message, INVALID_REQUEST, param, code)
 
 
-def context_length_exceeded(prompt_tokens: int, n_ctx: int) -> APIError:
+def context_length_exceeded(prompt_tokens: int, n_ctx: int, *, at_least: bool = False) -> APIError:
+    """400; `at_least`: `prompt_tokens` is a lower bound (the text was too long to count)."""
+    has = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
     return invalid_request(
         f"This model's maximum context length is {n_ctx} tokens, but the prompt has "
-        f"{prompt_tokens} tokens (at most {n_ctx - 1} leave room for one generated token).",
+        f"{has} tokens (at most {n_ctx - 1} leave room for one generated token).",
         code="context_length_exceeded",
     )
 
@@ -103,6 +106,27 @@ def body_too_large(limit: int) -> APIError:
     )
 
 
+def too_many_items(param: str, count: int, limit: int, setting: str) -> APIError:
+    """400: a list in the body (messages, prompts) is longer than the server's bound."""
+    return invalid_request(
+        f"{param} has {count} items; this server takes at most {limit} (its {setting} setting).",
+        param=param,
+        code="array_above_max_length",
+    )
+
+
+def prompt_too_large(size: int, limit: int, param: str, setting: str) -> APIError:
+    """413: the prompt's text (a chat as rendered) is larger than the server's bound."""
+    return APIError(
+        413,
+        f"The prompt is {size} bytes of text; this server takes at most {limit} "
+        f"(its {setting} setting).",
+        INVALID_REQUEST,
+        param=param,
+        code="prompt_too_large",
+    )
+
+
 def no_capacity(
     message: str = "No replica can take the request now; retry shortly.", *, retry_after_s: int = 1
 ) -> APIError:
@@ -114,6 +138,12 @@ def no_capacity(
 def replica_lost() -> APIError:
     """503: the replica serving the request stopped (and retrying found none to take it)."""
     return no_capacity("The replica serving the request stopped; retry shortly.")
+
+
+def replica_timeout(exc: EngineTimeout) -> APIError:
+    """504: the replica cancelled the request at its deadline (a stuck or far too slow engine)."""
+    message = f"Timed out on the replica: {exc}; retry shortly."
+    return APIError(504, message, SERVER_ERROR, code="timeout")
 
 
 def too_busy(exc: BackPressureError) -> APIError:
@@ -143,6 +173,8 @@ def from_exception(exc: Exception) -> APIError:
         return invalid_request(str(exc))
     if isinstance(exc, EngineClosed):
         return no_capacity("The replica is shutting down; retry shortly.")
+    if isinstance(exc, EngineTimeout):
+        return replica_timeout(exc)
     if isinstance(exc, BackPressureError):
         return too_busy(exc)
     logger.error("request failed", exc_info=exc)

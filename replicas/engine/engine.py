@@ -25,12 +25,8 @@ import numpy as np
 
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE, prefill_pieces
 from baton_serve.replicas.engine.engine_config import EngineConfig, context_size
-from baton_serve.replicas.engine.llama_context import (
-    BatchEntry,
-    ContextParams,
-    DecodeError,
-    LlamaContext,
-)
+from baton_serve.replicas.engine.liveness import IDLE_BEAT_S, Heartbeat, request_deadline_s
+from baton_serve.replicas.engine.llama_context import BatchEntry, ContextParams, LlamaContext
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.engine.prefix_cache import CheckpointListener, PrefixCache
 from baton_serve.replicas.engine.prompt import (
@@ -46,6 +42,7 @@ from baton_serve.replicas.engine.protocol import (
     Completion,
     EngineClosed,
     EngineError,
+    EngineStalled,
     GenerationRequest,
     InvalidGeneration,
     PromptTooLong,
@@ -55,8 +52,8 @@ from baton_serve.replicas.engine.request_handle import RequestHandle
 from baton_serve.replicas.engine.sampling import SamplingParams, sampling_problem
 from baton_serve.replicas.engine.slots import Phase, Running, Slot, first_admissible, start_request
 from baton_serve.replicas.engine.stats import EngineLoad, EngineStats
+from baton_serve.replicas.engine.step_guard import StepGuard
 from baton_serve.replicas.telemetry import metrics
-from baton_serve.replicas.telemetry.logs import request_fields
 
 logger = logging.getLogger("baton.engine")
 
@@ -103,6 +100,8 @@ class Engine:
         self._closed = False
         self._idle = threading.Event()
         self._last_step_was_prefill = False
+        self._guard = StepGuard(self._context, self.stats)
+        self._heartbeat = Heartbeat(self.config.stall_timeout_s)
         self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
         self._thread.start()
 
@@ -140,7 +139,7 @@ class Engine:
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; raises `PromptError`, `PromptTooLong` or `EngineClosed` at once."""
         self.check(request)
-        handle = RequestHandle(request)
+        handle = RequestHandle(request, request_deadline_s(request, self.n_ctx, self.config))
         with self._wakeup:
             if self._closed:
                 raise EngineClosed("the engine is shut down")
@@ -178,6 +177,14 @@ class Engine:
         if self._closed:
             raise EngineClosed("the engine is shut down")
 
+    def check_health(self) -> None:
+        """Raise `EngineStalled` if the engine loop has died, or has work but has not
+        completed a step for `stall_timeout_s` (a stuck llama.cpp call, say)."""
+        if not self._closed and not self._thread.is_alive():
+            raise EngineStalled("the engine loop thread has ended")
+        load = self.load()
+        self._heartbeat.check(load.queued + load.running)
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until nothing is queued or running (replays included); False on timeout."""
         return self._idle.wait(timeout)
@@ -211,15 +218,18 @@ class Engine:
             with self._wakeup:
                 while not self._closed and not self._waiting and not self._running():
                     self._idle.set()
-                    self._wakeup.wait()
+                    self._heartbeat.beat()
+                    self._wakeup.wait(IDLE_BEAT_S)
                 if self._closed:
                     break
             try:
                 self._step()
-            except Exception:  # one bad step must not kill the loop
+            except Exception:  # not one request's work (that is guarded): the loop must go on
                 logger.exception("engine step failed")
-                self._fail_all(EngineError("internal engine error; see the replica log"))
-        self._fail_all(EngineClosed("the engine is shut down"))
+                error = EngineError("internal engine error; see the replica log")
+                self._guard.fail_all(self._running(), error)
+            self._heartbeat.beat()
+        self._guard.fail_all(self._running(), EngineClosed("the engine is shut down"))
         with self._wakeup:
             waiting, self._waiting = self._waiting, []
         for handle in waiting:
@@ -247,8 +257,8 @@ class Engine:
             if run.handle.cancelled and run.phase is not Phase.REPLAY:
                 self._complete(run, "cancelled")
                 if run.phase is Phase.DECODE:
-                    self.cache.rewind_to_prompt(run)
-                self._release(run.slot)
+                    self._guard.run("freeing its slot", run, self.cache.rewind_to_prompt, run)
+                run.slot.release()
         with self._wakeup:
             cancelled = [h for h in self._waiting if h.cancelled]
             self._waiting = [h for h in self._waiting if not h.cancelled]
@@ -268,11 +278,15 @@ class Engine:
                 return
             with self._wakeup:
                 self._waiting.remove(handle)
-            self._start(handle, free)
+            self._guard.start(handle, free, self._start, handle, free)
 
     def _must_wait(self, handle: RequestHandle) -> bool:
         prompt = handle.request.prompt.tokens
-        return self.cache.should_wait(handle, prompt, self._running(), self._slots)
+        try:
+            return self.cache.should_wait(handle, prompt, self._running(), self._slots)
+        except Exception as exc:
+            self._guard.refuse(handle, "being admitted", exc)  # leaves the queue next step
+            return True
 
     def _start(self, handle: RequestHandle, free: list[Slot]) -> None:
         prompt, admitted_at = handle.request.prompt, time.perf_counter()
@@ -289,13 +303,13 @@ class Engine:
         entries = [
             BatchEntry(r.slot.seq_id, r.pending_token, len(r.slot.tokens), True) for r in runs
         ]
-        logits = self._decode(entries, runs)
+        logits = self._guard.decode(entries, runs)
         if logits is None:
             return
         self.stats.decode_steps += 1
         for i, run in enumerate(runs):
             run.slot.tokens.append(entries[i].token)
-            self._sampled(run, logits[i])
+            self._guard.run("sampling a token", run, self._sampled, run, logits[i])
 
     def _prefill_step(self, run: Running) -> None:
         slot = run.slot
@@ -306,7 +320,7 @@ class Engine:
             for p in range(start, end)
         ]
         started = time.perf_counter()
-        logits = self._decode(entries, [run])
+        logits = self._guard.decode(entries, [run])
         if logits is None:
             return
         self.stats.prefill_seconds += time.perf_counter() - started
@@ -317,28 +331,22 @@ class Engine:
         else:
             self.stats.replayed_tokens += end - start
         if end in run.checkpoints:
-            self.cache.save_checkpoint(slot)
+            if not self._guard.run("saving a checkpoint", run, self.cache.save_checkpoint, slot):
+                return
         if wants_logits:
+            row = logits[len(entries) - 1]
             for fork in run.forks:  # n > 1: each choice starts from this prompt's state
-                self._context.copy_sequence(slot.seq_id, fork.slot.seq_id)
-                fork.slot.tokens = list(slot.tokens)
-                self._sampled(fork, logits[len(entries) - 1])
-            self._sampled(run, logits[len(entries) - 1])
+                if self._guard.run("copying its prompt's state", fork, self._fork, run, fork):
+                    self._guard.run("sampling a token", fork, self._sampled, fork, row)
+                if run.handle.cancelled:
+                    return  # failed: its other choices stop at the next step
+            self._guard.run("sampling a token", run, self._sampled, run, row)
         elif run.phase is Phase.REPLAY and not run.pieces:
-            self._release(slot)
+            slot.release()
 
-    def _decode(
-        self, entries: list[BatchEntry], runs: list[Running]
-    ) -> dict[int, np.ndarray] | None:
-        """Decode `entries`; return logits by batch index. On failure, fail `runs`."""
-        try:
-            return self._context.decode_rows(entries)
-        except DecodeError as exc:
-            ids = ",".join(run.handle.request.request_id for run in runs)
-            logger.error("%s; failing %d request(s)", exc, len(runs), extra=request_fields(ids))
-            for run in runs:
-                self._fail(run, EngineError(str(exc)))
-            return None
+    def _fork(self, run: Running, fork: Running) -> None:
+        self._context.copy_sequence(run.slot.seq_id, fork.slot.seq_id)
+        fork.slot.tokens = list(run.slot.tokens)
 
     def _sampled(self, run: Running, logits: np.ndarray) -> None:
         """Pick the next token from `logits`; stream it; finish when a stop rule fires."""
@@ -381,14 +389,14 @@ class Engine:
         if run.index:  # a later choice of an n > 1 request: only the first one is replayed
             self.cache.rewind_to_prompt(run)
         if run.index or not self.config.prefix_cache:
-            self._release(run.slot)
+            run.slot.release()
             return
         ending = (end_token,) if end_token is not None else ()
         history = (run.prompt + tuple(run.generated) + ending)[: self.n_ctx]
         self.cache.rewind_to_prompt(run)
         start = len(run.slot.tokens)
         if not start or len(history) - start < MIN_PIECE:
-            self._release(run.slot)
+            run.slot.release()
             return
         run.phase = Phase.REPLAY
         run.feed = history
@@ -399,21 +407,3 @@ class Engine:
         self.stats.requests += 1
         run.sampler.close()
         run.handle.finish_choice(run.completion(reason, time.perf_counter()))
-
-    def _release(self, slot: Slot) -> None:
-        slot.running = None
-        slot.last_used = time.monotonic()
-
-    def _fail(self, run: Running, error: EngineError) -> None:
-        """Fail one request; its slot's state is unknown, so it is emptied."""
-        run.sampler.close()
-        run.handle.cancelled = True  # its other choices (n > 1) stop at the next step
-        if not run.handle.done:
-            run.handle.finish(None, error)
-        self._context.clear(run.slot.seq_id)
-        run.slot.tokens = []
-        self._release(run.slot)
-
-    def _fail_all(self, error: EngineError) -> None:
-        for run in self._running():
-            self._fail(run, error)

@@ -60,6 +60,27 @@ class EngineConfig(BaseModel):
     disk_budget_bytes: int = Field(
         default=16 << 30, ge=0, description="bytes of checkpoint files in checkpoint_dir"
     )
+    floor_tokens_per_s: float = Field(
+        default=2.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="the slowest pace a working engine is assumed to keep for one request "
+        "(prompt plus generated tokens per second): a request not done within max_queue_s "
+        "plus its tokens at this pace is cancelled with a timeout error",
+    )
+    max_queue_s: float = Field(
+        default=600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="the part of a request's deadline allowed for waiting for a slot",
+    )
+    stall_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="the engine is unhealthy (Serve replaces the replica) when it has work "
+        "but has not completed a step for this long",
+    )
 
     @field_validator("n_ctx")
     @classmethod

@@ -118,6 +118,15 @@ class EngineClosed(EngineError):
     """The engine was shut down."""
 
 
+class EngineTimeout(EngineError):
+    """A request passed its deadline (see `EngineConfig.floor_tokens_per_s`) and was
+    cancelled: the engine is far slower than it should be, or stuck."""
+
+
+class EngineStalled(EngineError):
+    """The engine loop has work but has not completed a step for too long (stuck)."""
+
+
 class ReplicaRequest(BaseModel):
     """What the gateway hands a replica: the generation, plus what routers read.
 

@@ -1,4 +1,8 @@
-"""The caller's side of a submitted request: a token stream and a completion."""
+"""The caller's side of a submitted request: a token stream and a completion.
+
+Every wait on a handle ends by the request's deadline (`liveness.request_deadline_s`, set
+by the engine): past it, the request is cancelled and the waiter gets `EngineTimeout`.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 from baton_serve.replicas.engine.protocol import (
     Completion,
+    EngineTimeout,
     GenerationRequest,
     Timings,
     TokenEvent,
@@ -25,9 +30,11 @@ class RequestHandle:
     Thread-safe: the engine loop feeds it, any thread may read it or cancel it.
     """
 
-    def __init__(self, request: GenerationRequest) -> None:
+    def __init__(self, request: GenerationRequest, deadline_s: float | None = None) -> None:
         self.request = request
         self.submitted_at = time.perf_counter()
+        self.deadline_s = deadline_s  # from submission; None: no deadline
+        self._deadline = None if deadline_s is None else time.monotonic() + deadline_s
         self._done = threading.Event()
         self._completion: Completion | None = None
         self._error: BaseException | None = None
@@ -46,8 +53,13 @@ class RequestHandle:
         self.cancelled = True
 
     def result(self, timeout: float | None = None) -> Completion:
-        """Wait for the completion; raises the engine's error if the request failed."""
-        if not self._done.wait(timeout):
+        """Wait for the completion; raises the engine's error if the request failed,
+        `EngineTimeout` past the request's deadline, `TimeoutError` after `timeout`."""
+        left = self._left_s()
+        by_deadline = left is not None and (timeout is None or left <= timeout)
+        if not self._done.wait(left if by_deadline else timeout):
+            if by_deadline:
+                raise self._timed_out()
             raise TimeoutError(f"request {self.request.request_id} is still running")
         if self._error is not None:
             raise self._error
@@ -57,7 +69,13 @@ class RequestHandle:
     def __iter__(self) -> Iterator[TokenEvent]:
         events: queue.Queue[object] = queue.Queue()
         self._add_reader(events.put)
-        while (item := events.get()) is not _DONE:
+        while True:
+            try:
+                item = events.get(timeout=self._left_s())
+            except queue.Empty:
+                raise self._timed_out() from None
+            if item is _DONE:
+                break
             yield item  # type: ignore[misc]
         if self._error is not None:
             raise self._error
@@ -70,7 +88,14 @@ class RequestHandle:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[object] = asyncio.Queue()
         self._add_reader(lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
-        while (item := await events.get()) is not _DONE:
+        while True:
+            try:
+                async with asyncio.timeout(self._left_s()):  # per wait, never across a yield
+                    item = await events.get()
+            except TimeoutError:
+                raise self._timed_out() from None
+            if item is _DONE:
+                break
             yield item  # type: ignore[misc]
         if self._error is not None:
             raise self._error
@@ -110,9 +135,25 @@ class RequestHandle:
             self.finish(first.model_copy(update={"extra_choices": rest}))
 
     def finish(self, completion: Completion | None, error: BaseException | None = None) -> None:
-        self._completion, self._error = completion, error
-        self._done.set()
+        """End the request (only the first call counts)."""
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._completion, self._error = completion, error
+            self._done.set()
         self._publish(_DONE)
+
+    def _left_s(self) -> float | None:
+        """Seconds left before the deadline (never below 0); None without one."""
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def _timed_out(self) -> EngineTimeout:
+        """Cancel the request (the engine frees its slot at its next step); the error."""
+        self.cancel()
+        return EngineTimeout(
+            f"request {self.request.request_id} did not finish within its deadline of "
+            f"{self.deadline_s:.1f} s and was cancelled (the engine is stuck or far too slow)"
+        )
 
     def _add_reader(self, deliver: Callable[[object], None]) -> None:
         """Deliver everything emitted so far, then each new item, to `deliver`."""

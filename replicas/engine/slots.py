@@ -38,6 +38,11 @@ class Slot:
     running: Running | None = None
     last_used: float = 0.0
 
+    def release(self) -> None:
+        """No request runs here any more (what the slot holds stays, for reuse)."""
+        self.running = None
+        self.last_used = time.monotonic()
+
 
 @dataclass
 class Running:

@@ -30,6 +30,7 @@ class EngineStats:
     checkpoints_restored: int = 0
     checkpoints_imported: int = 0
     prefix_waits: int = 0  # requests that waited for a prefix another slot was computing
+    request_faults: int = 0  # requests ended by a fault in their own work (`step_guard`)
     prefill_seconds: float = 0.0
     blobs_exported: int = 0
     blob_export_seconds: float = 0.0  # signing stored states for peers (any thread)
