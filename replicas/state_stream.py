@@ -11,6 +11,10 @@ that does not present a live one is closed before a byte is read into memory, an
 arrives is a signed blob, checked in full like any other before llama.cpp sees it. The
 stream is not encrypted, as Ray's own transfers are not.
 
+Nobody can hold the receiver: tickets are read by one thread for all connections, each
+with one deadline for the whole prefix, at most `max_pending` at once (the oldest is
+dropped for a new one); only a live ticket gets one of the `max_streams` worker threads.
+
 Wire: ``ticket 16s | head_len I | state_len Q`` (little-endian), the head, the state.
 """
 
@@ -19,19 +23,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import ctypes
 import logging
-import mmap
 import secrets
+import selectors
 import socket
 import struct
-import sys
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
-import numpy as np
 import ray
+
+from baton_serve.replicas.spare_buffer import SPARE_IDLE_S, SpareBuffer
 
 logger = logging.getLogger("baton.state_stream")
 
@@ -39,9 +42,15 @@ TICKET_BYTES = 16
 _PREFIX = struct.Struct("<16sIQ")  # ticket, head length, state length
 MAX_HEAD_BYTES = 64 << 20  # header + token ids of the longest prompt, with room to spare
 MAX_STATE_BYTES = 8 << 30  # `decode_blob`'s limit
-MAX_SPARE_BYTES = 512 << 20  # states up to this get a buffer mapped ahead of time
 CONNECT_TIMEOUT_S = 2.0
-IDLE_TIMEOUT_S = 10.0  # the longest pause between two reads or writes of one stream
+TICKET_DEADLINE_S = 2.0  # from accept until the whole prefix is in, however it trickles
+MAX_PENDING = 64  # connections reading their prefix at once
+MAX_STREAMS = 8  # worker threads receiving blobs under live tickets
+STREAM_SLACK_S = 10.0  # a whole blob's deadline: this, plus its bytes at the slowest rate
+MIN_STREAM_BYTES_PER_S = 50e6
+UNREACHABLE_TTL_S = 60.0  # a peer that could not be connected to is tried again after this
+ACCEPT_BACKOFF_S = 0.1  # a pause after accept fails (out of file descriptors)
+REFUSAL_LOG_EVERY_S = 10.0  # at most one warning this often about dropped connections
 STREAMED = "streamed"  # an export's answer when it sent the blob over the offered stream
 
 
@@ -59,25 +68,66 @@ class StreamRefused(ConnectionError):
     """A stream that did not deliver a whole blob under a live ticket."""
 
 
+class PeerUnreachable(ConnectionError):
+    """The pulling peer's address could not be connected to (a firewall, a dead peer)."""
+
+
 def this_node() -> str:
     """The id of the Ray node this process runs on."""
     return ray.get_runtime_context().get_node_id()
+
+
+def stream_deadline_s(nbytes: int) -> float:
+    """The most a whole stream of `nbytes` may take, at either end."""
+    return STREAM_SLACK_S + nbytes / MIN_STREAM_BYTES_PER_S
+
+
+@dataclass
+class _Pending:
+    """A connection still reading its prefix."""
+
+    deadline: float
+    prefix: bytearray = field(default_factory=bytearray)
 
 
 class StateReceiver:
     """A listening socket on this node's address; each pull takes a one-time ticket and a
     future that the blob sent under it completes (thread-safe)."""
 
-    def __init__(self, host: str | None = None, node_id: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str | None = None,
+        node_id: str | None = None,
+        *,
+        max_pending: int = MAX_PENDING,
+        max_streams: int = MAX_STREAMS,
+        ticket_deadline_s: float = TICKET_DEADLINE_S,
+        spare_idle_s: float = SPARE_IDLE_S,
+    ) -> None:
         self.node_id = node_id or this_node()
         self._host = host or ray.util.get_node_ip_address()
         self._listener = socket.create_server((self._host, 0), backlog=64)
+        self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
+        self.refused = 0  # connections dropped because `max_pending` were reading a prefix
+        self.spare = SpareBuffer(spare_idle_s)
+        self._max_pending = max_pending
+        self._ticket_deadline_s = ticket_deadline_s
         self._waiting: dict[bytes, concurrent.futures.Future] = {}
+        self._pending: dict[socket.socket, _Pending] = {}  # oldest first
         self._lock = threading.Lock()
         self._closed = False
-        self._spare: np.ndarray | None = None  # a mapped buffer for the next state
-        threading.Thread(target=self._accept, name="baton-state-receiver", daemon=True).start()
+        self._last_refusal_log = -REFUSAL_LOG_EVERY_S
+        self._wake_in, self._wake_out = socket.socketpair()
+        self._wake_in.setblocking(False)
+        self._wake_out.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_in, selectors.EVENT_READ)
+        self._workers = concurrent.futures.ThreadPoolExecutor(
+            max_streams, thread_name_prefix="baton-state-stream"
+        )
+        threading.Thread(target=self._serve, name="baton-state-receiver", daemon=True).start()
 
     def offer(self) -> tuple[StreamOffer, concurrent.futures.Future]:
         """A new ticket, and the future of the `(head, state)` sent under it."""
@@ -93,92 +143,196 @@ class StateReceiver:
             self._waiting.pop(ticket, None)
 
     def close(self) -> None:
+        """Stop listening at once; the receiver's thread lets go of the rest."""
         self._closed = True
         with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept
+            self._listener.shutdown(socket.SHUT_RDWR)  # refuses new connections now
+        self._wake()
+
+    def _wake(self) -> None:
         with contextlib.suppress(OSError):
-            self._listener.close()
+            self._wake_out.send(b"\0")
 
-    def _buffer(self, nbytes: int) -> np.ndarray:
-        """A buffer for a state of `nbytes` whose pages are mapped: the spare one made after
-        the last stream where it fits (mapping 47 MB costs ~20 ms here, so that is done off
-        any pull's path), a new one otherwise."""
-        with self._lock:
-            spare, self._spare = self._spare, None
-        if spare is not None and nbytes <= len(spare) <= 2 * nbytes:
-            return spare[:nbytes]
-        return _populated(nbytes)
+    # ---- the receiver's thread: accepting, reading prefixes, letting the spare go -------
 
-    def _make_spare(self, nbytes: int) -> None:
-        if nbytes <= MAX_SPARE_BYTES:
-            spare = _populated(nbytes)
-            with self._lock:
-                self._spare = spare
+    def _serve(self) -> None:
+        try:
+            while not self._closed:
+                timeout = self._housekeep(time.monotonic())
+                for key, _ in self._selector.select(timeout):
+                    if key.fileobj is self._listener:
+                        self._accept()
+                    elif key.fileobj is self._wake_in:
+                        with contextlib.suppress(OSError):
+                            self._wake_in.recv(4096)
+                    else:
+                        self._read_prefix(key.fileobj)  # type: ignore[arg-type]
+        except Exception:  # senders find it closed and answer through the object store
+            logger.exception("the state receiver on port %d stopped", self.port)
+        finally:
+            for conn in list(self._pending):
+                self._drop(conn)
+            self._selector.close()
+            for sock in (self._listener, self._wake_in, self._wake_out):
+                sock.close()
+            self._workers.shutdown(wait=False)
+
+    def _housekeep(self, now: float) -> float | None:
+        """Drop the connections past their prefix deadline and an idle spare; the seconds
+        until the next of those is due (None: nothing is)."""
+        for conn, pending in list(self._pending.items()):
+            if pending.deadline > now:
+                break  # the rest came later
+            self._drop(conn)
+        oldest = next(iter(self._pending.values()), None)
+        due = [] if oldest is None else [oldest.deadline]
+        spare_release = self.spare.release_if_idle(now)
+        due += [spare_release] if spare_release is not None else []
+        return max(0.0, min(due) - now) if due else None
 
     def _accept(self) -> None:
-        while not self._closed:
+        while True:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._receive, args=(conn,), daemon=True).start()
-
-    def _receive(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(CONNECT_TIMEOUT_S)  # a stranger holds this thread no longer
-            try:
-                ticket, head_len, state_len = _PREFIX.unpack(_read(conn, _PREFIX.size))
-            except (OSError, StreamRefused):
+            except BlockingIOError:
                 return
-            with self._lock:
-                received = self._waiting.pop(ticket, None)
-            if received is None:
-                return  # no such pull (a stranger, or one already given up)
-            conn.settimeout(IDLE_TIMEOUT_S)
+            except OSError as exc:  # closed, or out of file descriptors
+                if not self._closed:
+                    logger.warning(
+                        "the state receiver on port %d cannot accept: %s", self.port, exc
+                    )
+                    time.sleep(ACCEPT_BACKOFF_S)  # the listener stays readable: no busy loop
+                return
+            if len(self._pending) >= self._max_pending:
+                # A sender sends its prefix with its first bytes, so the oldest is the
+                # likeliest stranger: dropping it keeps the newest (a real sender) in.
+                self._count_refusal()
+                self._drop(next(iter(self._pending)))
+            conn.setblocking(False)
+            self._pending[conn] = _Pending(time.monotonic() + self._ticket_deadline_s)
+            self._selector.register(conn, selectors.EVENT_READ)
+            self._read_prefix(conn)  # often already here
+
+    def _count_refusal(self) -> None:
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._last_refusal_log >= REFUSAL_LOG_EVERY_S:
+            self._last_refusal_log = now
+            logger.warning(
+                "the state receiver on port %d has %d connections reading a ticket (its"
+                " bound); dropped the oldest (%d dropped so far)",
+                self.port,
+                self._max_pending,
+                self.refused,
+            )
+
+    def _drop(self, conn: socket.socket) -> None:
+        self._pending.pop(conn, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn)
+        conn.close()
+
+    def _read_prefix(self, conn: socket.socket) -> None:
+        pending = self._pending.get(conn)
+        if pending is None:
+            return  # dropped since it was selected
+        try:
+            chunk = conn.recv(_PREFIX.size - len(pending.prefix))
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop(conn)
+            return
+        pending.prefix += chunk
+        if len(pending.prefix) < _PREFIX.size:
+            return
+        ticket, head_len, state_len = _PREFIX.unpack(pending.prefix)
+        with self._lock:
+            received = self._waiting.pop(ticket, None)
+        if received is None:
+            self._drop(conn)  # no such pull (a stranger, or one already given up)
+            return
+        self._pending.pop(conn)
+        self._selector.unregister(conn)
+        self._workers.submit(self._receive, conn, received, head_len, state_len)
+
+    # ---- a worker: one blob under a live ticket -------------------------------------------
+
+    def _receive(
+        self,
+        conn: socket.socket,
+        received: concurrent.futures.Future,
+        head_len: int,
+        state_len: int,
+    ) -> None:
+        with conn:
             try:
                 if head_len > MAX_HEAD_BYTES or state_len > MAX_STATE_BYTES:
                     raise StreamRefused(f"a stream announced {head_len} + {state_len} bytes")
-                head = bytes(_read(conn, head_len))
-                state = self._buffer(state_len)
-                _read_into(conn, memoryview(state))
+                deadline = time.monotonic() + stream_deadline_s(head_len + state_len)
+                head = bytes(_read(conn, head_len, deadline))
+                state = self.spare.take(state_len)
+                _read_into(conn, memoryview(state), deadline)
                 state.flags.writeable = False  # only this pull holds it: no copy to freeze it
             except (OSError, StreamRefused) as exc:
                 _settle(received, exception=StreamRefused(f"the stream broke off: {exc}"))
                 return
             _settle(received, result=(head, state))
-        self._make_spare(state_len)  # for the next pull, of about the same size
+        self.spare.refill(state_len)  # for the next pull, of about the same size
+        self._wake()  # the receiver's thread lets it go when idle
 
 
 class StreamSender:
-    """Sends blobs over the streams that pulling peers offer, and remembers the addresses
-    it could not reach (a firewall between nodes): those peers get answers through Ray's
-    object store instead."""
+    """Sends blobs over the streams that pulling peers offer. A peer it cannot connect to
+    (a firewall between nodes) gets answers through Ray's object store instead for
+    `unreachable_ttl_s`, then is tried again; any other failure costs only that blob."""
 
-    def __init__(self, node_id: str | None = None) -> None:
+    def __init__(
+        self, node_id: str | None = None, *, unreachable_ttl_s: float = UNREACHABLE_TTL_S
+    ) -> None:
         self._node_id = node_id  # this node's (asked of Ray when first needed)
-        self._unreachable: set[tuple[str, int]] = set()
+        self._ttl_s = unreachable_ttl_s
+        self._unreachable: dict[tuple[str, int], float] = {}  # address -> when to retry
 
     async def send(self, offer: StreamOffer | None, head: bytes, state: memoryview) -> bool:
         """True when the blob went over `offer`'s stream; False where there is no offer,
-        the puller is on this node (the object store is faster there) or out of reach."""
-        if offer is None or (offer.host, offer.port) in self._unreachable:
+        the puller is on this node (the object store is faster there), out of reach or the
+        stream failed."""
+        if offer is None:
+            return False
+        address = (offer.host, offer.port)
+        if self._unreachable.get(address, 0.0) > time.monotonic():
             return False
         self._node_id = self._node_id or this_node()
         if offer.node_id == self._node_id:
             return False
         try:
             await asyncio.to_thread(push_blob, offer, head, state)
-        except OSError as exc:
-            self._unreachable.add((offer.host, offer.port))
+        except PeerUnreachable as exc:
+            self._mark_unreachable(address)
             logger.warning(
-                "streaming a state to %s:%d failed (%s); answering that peer through the"
-                " object store from now on",
+                "%s; answering that peer through the object store for the next %.0f s",
+                exc,
+                self._ttl_s,
+            )
+            return False
+        except OSError as exc:
+            logger.warning(
+                "streaming a state to %s:%d broke off (%s); this one goes through the object store",
                 offer.host,
                 offer.port,
                 exc,
             )
             return False
+        self._unreachable.pop(address, None)
         return True
+
+    def _mark_unreachable(self, address: tuple[str, int]) -> None:
+        now = time.monotonic()
+        self._unreachable = {a: t for a, t in self._unreachable.items() if t > now}
+        self._unreachable[address] = now + self._ttl_s
 
 
 def _settle(
@@ -196,57 +350,33 @@ def _settle(
 
 
 def push_blob(offer: StreamOffer, head: bytes, state: memoryview) -> None:
-    """Send a blob to the pulling replica under its ticket (blocking; raises `OSError`)."""
-    with socket.create_connection((offer.host, offer.port), timeout=CONNECT_TIMEOUT_S) as conn:
-        conn.settimeout(IDLE_TIMEOUT_S)
+    """Send a blob to the pulling replica under its ticket (blocking). Raises
+    `PeerUnreachable` when connecting fails, another `OSError` when the stream does."""
+    try:
+        conn = socket.create_connection((offer.host, offer.port), timeout=CONNECT_TIMEOUT_S)
+    except OSError as exc:
+        raise PeerUnreachable(f"cannot connect to {offer.host}:{offer.port}: {exc}") from exc
+    with conn:
+        # sendall's timeout bounds the whole call, not each send
+        conn.settimeout(stream_deadline_s(len(head) + len(state)))
         conn.sendall(_PREFIX.pack(offer.ticket, len(head), len(state)) + head)
         conn.sendall(state)
 
 
-def _populated(nbytes: int) -> np.ndarray:
-    """A new buffer with every page already mapped (`MADV_POPULATE_WRITE`, the GIL released
-    meanwhile): the kernel maps them in one call, three times faster here than faulting them
-    in one by one as a stream fills the buffer. Unpopulated where the kernel cannot."""
-    if nbytes == 0:
-        return np.empty(0, dtype=np.uint8)
-    buffer = np.frombuffer(
-        mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8
-    )
-    if _madvise is not None:
-        # Best effort, in pieces: the call holds the process's memory-map lock, which an
-        # mmap of any other thread (Ray's, the allocator's) waits for.
-        address = buffer.ctypes.data
-        for start in range(0, nbytes, POPULATE_PIECE_BYTES):
-            size = min(POPULATE_PIECE_BYTES, nbytes - start)
-            if _madvise(address + start, size, MADV_POPULATE_WRITE) != 0:
-                break
-    return buffer
-
-
-def _libc_madvise() -> Callable[[int, int, int], int] | None:
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return madvise
-
-
-MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels refuse it (EINVAL): pages fault then
-POPULATE_PIECE_BYTES = 2 << 20
-_madvise = _libc_madvise() if sys.platform == "linux" else None
-
-
-def _read(conn: socket.socket, n: int) -> bytearray:
+def _read(conn: socket.socket, n: int, deadline: float) -> bytearray:
     data = bytearray(n)
-    _read_into(conn, memoryview(data))
+    _read_into(conn, memoryview(data), deadline)
     return data
 
 
-def _read_into(conn: socket.socket, view: memoryview) -> None:
+def _read_into(conn: socket.socket, view: memoryview, deadline: float) -> None:
+    """Fill `view` from `conn` by the monotonic `deadline` (one for the whole read)."""
     got = 0
     while got < len(view):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StreamRefused(f"the stream missed its deadline at {got} of {len(view)} bytes")
+        conn.settimeout(left)
         n = conn.recv_into(view[got:])
         if n == 0:
             raise StreamRefused(f"the stream ended after {got} of {len(view)} bytes")

@@ -1,6 +1,7 @@
 """Direct state streams between replicas on different nodes, over real sockets: a blob sent
-under a pull's ticket arrives whole; nothing else gets in; a broken stream fails the pull;
-a peer on the same node or out of reach is answered through the object store instead."""
+under a pull's ticket arrives whole; nothing else gets in, and nobody can hold the receiver;
+a broken stream fails the pull; a peer on the same node or out of reach is answered through
+the object store instead, out of reach only while connecting fails and only for a while."""
 
 from __future__ import annotations
 
@@ -8,14 +9,20 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import secrets
+import select
 import socket
+import struct
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from baton_serve.replicas.state_stream import (
     _PREFIX,
+    TICKET_DEADLINE_S,
     StateReceiver,
     StreamOffer,
     StreamRefused,
@@ -106,7 +113,7 @@ def test_the_sender_streams_only_to_a_reachable_peer_on_another_node(
     with caplog.at_level(logging.WARNING, logger="baton.state_stream"):
         assert not asyncio.run(sender.send(gone, HEAD, memoryview(STATE)))
         assert not asyncio.run(sender.send(gone, HEAD, memoryview(STATE)))
-    warnings = [r for r in caplog.records if "object store from now on" in r.getMessage()]
+    warnings = [r for r in caplog.records if "cannot connect" in r.getMessage()]
     assert len(warnings) == 1  # out of reach once: not tried again
 
 
@@ -123,3 +130,161 @@ def test_states_streamed_one_after_another_each_keep_their_own_bytes(
         received.append(future.result(timeout=10)[1])
     for state, got in zip(states, received, strict=True):
         assert np.array_equal(got, state)
+
+
+def _closed_by_peer(conn: socket.socket, within: float) -> bool:
+    """True once the other end hangs up on `conn`, waiting up to `within` seconds."""
+    if not select.select([conn], [], [], within)[0]:
+        return False
+    try:
+        return conn.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_slow_strangers_over_the_bound_do_not_keep_a_blob_out() -> None:
+    """Five strangers that each send one byte of a prefix and wait, against a bound of four:
+    the receiver never reads more than four prefixes at once, and a real pull still gets
+    its blob at once, long before the strangers' deadline."""
+    receiver = StateReceiver(host="127.0.0.1", node_id="puller-node", max_pending=4)
+    offer, received = receiver.offer()
+    strangers = [socket.create_connection((offer.host, offer.port), timeout=5) for _ in range(5)]
+    try:
+        for stranger in strangers:
+            stranger.sendall(b"x")
+        assert _closed_by_peer(strangers[0], within=1.0)  # the oldest, dropped for the fifth
+        assert receiver.refused == 1
+        started = time.monotonic()
+        push_blob(offer, HEAD, memoryview(STATE))
+        head, state = received.result(timeout=10)
+        elapsed = time.monotonic() - started
+        assert head == HEAD and np.array_equal(state, STATE)
+        assert elapsed < TICKET_DEADLINE_S / 2  # it did not wait for a stranger to expire
+        assert receiver.refused == 2  # the next oldest made room for it
+        assert not _closed_by_peer(strangers[-1], within=0.0)
+    finally:
+        for stranger in strangers:
+            stranger.close()
+        receiver.close()
+
+
+def test_a_trickling_stranger_is_cut_off_at_the_whole_read_deadline(
+    receiver: StateReceiver,
+) -> None:
+    """One byte every half second never lets a per-read timeout fire; the prefix's one
+    deadline does."""
+    offer, _ = receiver.offer()
+    with socket.create_connection((offer.host, offer.port), timeout=5) as conn:
+        started = time.monotonic()
+        cut_off = False
+        while not cut_off and time.monotonic() - started < TICKET_DEADLINE_S + 2:
+            with contextlib.suppress(OSError):
+                conn.sendall(b"x")
+            cut_off = _closed_by_peer(conn, within=0.5)
+        elapsed = time.monotonic() - started
+    assert cut_off, f"still connected after {elapsed:.1f} s"
+    assert TICKET_DEADLINE_S - 0.1 <= elapsed < TICKET_DEADLINE_S + 1.0
+
+
+class _Peer:
+    """A listening socket standing in for a pulling replica, to make its first `resets`
+    streams fail after connecting (reset at once): a fault a real receiver does not produce
+    on demand. Every later stream is read whole; `received` holds each one's byte count."""
+
+    def __init__(self, port: int = 0, resets: int = 0) -> None:
+        self._listener = socket.create_server(("127.0.0.1", port))
+        self.port = self._listener.getsockname()[1]
+        self._resets = resets
+        self.received: list[int] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self._listener.accept()
+                with conn:
+                    if self._resets > 0:
+                        self._resets -= 1
+                        conn.setsockopt(
+                            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                        )
+                        continue  # closed with a reset
+                    total = 0
+                    while chunk := conn.recv(1 << 20):
+                        total += len(chunk)
+                    self.received.append(total)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept
+        self._listener.close()
+
+
+BIG_STATE = np.zeros(32 << 20, dtype=np.uint8)  # more than loopback buffers hold unread
+
+
+def test_a_stream_that_fails_after_connecting_does_not_mark_the_peer_unreachable() -> None:
+    peer = _Peer(resets=1)
+    sender = StreamSender(node_id="holder-node")
+    offer = StreamOffer("puller-node", "127.0.0.1", peer.port, secrets.token_bytes(16))
+    try:
+        assert not asyncio.run(sender.send(offer, HEAD, memoryview(BIG_STATE)))
+        assert asyncio.run(sender.send(offer, HEAD, memoryview(BIG_STATE)))  # tried again
+        deadline = time.monotonic() + 5
+        while not peer.received and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert peer.received == [_PREFIX.size + len(HEAD) + BIG_STATE.nbytes]
+    finally:
+        peer.close()
+
+
+def test_an_unreachable_peer_is_tried_again_after_the_ttl() -> None:
+    ttl_s = 0.5
+    sender = StreamSender(node_id="holder-node", unreachable_ttl_s=ttl_s)
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]  # free once closed: connecting there is refused
+    offer = StreamOffer("puller-node", "127.0.0.1", port, secrets.token_bytes(16))
+    assert not asyncio.run(sender.send(offer, HEAD, memoryview(STATE)))
+    marked = time.monotonic()
+    peer = _Peer(port=port)  # the peer is back
+    try:
+        assert not asyncio.run(sender.send(offer, HEAD, memoryview(STATE)))  # within the TTL
+        time.sleep(max(0.0, marked + ttl_s - time.monotonic()))
+        assert asyncio.run(sender.send(offer, HEAD, memoryview(STATE)))
+        deadline = time.monotonic() + 5
+        while not peer.received and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert peer.received == [_PREFIX.size + len(HEAD) + STATE.nbytes]  # once: after
+    finally:
+        peer.close()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_the_spare_buffer_is_let_go_after_an_idle_period() -> None:
+    """After a stream the receiver maps a spare buffer of the same size for the next one;
+    with no stream for `spare_idle_s` it is unmapped (its memory leaves the process)."""
+    idle_s = 0.5
+    receiver = StateReceiver(host="127.0.0.1", node_id="puller-node", spare_idle_s=idle_s)
+    state = np.full(64 << 20, 7, dtype=np.uint8)
+    try:
+        offer, received = receiver.offer()
+        started = time.monotonic()  # the idle period starts after this stream
+        push_blob(offer, HEAD, memoryview(state))
+        assert np.array_equal(received.result(timeout=10)[1], state)
+        del received  # and the state it holds
+        deadline = time.monotonic() + 5
+        while receiver.spare.nbytes == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert receiver.spare.nbytes == state.nbytes
+        resident = _resident_bytes()
+        while receiver.spare.nbytes and time.monotonic() - started < idle_s + 2:
+            time.sleep(0.05)
+        assert receiver.spare.nbytes == 0
+        assert time.monotonic() - started >= idle_s
+        assert _resident_bytes() < resident - (48 << 20)  # unmapped, not just forgotten
+    finally:
+        receiver.close()
