@@ -36,6 +36,7 @@ ACTOR_NAMESPACE = "baton"
 SNAPSHOT_TIMEOUT_S = 30.0
 CONNECT_ATTEMPTS = 3
 CONNECT_RETRY_S = 1.0  # a whole model's entries (a million take a few seconds)
+FOLLOW_POLL_S = 2.0  # the longest a follower's long poll waits for a change
 
 # Ray destroys a non-detached actor once its creator drops the last handle, even a named
 # one; so each process keeps the handle it got, per Ray node id (a new `ray.init` starts
@@ -252,9 +253,12 @@ class EmbeddedIndex:
             "live_replicas", self._actor.live_replicas, timeout=self.settings.write_timeout_s
         )
 
-    async def follow(self, view: IndexView, *, wait_s: float = 10.0, retry_s: float = 1.0) -> None:
+    async def follow(
+        self, view: IndexView, *, wait_s: float = FOLLOW_POLL_S, retry_s: float = 1.0
+    ) -> None:
         """Keep `view` a copy of this model's index until cancelled: a snapshot, then the
-        actor's changes as they happen (a long poll); again from a snapshot after a gap."""
+        actor's changes as they happen (a long poll, answered at least every `wait_s`, which
+        keeps the view's age low while nothing changes); again from a snapshot after a gap."""
         while True:
             try:
                 snapshot = await self._call(

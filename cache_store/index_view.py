@@ -5,6 +5,11 @@ rather than a network round trip. The store stays the source of truth: the view 
 from a snapshot, applies the numbered changes that follow, and on any gap (a lost
 message, a restarted store) it is out of sync until a new snapshot, during which callers
 look the store up directly (`synced` says which to use).
+
+A stream can also stall without breaking (a frozen server, a follower that stopped), so the
+view knows its `age`: the seconds since it last heard from its stream. Followers call
+`heard` whenever the stream answers, even with nothing new (an empty long poll, a pong);
+`trusted` says whether the copy is synced and young enough to route by.
 """
 
 from __future__ import annotations
@@ -26,10 +31,24 @@ class IndexView:
         self._streaming = False  # a change newer than the snapshot has been applied
         self.origin = ""  # which store's numbering `seq` belongs to
         self.on_change: Callable[[IndexChange], None] | None = None  # e.g. a staleness probe
+        self._heard_at = now()  # when the stream last answered (at first: when made)
 
     @property
     def synced(self) -> bool:
         return self.seq is not None
+
+    @property
+    def age(self) -> float:
+        """Seconds since the stream last answered (since this view was made, if never)."""
+        return max(0.0, self._now() - self._heard_at)
+
+    def trusted(self, max_age_s: float) -> bool:
+        """Synced, and heard from its stream within the last `max_age_s` seconds."""
+        return self.synced and self.age <= max_age_s
+
+    def heard(self) -> None:
+        """The stream answered (changes or not): the view is current as of now."""
+        self._heard_at = self._now()
 
     @property
     def entries(self) -> int:
@@ -44,10 +63,14 @@ class IndexView:
         self._index.alive = {r: now + left for r, left in snapshot.alive.items()}
         self.seq, self.origin = snapshot.seq, snapshot.origin
         self._streaming = False
+        self._heard_at = now
 
     def apply(self, changes: Iterable[IndexChange]) -> bool:
-        """Apply changes in order; False (and out of sync) at a gap in their numbering, or
-        when it starts again (a store that lost its data)."""
+        """Apply changes in order (none: the stream answered with nothing new); False (and
+        out of sync) at a gap in their numbering, or when it starts again (a store that lost
+        its data)."""
+        if self.seq is not None:
+            self.heard()
         for change in changes:
             if self.seq is None:
                 return False

@@ -4,8 +4,9 @@ snapshot, then apply each numbered change as it arrives.
 Changes published between the subscription and the snapshot's reads are applied on top
 of it, in order: every change sets or deletes one (hash, replica) entry, so replaying ones
 the snapshot already holds ends in the same state. A gap in the numbering (a lost message,
-a Redis restarted empty) or a dropped connection means a new snapshot. Messages are JSON,
-checked field by field; nothing from the network is unpickled.
+a Redis restarted empty) or a dropped connection means a new snapshot. A quiet channel is
+pinged every `PING_IDLE_S`, and every answer counts as hearing from the stream (`IndexView.age`).
+Messages are JSON, checked field by field; nothing from the network is unpickled.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ logger = logging.getLogger("baton.index")
 
 SCAN_BATCH = 1000
 HEALTH_CHECK_S = 10  # seconds without traffic before the subscriber pings the server
+PING_IDLE_S = 1.0  # seconds without a message before the follower pings (its pong is heard)
 _KINDS = {"publish", "touch", "forget", "forget_all", "alive"}
 
 
@@ -65,8 +67,12 @@ async def follow_changes(index: RedisIndex, view: IndexView, *, retry_s: float) 
             await _subscribe(pubsub, index)
             view.reset(await read_snapshot(index))
             while view.synced:
-                message = await pubsub.get_message(timeout=1.0)
-                if message is None or message["type"] != "message":
+                message = await pubsub.get_message(timeout=PING_IDLE_S)
+                if message is None:  # quiet: ask, so a stalled stream shows in the view's age
+                    await pubsub.ping()
+                    continue
+                view.heard()
+                if message["type"] != "message":
                     continue
                 change = parse_change(message["data"])
                 if change is None or not view.apply([change]):

@@ -8,19 +8,27 @@ announces the positions it will checkpoint as soon as it is admitted, *in flight
 time they are expected; the held entry replaces that, and what never came is forgotten when
 the request ends. Writes are batched by a background task; when the index is unreachable
 they wait for its next heartbeat, and an index that lost its data is told everything again.
+Both loops are `supervised`: any other exception is logged and the loop starts again (what
+it was writing is kept for the next try).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
 from baton_serve.cache_store.checkpoint_store import Checkpoint
 from baton_serve.cache_store.index import CheckpointIndex, IndexEntry, IndexUnavailable
+from baton_serve.cache_store.supervised import supervised
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.protocol import ReplicaRequest
+
+# Entries per index write: a whole backlog (thousands of entries after a restart or a burst)
+# packed in one write stalls the replica's event loop for tens of milliseconds.
+PUBLISH_CHUNK = 256
 
 
 class IndexPublisher:
@@ -62,8 +70,8 @@ class IndexPublisher:
         if self.index is None:
             return []
         return [
-            asyncio.create_task(self._heartbeat_loop()),
-            asyncio.create_task(self._publish_loop()),
+            supervised("index_publisher.heartbeat", self._heartbeat_loop),
+            supervised("index_publisher.publish", self._publish_loop),
         ]
 
     # ---- the local store (CheckpointListener; called on the engine thread) ---------------
@@ -174,12 +182,15 @@ class IndexPublisher:
 
     async def _publish_loop(self) -> None:
         assert self.index is not None and self._wake is not None
+        self._wake.set()  # (re)started: write what is pending now
         while True:
             await self._wake.wait()
             self._wake.clear()
             with self._lock:
-                dirty, self._dirty = self._dirty, set()
+                dirty = set(itertools.islice(self._dirty, PUBLISH_CHUNK))
+                self._dirty -= dirty
                 current = {h: self._entry(h) for h in dirty}
+                more = bool(self._dirty)
             entries = [e for e in current.values() if e is not None]
             gone = [h for h, e in current.items() if e is None]
             try:
@@ -187,10 +198,16 @@ class IndexPublisher:
                     await self.index.publish(self.replica_id, entries)
                 if gone:
                     await self.index.forget(self.replica_id, gone)
+                if more:
+                    self._wake.set()  # the rest in the next write, after others had the loop
             except IndexUnavailable:
                 self._on_error()
                 with self._lock:
                     self._dirty |= dirty  # retried after the index answers a heartbeat again
+            except BaseException:
+                with self._lock:
+                    self._dirty |= dirty  # retried when the supervisor restarts this loop
+                raise
 
     async def _heartbeat_loop(self) -> None:
         assert self.index is not None and self._wake is not None

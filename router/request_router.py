@@ -5,13 +5,15 @@ to the replica holding — or computing right now — the longest prefix of its 
 to an idle one that will pull it, under a bounded-load rule so one hot prefix cannot pile
 every request onto one replica. What replicas hold comes from this router's own copy of
 the checkpoint index (`IndexView`, kept current by the index's change stream; one direct
-lookup while it is not), merged with what this router itself just sent where
-(`RoutingLedger`), which also gives exact in-flight counts per replica. It honours
-`target_replica=` on a call (`TARGET_REPLICA_KWARG`), which is how a replica reaches a
-specific peer to pull its state.
+lookup while it is not, or while it has not heard from the stream for `max_view_age_s`),
+merged with what this router itself just sent where (`RoutingLedger`), which also gives
+exact in-flight counts per replica. It honours `target_replica=` on a call
+(`TARGET_REPLICA_KWARG`), which is how a replica reaches a specific peer to pull its state.
 
-Routers run in the caller's process, on the router's event loop: nothing here blocks it.
-`SafeRequestRouter` holds the guards against what measured Ray 2.60 routers get wrong.
+Routers run in the caller's process, on the router's event loop: nothing here blocks it;
+their background tasks (the index follower, the copy's age) are `supervised`.
+`SafeRequestRouter` holds the guards against what measured Ray 2.60 routers get wrong; the
+private Ray methods it overrides or calls are checked when it is made (`ray_contract`).
 """
 
 from __future__ import annotations
@@ -28,15 +30,26 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from baton_serve.cache_store.index import CheckpointIndex, IndexMatch, IndexUnavailable
 from baton_serve.cache_store.index_connect import connect_cluster_index
 from baton_serve.cache_store.index_view import IndexView
+from baton_serve.cache_store.supervised import supervised
 from baton_serve.replicas.engine.protocol import TARGET_REPLICA_KWARG, ReplicaRequest
 from baton_serve.replicas.telemetry import tracing
 from baton_serve.replicas.telemetry.logs import request_fields
+from baton_serve.router.by_identity import ByIdentity
+from baton_serve.router.ray_contract import check_ray_contract
 from baton_serve.router.route_cost import CostSettings, Estimate, ReplicaState
 from baton_serve.router.route_decision import decide, merge_ledger, record_sent, replica_state
 from baton_serve.router.routing_ledger import RoutingLedger
-from baton_serve.router.routing_metrics import record_decision, record_lookup
+from baton_serve.router.routing_metrics import (
+    record_decision,
+    record_lookup,
+    record_stale_view,
+    record_view_age,
+)
 
 logger = logging.getLogger("baton.router")
+
+MAX_VIEW_AGE_S = 10.0  # default bound on the copy's age (healthy streams answer every 1-2 s)
+VIEW_AGE_REPORT_S = 1.0
 
 
 class SafeRequestRouter(RequestRouter):
@@ -49,19 +62,20 @@ class SafeRequestRouter(RequestRouter):
     """
 
     def __init__(self, *args: object, **kwargs: object) -> None:
+        check_ray_contract()
         super().__init__(*args, **kwargs)
-        self._pending_by_metadata: dict[int, PendingRequest] = {}
+        self._pending_by_metadata: ByIdentity[object, PendingRequest] = ByIdentity()
 
     def _add_pending_request_to_indices(self, pending_request: PendingRequest) -> None:
-        self._pending_by_metadata[id(pending_request.metadata)] = pending_request
+        self._pending_by_metadata.put(pending_request.metadata, pending_request)
         super()._add_pending_request_to_indices(pending_request)
 
     def _remove_pending_request_from_indices(self, pending_request: PendingRequest) -> None:
-        self._pending_by_metadata.pop(id(pending_request.metadata), None)
+        self._pending_by_metadata.pop(pending_request.metadata)
         super()._remove_pending_request_from_indices(pending_request)
 
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
-        pending = self._pending_by_metadata.get(id(request_metadata))
+        pending = self._pending_by_metadata.get(request_metadata)
         if pending is None or pending.future.done():
             return
         self._cancel_routing_task_for_pending_request(pending)
@@ -129,7 +143,10 @@ class BatonRouter(SafeRequestRouter):
         tokens_per_queued_request: int = 256,
         prefill_tokens_per_s: float = 200.0,
         follow_index: bool = True,
+        max_view_age_s: float = MAX_VIEW_AGE_S,
     ) -> None:
+        if max_view_age_s <= 0:
+            raise ValueError(f"max_view_age_s must be > 0, got {max_view_age_s}")
         self._index_spec = index
         self._fingerprint = bytes.fromhex(fingerprint_hex)
         self._lookup_timeout_s = lookup_timeout_s
@@ -143,7 +160,10 @@ class BatonRouter(SafeRequestRouter):
         self._follow_index = follow_index
         self._follower: asyncio.Task[None] | None = None
         self._ledger = RoutingLedger(block_tokens, every_block=every_block)
-        self._plans: dict[int, _Plan] = {}  # pending request's metadata id -> its estimates
+        self._max_view_age_s = max_view_age_s
+        self._age_reporter: asyncio.Task[None] | None = None
+        # a pending request's metadata -> its estimates (by identity, never a reused id)
+        self._plans: ByIdentity[object, _Plan] = ByIdentity()
 
     @property
     def view(self) -> IndexView:
@@ -168,7 +188,8 @@ class BatonRouter(SafeRequestRouter):
         }
         parent = tracing.extract(request.trace_context)
         with tracing.span("route", parent=parent, attributes=attributes) as span:
-            span.set_attribute("baton.route.index", "copy" if self._view.synced else "lookup")
+            trusted = self._view.trusted(self._max_view_age_s)
+            span.set_attribute("baton.route.index", "copy" if trusted else "lookup")
             estimates, reason = await self._decide(candidates, request, tracing.context_of(span))
             self._record_plan(pending_request, request, estimates)
             record_decision(reason)
@@ -210,13 +231,15 @@ class BatonRouter(SafeRequestRouter):
         self, chain: tuple[bytes, ...], trace: Context | None
     ) -> dict[str, IndexMatch] | None:
         """Replica id → its best match for `chain`: the index (this router's copy of it,
-        or one lookup while the copy is not current) merged with this router's own recent
-        decisions. None if the index did not answer in time."""
+        or one lookup while the copy is not synced or is older than `max_view_age_s`) merged
+        with this router's own recent decisions. None if the index did not answer in time."""
         self._start_following()
         started = time.perf_counter()
-        if self._view.synced:
+        if self._view.trusted(self._max_view_age_s):
             matches = self._view.lookup(chain)
         else:
+            if self._view.synced:
+                record_stale_view()
             try:
                 with tracing.span("index.lookup", parent=trace):
                     index = await self._connected_index()
@@ -229,17 +252,41 @@ class BatonRouter(SafeRequestRouter):
 
     def _start_following(self) -> None:
         if self._follow_index and self._follower is None:
-            self._follower = asyncio.get_running_loop().create_task(self._follow())
+            self._follower = supervised("router.index_follower", self._follow)
+            self._age_reporter = supervised("router.index_view_age", self._report_age)
 
     async def _follow(self) -> None:
-        """Keep this router's copy of the index current (retrying while it cannot connect)."""
+        """Keep this router's copy of the index current (retrying while it cannot connect);
+        on any other failure the supervisor logs it and starts this again."""
+        try:
+            while True:
+                try:
+                    index = await self._connected_index()
+                except IndexUnavailable:
+                    await asyncio.sleep(1.0)
+                    continue
+                await index.follow(self._view)
+        finally:
+            self._view.lost()  # nothing keeps it current now
+
+    async def _report_age(self) -> None:
+        """Publish the copy's age, and log each time it crosses `max_view_age_s`."""
+        stale = False
         while True:
-            try:
-                index = await self._connected_index()
-            except IndexUnavailable:
-                await asyncio.sleep(1.0)
-                continue
-            await index.follow(self._view)
+            age = self._view.age
+            record_view_age(age)
+            if (age > self._max_view_age_s) != stale:
+                stale = not stale
+                if stale:
+                    logger.warning(
+                        "index copy: nothing heard from the change stream for %.1f s "
+                        "(max_view_age_s %g): routing by direct index lookups",
+                        age,
+                        self._max_view_age_s,
+                    )
+                else:
+                    logger.info("index copy: the change stream answers again")
+            await asyncio.sleep(VIEW_AGE_REPORT_S)
 
     async def _connected_index(self) -> CheckpointIndex:
         if self._index is None:
@@ -259,11 +306,11 @@ class BatonRouter(SafeRequestRouter):
         """Count the request for its first-ranked replica at once — the next decision, a
         moment later in the same burst, must see it — replacing an earlier attempt's plan."""
         key = pending_request.metadata.internal_request_id
-        earlier = self._plans.pop(id(pending_request.metadata), None)
+        earlier = self._plans.pop(pending_request.metadata)
         if earlier is not None:
             self._ledger.withdraw(earlier.replica_id, key)
         if estimates:
-            self._plans[id(pending_request.metadata)] = _Plan(request, estimates)
+            self._plans.put(pending_request.metadata, _Plan(request, estimates))
             self._send(estimates[0], request, key)
 
     def _send(self, chosen: Estimate, request: ReplicaRequest, key: str) -> None:
@@ -273,7 +320,7 @@ class BatonRouter(SafeRequestRouter):
 
     def request_routed(self, pending_request: PendingRequest, replica: RunningReplica) -> None:
         """Ray sent it to `replica`: move the record there if that was not the first rank."""
-        plan = self._plans.pop(id(pending_request.metadata), None)
+        plan = self._plans.pop(pending_request.metadata)
         rid = replica.replica_id.unique_id
         if plan is None or rid == plan.replica_id:
             return
@@ -284,7 +331,7 @@ class BatonRouter(SafeRequestRouter):
             self._send(chosen, plan.request, key)
 
     def _remove_pending_request_from_indices(self, pending_request: PendingRequest) -> None:
-        plan = self._plans.pop(id(pending_request.metadata), None)
+        plan = self._plans.pop(pending_request.metadata)
         if plan is not None:  # it was never sent (cancelled)
             self._ledger.withdraw(plan.replica_id, pending_request.metadata.internal_request_id)
         super()._remove_pending_request_from_indices(pending_request)

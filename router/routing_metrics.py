@@ -19,7 +19,18 @@ ROUTING_DECISIONS = metrics.Counter(
     ("reason",),
 )
 
+VIEW_AGE = metrics.Gauge(
+    "baton_router_index_view_age_seconds",
+    "Seconds since the router's copy of the index last heard from the index's change stream",
+)
+STALE_VIEW_LOOKUPS = metrics.Counter(
+    "baton_router_stale_view_lookups",
+    "Routing decisions that asked the index directly: the router's copy was synced but older "
+    "than its bound (max_view_age_s)",
+)
+
 _DECISIONS: Counter[str] = Counter()
+_VIEW = {"age_s": 0.0, "stale_lookups": 0.0}  # this process's last age, and its count
 
 
 def record_decision(reason: str) -> None:
@@ -38,3 +49,20 @@ def record_lookup(seconds: float, *, ok: bool) -> None:
 
 def decision_counts() -> dict[str, int]:
     return dict(_DECISIONS)
+
+
+def record_view_age(seconds: float) -> None:
+    """The age of the router's copy of the index, now."""
+    _VIEW["age_s"] = seconds
+    VIEW_AGE.set(seconds)
+
+
+def record_stale_view() -> None:
+    """One decision that distrusted a synced but too old copy of the index."""
+    _VIEW["stale_lookups"] += 1
+    STALE_VIEW_LOOKUPS.inc()
+
+
+def view_figures() -> dict[str, float]:
+    """The last age recorded (`age_s`) and the stale-copy lookups (`stale_lookups`)."""
+    return dict(_VIEW)

@@ -1,0 +1,86 @@
+"""The router's per-request records follow the request object, never a reused `id()`."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve.request_router import PendingRequest, ReplicaID
+
+from baton_serve.cache_store.prefix_hash import PrefixHasher
+from baton_serve.replicas.engine.prompt import Prompt
+from baton_serve.replicas.engine.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.router.by_identity import ByIdentity
+from baton_serve.router.request_router import BatonRouter
+
+DEPLOYMENT = DeploymentID(name="Replica", app_name="plans")
+
+
+class _Replica:
+    """What `BatonRouter` reads of a `RunningReplica`: its id and routing stats."""
+
+    def __init__(self, name: str) -> None:
+        self.replica_id = ReplicaID(unique_id=name, deployment_id=DEPLOYMENT)
+        self.routing_stats: dict = {}
+
+
+def _metadata_at(address: int) -> tuple[RequestMetadata, list[RequestMetadata]]:
+    """A new `RequestMetadata` whose id() is `address` (CPython reuses a freed object's
+    memory), and the others made while looking for it (keep them alive)."""
+    made = []
+    for _ in range(10_000):
+        metadata = RequestMetadata(request_id="B", internal_request_id="B")
+        if id(metadata) == address:
+            return metadata, made
+        made.append(metadata)
+    raise AssertionError("no new RequestMetadata reused the freed one's address")
+
+
+def test_a_plan_is_not_handed_to_a_later_request_that_reuses_the_id() -> None:
+    """Request A is ranked (its plan recorded) and dropped unsent; request B, a call that
+    carries no prompt, gets a metadata object at A's old address and is sent to the other
+    replica. Keyed by id(), B's routing moved A's plan there: the ledger claimed that
+    replica would hold A's prefix."""
+    router = BatonRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(
+        index="redis://127.0.0.1:1", fingerprint_hex="ab" * 32, follow_index=False
+    )
+    replicas = [_Replica("a"), _Replica("b")]
+    tokens = tuple(range(640))
+    chain = tuple(PrefixHasher(b"fp", 64).chain(tokens))
+    request = ReplicaRequest(
+        generation=GenerationRequest(prompt=Prompt(tokens=tokens)), prefix_hashes=chain
+    )
+
+    async def scenario() -> set[str]:
+        metadata = RequestMetadata(request_id="A", internal_request_id="A")
+        pending = PendingRequest(args=[request], kwargs={}, metadata=metadata)
+        ranks = await router.choose_replicas(replicas, pending)
+        first = ranks[0][0]
+        other = next(r for r in replicas if r is not first)
+        address = id(metadata)
+        del metadata, pending
+        gc.collect()
+        reused, _alive = _metadata_at(address)
+        later = PendingRequest(args=["not a ReplicaRequest"], kwargs={}, metadata=reused)
+        await router.choose_replicas([other], later)
+        router.request_routed(later, other)
+        return set(router._ledger.lookup(chain)) - {first.replica_id.unique_id}
+
+    assert asyncio.run(scenario()) == set()
+
+
+def test_an_entry_goes_when_its_object_is_freed() -> None:
+    class Key:
+        pass
+
+    by_identity: ByIdentity[Key, str] = ByIdentity()
+    kept, dropped = Key(), Key()
+    by_identity.put(kept, "kept")
+    by_identity.put(dropped, "dropped")
+    del dropped
+    gc.collect()
+    assert len(by_identity) == 1 and by_identity.get(kept) == "kept"
+    assert by_identity.get(Key()) is None
+    assert by_identity.pop(kept) == "kept" and len(by_identity) == 0
