@@ -4,11 +4,14 @@
 llama-server's /tokenize and /detokenize. A request is checked, tokenised and hashed here,
 then handed to a `ReplicaClient` (a `Replica` in process, or a router over many) as a
 `ReplicaRequest`; the answer goes back as OpenAI JSON or as server-sent events.
+
+One body cannot take the gateway over: message and prompt counts are bounded before any
+rendering, a prompt's text before tokenising, and both run on a few threads off the event
+loop. With API keys, every path but `PUBLIC_PATHS` needs one.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -19,7 +22,6 @@ from typing import Any, Protocol
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
-from starlette.concurrency import run_in_threadpool
 
 from baton_serve.replicas.engine.prompt import Prompt
 from baton_serve.replicas.engine.protocol import (
@@ -37,6 +39,7 @@ from baton_serve.router.errors import (
     install_error_handlers,
     invalid_request,
     model_not_found,
+    too_many_items,
 )
 from baton_serve.router.event_stream import (
     ReplicaStream,
@@ -44,6 +47,7 @@ from baton_serve.router.event_stream import (
     finish_reason,
     usage_of,
 )
+from baton_serve.router.gateway_work import PromptThreads, Readiness, all_or_none
 from baton_serve.router.http_telemetry import HTTPTelemetry
 from baton_serve.router.logprobs import LogprobFormat
 from baton_serve.router.middleware import APIKeyAuth, BodySizeLimit
@@ -55,7 +59,7 @@ from baton_serve.router.structured_output import (
 )
 from baton_serve.router.tokenizer_api import TokenizerAPI
 
-AUTHENTICATED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # /health stays open for probes
+PUBLIC_PATHS = frozenset({"/health"})  # with API keys, every other path needs one
 REPLICA_HEADER = "X-Baton-Replica"  # on non-streamed replies: the replica(s) that served them
 
 GenerationBody = api.ChatCompletionRequest | api.CompletionRequest
@@ -82,6 +86,10 @@ class GatewaySettings:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     max_body_bytes: int = 4 << 20
     max_tokens_cap: int | None = None
+    max_messages: int = 2048  # in one chat request
+    max_prompts: int = 256  # in one completion request
+    max_prompt_bytes: int = 4 << 20  # a prompt's text: a chat as rendered, or one prompt
+    prompt_threads: int = 4  # chats rendered and prompts tokenised at once, off the event loop
 
 
 def create_app(
@@ -96,8 +104,9 @@ def create_app(
         block_tokens=settings.block_tokens,
         n_ctx=settings.n_ctx,
         chat_template=settings.chat_template,
+        max_prompt_bytes=settings.max_prompt_bytes,
     )
-    gateway = _Gateway(settings, replicas, builder, ready)
+    gateway = _Gateway(settings, replicas, builder, Readiness(ready) if ready else None)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -121,7 +130,7 @@ def create_app(
     app.add_api_route("/detokenize", tokenizer.detokenize, methods=["POST"])
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     if settings.api_keys:
-        app.add_middleware(APIKeyAuth, keys=settings.api_keys, prefixes=AUTHENTICATED_PATHS)
+        app.add_middleware(APIKeyAuth, keys=settings.api_keys, public=PUBLIC_PATHS)
     app.add_middleware(HTTPTelemetry)  # the outermost: its span covers all the others
     return app
 
@@ -134,7 +143,7 @@ class _Gateway:
         settings: GatewaySettings,
         replicas: ReplicaClient,
         builder: PromptBuilder,
-        ready: Callable[[], Awaitable[bool]] | None,
+        ready: Readiness | None,
     ) -> None:
         self._settings = settings
         self._replicas = replicas
@@ -142,14 +151,18 @@ class _Gateway:
         self._ready = ready
         self._started = int(time.time())
         self._logprobs = LogprobFormat(builder.token_bytes)
+        self._prompt_threads = PromptThreads(settings.prompt_threads)
 
     async def chat(self, body: api.ChatCompletionRequest) -> Response:
         self._check_model(body.model)
+        limit = self._settings.max_messages
+        if len(body.messages) > limit:
+            raise too_many_items("messages", len(body.messages), limit, "max_messages")
         tools = self._builder.template_tools
         plan = plan_chat(body, tools, self._call_grammar)
         grammar = self._reply_grammar(body, plan)
         with tracing.span("tokenise") as span:
-            prompt = await run_in_threadpool(
+            prompt = await self._prompt_threads.run(
                 self._builder.from_messages, plan.messages, plan.extras
             )
             span.set_attribute("baton.prompt_tokens", len(prompt))
@@ -180,8 +193,11 @@ class _Gateway:
         self._check_model(body.model)
         if body.stream and len(body.prompt) > 1:
             raise invalid_request("Streaming takes a single prompt.", param="prompt")
+        if len(body.prompt) > self._settings.max_prompts:
+            limit = self._settings.max_prompts
+            raise too_many_items("prompt", len(body.prompt), limit, "max_prompts")
         with tracing.span("tokenise") as span:
-            prompts = await run_in_threadpool(self._completion_prompts, body.prompt)
+            prompts = await self._prompt_threads.run(self._completion_prompts, body.prompt)
             span.set_attribute("baton.prompt_tokens", sum(len(p) for p in prompts))
         request_id = bound_request() or uuid.uuid4().hex
         calls = []
@@ -199,7 +215,7 @@ class _Gateway:
                 body.include_usage,
                 self._settings.stream_ping_s,
             )
-        done = await asyncio.gather(*(self._replicas.generate(call) for call in calls))
+        done = await all_or_none([self._replicas.generate(call) for call in calls])
         choices = [  # prompt-major, as OpenAI numbers them
             api.CompletionChoice(
                 index=i * body.n + c.index,
@@ -219,7 +235,7 @@ class _Gateway:
         return _json(api.ModelList(data=[card]))
 
     async def health(self) -> JSONResponse:
-        ok = self._ready is None or await self._ready()
+        ok = self._ready is None or await self._ready.check()
         return JSONResponse(
             {"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503
         )

@@ -1,9 +1,10 @@
-"""The gateway's ASGI middleware: API keys, and a body size limit enforced before parsing."""
+"""The gateway's ASGI middleware: API keys (deny by default), and a body size limit
+enforced before parsing."""
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -14,20 +15,25 @@ from baton_serve.router.errors import body_too_large, invalid_api_key
 
 
 class APIKeyAuth:
-    """Requires `Authorization: Bearer <key>`, with one of `keys`, on paths under `prefixes`."""
+    """Requires `Authorization: Bearer <key>`, with one of `keys`, on every path except the
+    exact paths in `public` — so a route added later, or one that does not exist, is closed
+    until it is listed."""
 
-    def __init__(self, app: ASGIApp, *, keys: Sequence[str], prefixes: Sequence[str]) -> None:
+    def __init__(self, app: ASGIApp, *, keys: Sequence[str], public: Collection[str]) -> None:
         self._app = app
         self._keys = [key.encode() for key in keys]
-        self._prefixes = tuple(prefixes)
+        self._public = frozenset(public)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and app_path(scope).startswith(self._prefixes):
+        if scope["type"] in ("http", "websocket") and app_path(scope) not in self._public:
             with tracing.span("auth") as span:
                 authorized = self._authorized(Headers(scope=scope))
                 span.set_attribute("baton.authorized", authorized)
             if not authorized:
-                await invalid_api_key().response()(scope, receive, send)
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                else:
+                    await invalid_api_key().response()(scope, receive, send)
                 return
         await self._app(scope, receive, send)
 

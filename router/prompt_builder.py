@@ -3,6 +3,7 @@ template (loaded without weights), and their prefix hash chains for routing."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -14,19 +15,24 @@ from baton_serve.replicas.engine.prompt import (
     ChatMessage,
     Prompt,
     PromptError,
-    chat_prompt,
+    RenderedTooLarge,
     model_chat_template,
     no_chat_template_message,
+    render_chat,
     text_prompt,
+    tokenize_chat,
 )
 from baton_serve.router.chat_plan import TemplateTools
-from baton_serve.router.errors import context_length_exceeded, invalid_request
+from baton_serve.router.errors import context_length_exceeded, invalid_request, prompt_too_large
 from baton_serve.router.reply_parser import THINK_OPEN
 from baton_serve.router.tool_calls import ToolFormat
 
 
 class PromptBuilder:
-    """Builds the prompts a replica of one model would build, and checks they fit."""
+    """Builds the prompts a replica of one model would build, and checks they fit.
+
+    A prompt's text over `max_prompt_bytes` (a chat as its template renders it) is refused
+    with a 413 before it is tokenised."""
 
     def __init__(
         self,
@@ -35,7 +41,9 @@ class PromptBuilder:
         block_tokens: int,
         n_ctx: int,
         chat_template: str | None = None,
+        max_prompt_bytes: int | None = None,
     ) -> None:
+        self.max_prompt_bytes = max_prompt_bytes
         self._model = LlamaModel(model_path, vocab_only=True)
         self._template = model_chat_template(self._model, chat_template)
         self.template_tools = (
@@ -54,13 +62,23 @@ class PromptBuilder:
         if self._template is None:
             raise invalid_request(no_chat_template_message(self._model.name), param="messages")
         try:
-            prompt = chat_prompt(self._model, self._template, messages, extras)
+            chat = render_chat(self._template, messages, extras, max_bytes=self.max_prompt_bytes)
+            self._refuse_unfitting(chat.text)
+            prompt = tokenize_chat(self._model, chat, messages)
+        except RenderedTooLarge as exc:
+            raise prompt_too_large(exc.size, exc.limit, "messages", "max_prompt_bytes") from None
         except PromptError as exc:
             raise invalid_request(str(exc), param="messages") from exc
         return self.check_length(prompt)
 
     def from_text(self, text: str) -> Prompt:
         """Raw text, with BOS where the model wants one."""
+        limit = self.max_prompt_bytes
+        if limit is not None and len(text) > limit // 4:  # ≥ 1 byte a character
+            size = len(text.encode("utf-8", errors="surrogatepass"))
+            if size > limit:
+                raise prompt_too_large(size, limit, "prompt", "max_prompt_bytes")
+        self._refuse_unfitting(text)
         try:
             prompt = text_prompt(self._model, text, add_bos=self._model.add_bos)
         except PromptError as exc:
@@ -100,6 +118,21 @@ class PromptBuilder:
     def hashes(self, prompt: Prompt) -> tuple[bytes, ...]:
         """The prompt's block hash chain (what the router looks up in the index)."""
         return tuple(self._hasher.chain(prompt.tokens))
+
+    def _refuse_unfitting(self, text: str) -> None:
+        """Refuse text that cannot fit the context before spending time tokenising it: no
+        token stands for more bytes than the vocabulary's longest, so the text has at least
+        its size over that many tokens."""
+        if len(text) * 4 < self.n_ctx or not self._model.has_text:  # fewer bytes than n_ctx
+            return
+        at_least = -(-len(text.encode("utf-8", errors="surrogatepass")) // self._longest_token)
+        if at_least + 1 > self.n_ctx:
+            raise context_length_exceeded(at_least, self.n_ctx, at_least=True)
+
+    @functools.cached_property
+    def _longest_token(self) -> int:
+        """The most bytes one token stands for (found once, when a long text first asks)."""
+        return max(1, *(len(self._model.token_bytes(t)) for t in range(self._model.n_vocab)))
 
     def check_length(self, prompt: Prompt) -> Prompt:
         """`prompt`, if it is not empty and leaves room for one generated token."""

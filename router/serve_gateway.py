@@ -31,8 +31,12 @@ class HandleReplicas:
 
     async def generate(self, request: ReplicaRequest) -> Completion:
         for attempt in range(1, ATTEMPTS + 1):
+            response = self._handle.generate.remote(request)
             try:
-                return await self._handle.generate.remote(request)
+                return await response
+            except asyncio.CancelledError:  # a sibling failed, or the client went away
+                _cancel(response)
+                raise
             except RayTaskError as exc:
                 raise exc.cause from None  # the replica's own error (e.g. a bad prompt → 400)
             except BackPressureError as exc:

@@ -3,13 +3,14 @@
 Chat messages are rendered with the model's own Jinja chat template (sandboxed). Each
 message's rendered text is tokenized on its own and the pieces are concatenated, so a
 conversation's tokens are a stable prefix of the next turn's tokens — which is what
-prefix reuse needs — and every message start is an exact token offset.
+prefix reuse needs — and every message start is an exact token offset. Rendering and
+cutting take time linear in the number of messages (`chat_segments`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -17,11 +18,22 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import BaseModel, Field
 
+from baton_serve.replicas.engine.chat_segments import ChatText, segment_chat
+
 SYSTEM_ROLES = frozenset({"system", "developer"})
 
 
 class PromptError(ValueError):
     """The prompt cannot be built (bad messages, no chat template, template error)."""
+
+
+class RenderedTooLarge(PromptError):
+    """A chat rendered to more text than the server accepts."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"the rendered chat is {size} bytes, over the limit of {limit}")
+        self.size = size
+        self.limit = limit
 
 
 class ChatMessage(BaseModel):
@@ -105,13 +117,39 @@ class ChatTemplate:
         extras: Mapping[str, Any] | None = None,
     ) -> str:
         """`extras`: more template variables (`tools`, `chat_template_kwargs`' entries)."""
+        views = [m.template_view() for m in messages]
+        return self.render_views(
+            views, add_generation_prompt=add_generation_prompt, extras=extras or {}
+        )
+
+    def render_views(
+        self,
+        views: Sequence[dict[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        extras: Mapping[str, Any],
+    ) -> str:
+        """`render` of messages already in their template view."""
+        return "".join(
+            self.stream_views(views, add_generation_prompt=add_generation_prompt, extras=extras)
+        )
+
+    def stream_views(
+        self,
+        views: Sequence[dict[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        extras: Mapping[str, Any],
+    ) -> Iterator[str]:
+        """The rendering as the template produces it, chunk by chunk."""
+        chunks = self._template.generate(
+            **extras,
+            messages=views,
+            add_generation_prompt=add_generation_prompt,
+            **self._specials,
+        )
         try:
-            return self._template.render(
-                **(extras or {}),
-                messages=[m.template_view() for m in messages],
-                add_generation_prompt=add_generation_prompt,
-                **self._specials,
-            )
+            yield from chunks
         except PromptError:
             raise
         except Exception as exc:  # the template is model data: any failure is a bad prompt
@@ -174,44 +212,48 @@ def chat_prompt(
     messages: Sequence[ChatMessage],
     extras: Mapping[str, Any] | None = None,
 ) -> Prompt:
-    """Render `messages` plus the generation prompt; record each message's first token.
+    """Render `messages` plus the generation prompt; record each message's first token."""
+    return tokenize_chat(tokenizer, render_chat(template, messages, extras), messages)
 
-    Each message is tokenized on its own, and a message that continues a generation
-    prompt (an assistant reply) is tokenized in two parts — the generation prompt, then
-    the reply — so its tokens match the previous turn's prompt exactly, whatever
-    whitespace the reply starts with.
-    """
+
+def render_chat(
+    template: ChatTemplate,
+    messages: Sequence[ChatMessage],
+    extras: Mapping[str, Any] | None = None,
+    *,
+    max_bytes: int | None = None,
+) -> ChatText:
+    """`messages` rendered with the generation prompt and cut into one piece per message
+    (`chat_segments`), in time linear in their number.
+
+    Raises `RenderedTooLarge` if the rendering is over `max_bytes` (before it is cut)."""
     if not messages:
         raise PromptError("messages must not be empty")
-    pieces: list[list[str]] = []
-    rendered = ""
-    for i in range(1, len(messages) + 1):
-        text = template.render(messages[:i], add_generation_prompt=False, extras=extras)
-        if not text.startswith(rendered):
-            # The template rewrites earlier messages (e.g. drops old reasoning):
-            # message offsets are unknowable, so tokenize the whole rendering at once.
-            full = template.render(messages, add_generation_prompt=True, extras=extras)
-            return Prompt(tokens=tuple(tokenizer.tokenize(full)))
-        opened = (
-            template.render(messages[: i - 1], add_generation_prompt=True, extras=extras)
-            if i > 1
-            else ""
-        )
-        if len(rendered) < len(opened) and opened.startswith(rendered) and text.startswith(opened):
-            pieces.append([opened[len(rendered) :], text[len(opened) :]])
-        else:
-            pieces.append([text[len(rendered) :]])
-        rendered = text
-    full = template.render(messages, add_generation_prompt=True, extras=extras)
-    if not full.startswith(rendered):
-        return Prompt(tokens=tuple(tokenizer.tokenize(full)))
+    views = [m.template_view() for m in messages]
+    extras = extras or {}
+    full = template.render_views(views, add_generation_prompt=True, extras=extras)
+    if max_bytes is not None and len(full) > max_bytes // 4:  # ≥ 1 byte a character
+        size = len(full.encode("utf-8", errors="surrogatepass"))
+        if size > max_bytes:
+            raise RenderedTooLarge(size, max_bytes)
+    return segment_chat(template, views, extras, full)
+
+
+def tokenize_chat(tokenizer: Tokenizer, chat: ChatText, messages: Sequence[ChatMessage]) -> Prompt:
+    """A rendered chat's tokens, each piece tokenized on its own.
+
+    A message that continues a generation prompt (an assistant reply) is tokenized in two
+    parts — the generation prompt, then the reply — so its tokens match the previous turn's
+    prompt exactly, whatever whitespace the reply starts with."""
+    if not chat.pieces:
+        return Prompt(tokens=tuple(tokenizer.tokenize(chat.tail)))
     tokens: list[int] = []
     starts: list[int] = []
-    for parts in pieces:
+    for parts in chat.pieces:
         starts.append(len(tokens))
         for part in parts:
             tokens.extend(tokenizer.tokenize(part))
-    tokens.extend(tokenizer.tokenize(full[len(rendered) :]))
+    tokens.extend(tokenizer.tokenize(chat.tail))
     return Prompt(
         tokens=tuple(tokens),
         message_starts=tuple(starts),

@@ -1,0 +1,75 @@
+"""How the gateway runs work that could otherwise stall it: CPU-heavy prompt building on a
+bounded set of threads, fan-outs that stop together, and a readiness check that never
+holds `/health` up."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import anyio.to_thread
+from anyio import CapacityLimiter
+
+T = TypeVar("T")
+
+
+class PromptThreads:
+    """Runs prompt building (template rendering, tokenising) off the event loop, at most
+    `threads` at once, so one heavy body neither blocks the loop nor takes every thread."""
+
+    def __init__(self, threads: int) -> None:
+        if threads < 1:
+            raise ValueError(f"prompt_threads must be at least 1, not {threads}")
+        self._threads = threads
+        self._limiter: CapacityLimiter | None = None  # made on the loop that uses it
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        if self._limiter is None:
+            self._limiter = CapacityLimiter(self._threads)
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=self._limiter)
+
+
+async def all_or_none(calls: Sequence[Awaitable[T]]) -> list[T]:
+    """Every call's result, in order. The first call to fail cancels the others (they would
+    run on for a client that already has its error), and its error is raised; so does
+    cancelling this."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()  # a no-op for those done
+        await asyncio.wait(tasks)  # let the cancelled ones free what they hold
+    failed = next((t for t in tasks if not t.cancelled() and t.exception() is not None), None)
+    if failed is not None:
+        raise failed.exception()  # type: ignore[misc]
+    return [task.result() for task in tasks]
+
+
+class Readiness:
+    """`/health`'s view of a readiness check that may be slow (a Ray round trip to a busy
+    replica): at most one check runs at a time, and an answer waits for it at most
+    `wait_s`, else it is the last one known (not ready before any)."""
+
+    def __init__(self, check: Callable[[], Awaitable[bool]], wait_s: float = 0.25) -> None:
+        self._check = check
+        self._wait_s = wait_s
+        self._running: asyncio.Task[bool] | None = None
+        self._last = False
+
+    async def check(self) -> bool:
+        if self._running is None or self._running.done():
+            self._running = asyncio.ensure_future(self._safe_check())
+        running = self._running
+        done, _ = await asyncio.wait({running}, timeout=self._wait_s)
+        if done:
+            self._last = running.result()
+        return self._last
+
+    async def _safe_check(self) -> bool:
+        try:
+            return bool(await self._check())
+        except Exception:  # a failing check means not ready, never a failed probe
+            return False
