@@ -1,4 +1,5 @@
-"""The disk tier's directory: checking it, claiming a subdirectory, measuring its speed."""
+"""The disk tier's directory: checking it, claiming a subdirectory, measuring its speed,
+writing a file durably."""
 
 from __future__ import annotations
 
@@ -71,3 +72,32 @@ def probe_read_speed(folder: Path) -> float:
     finally:
         path.unlink(missing_ok=True)
     return PROBE_BYTES / max(seconds, 1e-6)
+
+
+def write_durably(path: Path, data: bytes | memoryview) -> None:
+    """Write `data` to `path` (mode 0600) so that it is there after a crash once this
+    returns: to a temporary name, fsync'd, renamed over `path`, and the directory fsync'd
+    (a rename is only durable once its directory is)."""
+    temporary = path.with_suffix(".tmp")
+    try:
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make the directory entries of `folder` (a new or renamed file) durable."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,11 +1,14 @@
 """A checkpoint store's second tier: signed state blobs in a local directory (a node's NVMe).
 
 Checkpoints evicted from RAM are queued here and written by a background thread (to a
-temporary name, then renamed), so a reader never sees half a file and the engine never
-waits for the disk. A file is validated in full every time it is read — it may have been
-truncated or corrupted since — and deleted, with a log line, when it fails; llama.cpp only
-ever sees a state that passed. Files are the signed blobs peers exchange, so a replica that
-restarts with the same model and HMAC key adopts them.
+temporary name, fsync'd, renamed, the directory fsync'd), so a reader never sees half a file,
+the engine never waits for the disk, and an entry is listed — found by lookups, republished
+after a restart — only once its file would survive a crash. Files are the signed blobs peers
+exchange, so a replica that restarts with the same model and HMAC key adopts them: a start
+reads and authenticates each file's head only (a few KB: start-up time does not grow with
+the disk budget); the state is validated in full every time it is read, and a file that
+fails then — truncated or corrupted since — is deleted with a log line and the read is a
+miss. llama.cpp only ever sees a state that passed.
 
 Several replicas may share one directory: each claims a subdirectory `<model>/<n>` with a
 file lock, held while it runs, and a restarted replica adopts whichever one is free.
@@ -28,11 +31,12 @@ import numpy as np
 
 from baton_serve.cache_store.checkpoint import Checkpoint
 from baton_serve.cache_store.disk_dir import (
-    PROBE_BYTES,
     check_checkpoint_dir,
     claim_subdir,
     probe_read_speed,
+    write_durably,
 )
+from baton_serve.cache_store.state_blob import HEADER_SIZE, BlobHead, head_length
 
 logger = logging.getLogger("baton.disk")
 
@@ -60,8 +64,9 @@ class DiskTier:
     """Checkpoint files under a byte budget, least recently used deleted first.
 
     `encode` signs a checkpoint into a blob; `decode` validates a blob completely and
-    raises `ValueError` (e.g. `BlobError`) for anything else. `on_drop` is told, from any
-    thread, about each entry that left this tier other than by `discard`.
+    raises `ValueError` (e.g. `BlobError`) for anything else; `decode_head` validates a
+    blob's head alone (`state_blob.decode_head`), which is all a start reads. `on_drop` is
+    told, from any thread, about each entry that left this tier other than by `discard`.
     """
 
     def __init__(
@@ -72,6 +77,7 @@ class DiskTier:
         *,
         encode: Callable[[Checkpoint], bytes],
         decode: Callable[[bytes], Checkpoint],
+        decode_head: Callable[[bytes], BlobHead],
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
     ) -> None:
         if budget_bytes < 0:
@@ -83,6 +89,7 @@ class DiskTier:
         self.should_load: Callable[[DiskEntry], bool] = lambda entry: True
         self._encode = encode
         self._decode = decode
+        self._decode_head = decode_head
         self._files: OrderedDict[bytes, DiskEntry] = OrderedDict()
         self._pending: dict[bytes, Checkpoint] = {}  # evicted from RAM, not written yet
         self._pending_bytes = 0
@@ -221,14 +228,12 @@ class DiskTier:
     def _write(self, checkpoint: Checkpoint) -> None:
         key = checkpoint.prefix_hash
         path = self.dir / f"{key.hex()}{SUFFIX}"
-        temporary = path.with_suffix(".tmp")
         try:
             blob = self._encode(checkpoint)
-            temporary.write_bytes(blob)
-            temporary.rename(path)
+            write_durably(path, blob)  # before the entry is listed: see the module's doc
         except (OSError, ValueError) as exc:
             logger.warning("could not write checkpoint file %s: %s", path.name, exc)
-            temporary.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
             with self._lock:
                 dropped = self._unpend(key)
             if dropped is not None:
@@ -293,41 +298,38 @@ class DiskTier:
     # ---- start-up (no other thread yet) --------------------------------------------------
 
     def _adopt(self) -> None:
-        """Take over the valid files a previous run left; delete everything else."""
+        """Take over the files a previous run left whose heads are valid (reading nothing
+        else); delete everything else."""
         for leftover in self.dir.glob("*.tmp"):
             leftover.unlink(missing_ok=True)
         files = sorted(self.dir.glob(f"*{SUFFIX}"), key=_mtime)  # least recently written first
-        read_bytes, read_s = 0, 0.0
         for path in files:
-            started = time.perf_counter()
             try:
-                data = path.read_bytes()
-                checkpoint = self._decode(data)
+                self._add(self._read_entry(path))
             except (OSError, ValueError) as exc:
                 logger.warning("deleting checkpoint file %s: %s", path.name, exc)
                 path.unlink(missing_ok=True)
-                continue
-            read_bytes += len(data)
-            read_s += time.perf_counter() - started
-            if path.name != f"{checkpoint.prefix_hash.hex()}{SUFFIX}" or (
-                checkpoint.prefix_hash in self._files
-            ):
-                logger.warning("deleting checkpoint file %s: misnamed", path.name)
-                path.unlink(missing_ok=True)
-                continue
-            self._add(
-                DiskEntry(
-                    checkpoint.prefix_hash, checkpoint.tokens, checkpoint.nbytes, path, len(data)
-                )
-            )
         for dropped in self._over_budget():
             dropped.path.unlink(missing_ok=True)
         if self._files:
             logger.info("adopted %d checkpoint files from %s", len(self._files), self.dir)
-        if read_bytes >= PROBE_BYTES and read_s > 0:
-            self._read_bytes_per_s = read_bytes / read_s
-        else:
-            self._read_bytes_per_s = probe_read_speed(self.dir)
+        self._read_bytes_per_s = probe_read_speed(self.dir)
+
+    def _read_entry(self, path: Path) -> DiskEntry:
+        """The entry of the file at `path`, from its authenticated head alone."""
+        with path.open("rb") as file:
+            file_bytes = os.fstat(file.fileno()).st_size
+            header = file.read(HEADER_SIZE)
+            head = header + file.read(head_length(header) - len(header))
+        found = self._decode_head(head)
+        if file_bytes != len(head) + found.state_len:
+            raise ValueError(
+                f"the file is {file_bytes} bytes, its header implies {len(head) + found.state_len}"
+            )
+        if path.name != f"{found.prefix_hash.hex()}{SUFFIX}":
+            raise ValueError("misnamed: it holds another prefix than its name says")
+        nbytes = found.state_len + found.tokens.nbytes  # as Checkpoint.nbytes
+        return DiskEntry(found.prefix_hash, found.tokens, nbytes, path, file_bytes)
 
 
 def _mtime(path: Path) -> float:

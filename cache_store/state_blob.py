@@ -21,6 +21,8 @@ itself, so that neither side copies the state to put a header in front of it:
 
 `decode_blob` is a safety boundary: a truncated or forged state handed to llama.cpp
 can crash the process, so every field is checked before anything is returned.
+`decode_head` checks a head alone (a disk tier's start reads a few KB of each file, not
+its state); the state must still pass `decode_blob` before it is used.
 """
 
 from __future__ import annotations
@@ -226,27 +228,71 @@ def encode_blob(
     return b"".join((head, state_view))
 
 
-def decode_blob(
-    data: Buffer | BlobParts,
+@dataclass(frozen=True, eq=False)
+class BlobHead:
+    """A blob's authenticated head: its model, prefix and tokens, and the length and seal
+    of the state that follows it (the state itself not read, so not checked)."""
+
+    fingerprint: bytes
+    prefix_hash: bytes
+    tokens: np.ndarray
+    state_len: int
+    seal: PayloadSeal
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def head_length(
+    header: Buffer, *, max_state_bytes: int = 8 << 30, max_tokens: int = 1 << 22
+) -> int:
+    """Bytes of the head (header and token ids) of the blob whose first `HEADER_SIZE` bytes
+    are `header`: what to read for `decode_head`. Raises `BlobError` for a bad header."""
+    return _parse_header(_part_view(header), max_state_bytes, max_tokens).head_len
+
+
+def decode_head(
+    head: Buffer,
     *,
     key: bytes,
     fingerprint: bytes,
     max_state_bytes: int = 8 << 30,
     max_tokens: int = 1 << 22,
     hasher: PrefixHasher | None = None,
-    threads: int = ALL_CORES,
-) -> StateBlob:
-    """Validate a blob completely and return views into it; raise `BlobError` otherwise.
-
-    `data` is one contiguous blob or its two parts, `(head, state)`; the state's lanes
-    are checked on this thread when `threads` is 1, else on a pool of a thread per core.
-    """
+) -> BlobHead:
+    """Validate a blob's head alone (header and token ids: its HMAC, model, tokens and prefix
+    hash); raise `BlobError` otherwise. A few KB are read, whatever the state's size: the
+    state is only checked by `decode_blob`, which must run before llama.cpp sees it."""
     _check_key(key)
     _check_size("fingerprint", fingerprint, FINGERPRINT_BYTES)
-    parts = isinstance(data, tuple)
-    if parts and len(data) != 2:
-        raise BlobError("bad_length", f"a blob travels in 2 parts, got {len(data)}")
-    head = _part_view(data[0] if parts else data)
+    view = _part_view(head)
+    header = _parse_header(view, max_state_bytes, max_tokens)
+    if len(view) != header.head_len:
+        raise BlobError(
+            "bad_length",
+            f"a blob head is {len(view)} bytes but its header implies {header.head_len}",
+        )
+    _check_signed(header, view, key, fingerprint)
+    tokens = _checked_tokens(header, view, hasher)
+    return BlobHead(header.fingerprint, header.prefix_hash, tokens, header.state_len, header.seal)
+
+
+@dataclass(frozen=True)
+class _Header:
+    fingerprint: bytes
+    n_tokens: int
+    prefix_hash: bytes
+    state_len: int
+    seal: PayloadSeal
+
+    @property
+    def head_len(self) -> int:
+        return HEADER_SIZE + 4 * self.n_tokens
+
+
+def _parse_header(head: memoryview, max_state_bytes: int, max_tokens: int) -> _Header:
+    """The header's fields, each checked on its own (nothing keyed yet)."""
     if len(head) < HEADER_SIZE:
         raise BlobError(
             "too_short", f"blob is {len(head)} bytes, shorter than the {HEADER_SIZE}-byte header"
@@ -281,37 +327,76 @@ def decode_blob(
         )
     if n_tokens == 0:
         raise BlobError("bad_length", "blob holds no tokens")
-    state_start = HEADER_SIZE + 4 * n_tokens
+    return _Header(
+        blob_fingerprint, n_tokens, prefix_hash, state_len, PayloadSeal(nonce, lanes, digest)
+    )
+
+
+def _check_signed(header: _Header, head: memoryview, key: bytes, fingerprint: bytes) -> None:
+    """The model and the HMAC over the header and token ids; the lane count."""
+    if header.fingerprint != fingerprint:
+        raise BlobError("wrong_model", "blob was made by a different model")
+    mac = head[_SIGNED.size : HEADER_SIZE]
+    if not hmac.compare_digest(_mac(key, head[: _SIGNED.size], head[HEADER_SIZE:]), mac):
+        raise BlobError("bad_hmac", "blob signature does not match (forged or other key)")
+    if not 1 <= header.seal.lanes <= MAX_LANES:
+        raise BlobError(
+            "bad_lanes", f"blob state is cut into {header.seal.lanes} lanes, not 1-{MAX_LANES}"
+        )
+
+
+def _checked_tokens(header: _Header, head: memoryview, hasher: PrefixHasher | None) -> np.ndarray:
+    tokens = np.frombuffer(head, dtype=TOKEN_DTYPE, count=header.n_tokens, offset=HEADER_SIZE)
+    tokens.flags.writeable = False
+    if tokens.min() < 0:
+        raise BlobError("bad_tokens", "blob holds negative token ids")
+    if hasher is not None and hasher.prefix_hash(tokens) != header.prefix_hash:
+        raise BlobError("bad_prefix_hash", "blob prefix hash does not match its tokens")
+    return tokens
+
+
+def decode_blob(
+    data: Buffer | BlobParts,
+    *,
+    key: bytes,
+    fingerprint: bytes,
+    max_state_bytes: int = 8 << 30,
+    max_tokens: int = 1 << 22,
+    hasher: PrefixHasher | None = None,
+    threads: int = ALL_CORES,
+) -> StateBlob:
+    """Validate a blob completely and return views into it; raise `BlobError` otherwise.
+
+    `data` is one contiguous blob or its two parts, `(head, state)`; the state's lanes
+    are checked on this thread when `threads` is 1, else on a pool of a thread per core.
+    """
+    _check_key(key)
+    _check_size("fingerprint", fingerprint, FINGERPRINT_BYTES)
+    parts = isinstance(data, tuple)
+    if parts and len(data) != 2:
+        raise BlobError("bad_length", f"a blob travels in 2 parts, got {len(data)}")
+    head = _part_view(data[0] if parts else data)
+    header = _parse_header(head, max_state_bytes, max_tokens)
+    state_start = header.head_len
     if parts:
         state = _part_view(data[1])
-        sizes, expected = (len(head), len(state)), (state_start, state_len)
+        sizes, expected = (len(head), len(state)), (state_start, header.state_len)
     else:
         state = head[state_start:]
-        sizes, expected = (len(head),), (state_start + state_len,)
+        sizes, expected = (len(head),), (state_start + header.state_len,)
         head = head[:state_start]
     if sizes != expected:
         raise BlobError(
             "bad_length", f"blob parts are {sizes} bytes but its header implies {expected}"
         )
-    if blob_fingerprint != fingerprint:
-        raise BlobError("wrong_model", "blob was made by a different model")
-    mac = head[_SIGNED.size : HEADER_SIZE]
-    if not hmac.compare_digest(_mac(key, head[: _SIGNED.size], head[HEADER_SIZE:]), mac):
-        raise BlobError("bad_hmac", "blob signature does not match (forged or other key)")
-    if not 1 <= lanes <= MAX_LANES:
-        raise BlobError("bad_lanes", f"blob state is cut into {lanes} lanes, not 1-{MAX_LANES}")
-    if not hmac.compare_digest(_digest(key, nonce, lanes, state, threads), digest):
+    _check_signed(header, head, key, fingerprint)
+    seal = header.seal
+    if not hmac.compare_digest(_digest(key, seal.nonce, seal.lanes, state, threads), seal.digest):
         raise BlobError("bad_checksum", "blob state does not match its seal")
-    tokens = np.frombuffer(head, dtype=TOKEN_DTYPE, count=n_tokens, offset=HEADER_SIZE)
-    tokens.flags.writeable = False
-    if tokens.min() < 0:
-        raise BlobError("bad_tokens", "blob holds negative token ids")
-    if hasher is not None and hasher.prefix_hash(tokens) != prefix_hash:
-        raise BlobError("bad_prefix_hash", "blob prefix hash does not match its tokens")
     return StateBlob(
-        fingerprint=blob_fingerprint,
-        prefix_hash=prefix_hash,
-        tokens=tokens,
+        fingerprint=header.fingerprint,
+        prefix_hash=header.prefix_hash,
+        tokens=_checked_tokens(header, head, hasher),
         state=state.toreadonly(),
-        seal=PayloadSeal(nonce, lanes, digest),
+        seal=seal,
     )

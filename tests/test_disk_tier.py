@@ -1,6 +1,6 @@
 """The disk tier on real files: spilling, lookups across tiers, the budget, damaged files,
-shared directories. The states are random bytes in real signed blobs (the engine's own
-checks are in test_disk_restart.py)."""
+durable writes, a start that reads heads only, shared directories. The states are random
+bytes in real signed blobs (the engine's own checks are in test_disk_restart.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from baton_serve.cache_store.checkpoint_store import Checkpoint, CheckpointStore
-from baton_serve.cache_store.disk_dir import DiskTierError
+from baton_serve.cache_store.disk_dir import PROBE_BYTES, DiskTierError
 from baton_serve.cache_store.disk_tier import DiskEntry, DiskTier
 from baton_serve.cache_store.prefix_hash import PrefixHasher
-from baton_serve.cache_store.state_blob import decode_blob, encode_blob
+from baton_serve.cache_store.state_blob import BlobHead, decode_blob, decode_head, encode_blob
 
 MODEL = b"m" * 32
 OTHER_MODEL = b"o" * 32
@@ -42,8 +42,12 @@ def decode(data: bytes) -> Checkpoint:
     return Checkpoint(state.prefix_hash, state.tokens, bytes(state.state))
 
 
+def decode_head_only(head: bytes) -> BlobHead:
+    return decode_head(head, key=KEY, fingerprint=MODEL, hasher=HASHER)
+
+
 def tier(root: Path, budget: int = 100_000) -> DiskTier:
-    return DiskTier(root, MODEL, budget, encode=blob, decode=decode)
+    return DiskTier(root, MODEL, budget, encode=blob, decode=decode, decode_head=decode_head_only)
 
 
 def wait_written(disk: DiskTier, count: int) -> None:
@@ -113,6 +117,8 @@ def test_the_disk_budget_is_kept_and_only_what_leaves_both_tiers_is_evicted(
 def test_damaged_or_foreign_files_are_deleted_with_a_log_line_never_loaded(
     tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A damage the head shows is caught at the start; a flipped bit in the state only when
+    the file is loaded (a start reads heads only): then the load is a miss."""
     good, bad = checkpoint(0), checkpoint(100)
     first = tier(tmp_path)
     first.spill(good)
@@ -138,12 +144,65 @@ def test_damaged_or_foreign_files_are_deleted_with_a_log_line_never_loaded(
 
     with caplog.at_level(logging.WARNING, logger="baton.disk"):
         adopted = tier(tmp_path)
+        if damage == "bit_flipped":
+            assert len(adopted.entries()) == 2 and "deleting" not in caplog.text
+            dropped: list = []
+            adopted.on_drop = dropped.append
+            assert adopted.load(bad.prefix_hash) is None  # a miss: never handed out
+            assert [e.prefix_hash for e in dropped] == [bad.prefix_hash]
     assert adopted.dir == first.dir
     assert [e.prefix_hash for e in adopted.entries()] == [good.prefix_hash]
     assert files(adopted) == [adopted.dir / f"{good.prefix_hash.hex()}.ckpt"]
     assert not list(adopted.dir.glob("*.tmp"))
     assert "deleting checkpoint file" in caplog.text
     assert adopted.load(good.prefix_hash).state == good.state
+    adopted.close()
+
+
+def test_a_file_and_its_directory_are_fsynced_before_its_entry_is_listed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """os.fsync is wrapped (and still called): a test cannot crash the machine to show the
+    file survives, so it records what each fsync was for, and whether the entry that lookups
+    and a restart's republishing see was already listed then."""
+    disk = tier(tmp_path)  # its read-speed probe fsyncs too: before the wrapper
+    cp = checkpoint(0)
+    real_fsync, synced = os.fsync, []
+
+    def fsync(fd: int) -> None:
+        listed = any(isinstance(e, DiskEntry) for e in disk.entries())
+        real_fsync(fd)
+        synced.append((Path(os.readlink(f"/proc/self/fd/{fd}")), listed))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    disk.spill(cp)
+    wait_written(disk, 1)
+    name = cp.prefix_hash.hex()
+    assert synced == [(disk.dir / f"{name}.tmp", False), (disk.dir, False)]
+    assert files(disk) == [disk.dir / f"{name}.ckpt"]
+    assert files(disk)[0].stat().st_mode & 0o777 == 0o600  # it holds a prompt's tokens
+    disk.close()
+
+
+def test_a_start_reads_each_files_head_not_its_state(tmp_path: Path) -> None:
+    """Bytes this process read (/proc/self/io `rchar`) while a tier adopts three 16 MiB
+    files: the heads and the fixed-size read-speed probe, not the states."""
+    first = tier(tmp_path, budget=1 << 30)
+    made = [checkpoint(100 * i, state_bytes=16 << 20) for i in range(3)]
+    for cp in made:
+        first.spill(cp)
+    first.close()
+
+    def bytes_read() -> int:
+        io = Path("/proc/self/io").read_text().split()
+        return int(io[io.index("rchar:") + 1])
+
+    before = bytes_read()
+    adopted = tier(tmp_path, budget=1 << 30)
+    read = bytes_read() - before
+    assert sorted(e.prefix_hash for e in adopted.entries()) == sorted(c.prefix_hash for c in made)
+    assert read < PROBE_BYTES + (1 << 20), f"a start read {read} bytes"
+    assert adopted.load(made[1].prefix_hash).state == made[1].state  # validated in full now
     adopted.close()
 
 
@@ -187,7 +246,9 @@ def test_writes_happen_off_the_calling_thread(tmp_path: Path) -> None:
         writers.add(threading.current_thread().name)
         return blob(cp)
 
-    disk = DiskTier(tmp_path, MODEL, 100_000, encode=encode, decode=decode)
+    disk = DiskTier(
+        tmp_path, MODEL, 100_000, encode=encode, decode=decode, decode_head=decode_head_only
+    )
     disk.spill(checkpoint(0))
     wait_written(disk, 1)
     disk.close()

@@ -19,10 +19,12 @@ from baton_serve.cache_store.prefix_hash import PrefixHasher
 from baton_serve.cache_store.state_blob import (
     ALL_CORES,
     BlobError,
+    BlobHead,
     BlobParts,
     Buffer,
     byte_view,
     decode_blob,
+    decode_head,
     encode_blob,
     encode_parts,
     seal_payload,
@@ -95,15 +97,7 @@ class CheckpointCodec:
         that is not an authentic, intact blob of this model."""
         started = time.perf_counter()
         state = decode_blob(blob, key=self._key, fingerprint=self.fingerprint, hasher=self.hasher)
-        if self.state_size is not None:
-            fixed, per_token = self.state_size
-            expected = fixed + per_token * state.n_tokens
-            if len(state.state) != expected:
-                raise BlobError(
-                    "bad_state_size",
-                    f"a {state.n_tokens}-token state of this model is {expected} bytes, "
-                    f"the blob carries {len(state.state)}",
-                )
+        self._check_state_size(state.n_tokens, len(state.state))
         self.stats.blob_validate_seconds += time.perf_counter() - started
         return Checkpoint(
             prefix_hash=state.prefix_hash,
@@ -111,6 +105,24 @@ class CheckpointCodec:
             state=state.state,
             seal=state.seal,
         )
+
+    def checked_head(self, head: Buffer) -> BlobHead:
+        """A blob's head (header and token ids) checked as far as it can be without its
+        state: what a disk tier's start reads. `checked` must still pass before use."""
+        found = decode_head(head, key=self._key, fingerprint=self.fingerprint, hasher=self.hasher)
+        self._check_state_size(found.n_tokens, found.state_len)
+        return found
+
+    def _check_state_size(self, n_tokens: int, state_len: int) -> None:
+        if self.state_size is not None:
+            fixed, per_token = self.state_size
+            expected = fixed + per_token * n_tokens
+            if state_len != expected:
+                raise BlobError(
+                    "bad_state_size",
+                    f"a {n_tokens}-token state of this model is {expected} bytes, "
+                    f"the blob carries {state_len}",
+                )
 
 
 def _fill_seal(checkpoint: Checkpoint, key: bytes, threads: int = ALL_CORES) -> None:

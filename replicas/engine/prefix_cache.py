@@ -101,6 +101,7 @@ class PrefixCache:
             self.config.disk_budget_bytes,
             encode=self.codec.blob,
             decode=self.codec.checked,
+            decode_head=self.codec.checked_head,
         )
 
         def beats_recompute(entry: DiskEntry) -> bool:
