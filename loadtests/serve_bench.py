@@ -23,7 +23,7 @@ from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.local_ray import local_ray
 from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.routing_overhead import BENCH_APP, format_routing, routing_overhead
-from baton_serve.loadtests.serve_app import serve_app, wait_idle
+from baton_serve.loadtests.serve_app import replica_stats, serve_app, wait_idle
 from baton_serve.loadtests.sse import events
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
@@ -100,9 +100,17 @@ def _stream_completion(client: httpx.Client, url: str, body: dict) -> tuple[dict
     return row, usage.get("prompt_tokens", 0)
 
 
+def _loop_stalls(stats: list[dict]) -> dict:
+    """The replicas' event loops: the longest stall and the worst p99 of the last minute."""
+    return {
+        "max_ms": max(s["loop_stall_max_ms"] for s in stats),
+        "p99_ms": max(s["loop_stall_p99_ms"] for s in stats),
+    }
+
+
 def _http_runs(
     model: Path, engine: EngineConfig, hmac_key: str, tokens: int, runs: int, http_port: int | None
-) -> tuple[list[dict], int]:
+) -> tuple[list[dict], int, dict]:
     config = BatonConfig(
         model=str(model),
         replicas=1,
@@ -131,7 +139,8 @@ def _http_runs(
             row, prompt_tokens = _stream_completion(client, url, body)
             rows.append(row)
             asyncio.run(wait_idle(BENCH_APP))
-    return rows, prompt_tokens
+        stalls = _loop_stalls(asyncio.run(replica_stats(BENCH_APP)))
+    return rows, prompt_tokens, stalls
 
 
 def _summary(rows: list[dict]) -> dict:
@@ -166,7 +175,7 @@ def http_decode(
     progress.step(f"decode: the engine alone, {runs} x {tokens} tokens")
     engine_rows, engine_prompt = _engine_runs(model, config, hmac_key, tokens, runs)
     progress.step(f"decode: through HTTP (starting the app), {runs} x {tokens} tokens")
-    http_rows, http_prompt = _http_runs(model, config, hmac_key, tokens, runs, http_port)
+    http_rows, http_prompt, stalls = _http_runs(model, config, hmac_key, tokens, runs, http_port)
     engine, http = _summary(engine_rows), _summary(http_rows)
     return {
         "model": str(model),
@@ -179,6 +188,7 @@ def http_decode(
         "ratio": http["best_tokens_per_s"] / engine["best_tokens_per_s"],
         "ratio_median": http["median_tokens_per_s"] / engine["median_tokens_per_s"],
         "target_ratio": RATIO_TARGET,
+        "loop_stall": stalls,
     }
 
 
@@ -205,6 +215,8 @@ def format_http(result: dict) -> str:
             f"  through HTTP:  {h['best_tokens_per_s']:7.1f} tok/s (median {h['median_tokens_per_s']:.1f})",
             f"  HTTP / engine: {result['ratio']:.3f} (median {result['ratio_median']:.3f});"
             f" target >= {result['target_ratio']:g}: {verdict}",
+            f"  replica event loop: longest stall {result['loop_stall']['max_ms']:.1f} ms,"
+            f" p99 {result['loop_stall']['p99_ms']:.1f} ms (last minute, this app's replica)",
         ]
     )
 

@@ -17,6 +17,7 @@ from baton_serve.cache_store.index_connect import connect_index
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.protocol import Completion, GenerationRequest, ReplicaRequest
+from baton_serve.replicas.loop_lag import LoopLag
 from baton_serve.replicas.replica import Replica, ReplicaStats
 from baton_serve.replicas.shipping import (
     PeerReply,
@@ -37,8 +38,8 @@ def actor_name(replica_id: str) -> str:
 class ActorPeers:
     """Reaches peers as named Ray actors; their blobs come back through the object store.
 
-    A peer's handle is looked up once (a blocking call to Ray's GCS) and kept until a call
-    to it fails."""
+    A peer's handle is looked up once (a blocking call to Ray's GCS, made off the event
+    loop) and kept until a call to it fails."""
 
     def __init__(self) -> None:
         self._handles: dict[str, ray.actor.ActorHandle] = {}
@@ -49,7 +50,7 @@ class ActorPeers:
     ) -> ShippedBlob | None:
         self._receiver = self._receiver or StateReceiver()
         with self._forgotten_on_error(replica_id):
-            peer = self._peer(replica_id)
+            peer = await self._peer(replica_id)
             return await fetch_offering_stream(
                 self._receiver,
                 lambda offer: peer.export_best.remote(tokens, min_tokens, wait_s, offer),
@@ -57,13 +58,15 @@ class ActorPeers:
 
     async def offer(self, replica_id: str, blob: PeerReply) -> bool:
         with self._forgotten_on_error(replica_id):
-            return await self._peer(replica_id).adopt.remote(blob)
+            return await (await self._peer(replica_id)).adopt.remote(blob)
 
-    def _peer(self, replica_id: str) -> ray.actor.ActorHandle:
+    async def _peer(self, replica_id: str) -> ray.actor.ActorHandle:
         handle = self._handles.get(replica_id)
         if handle is None:
             try:
-                handle = ray.get_actor(actor_name(replica_id), namespace=NAMESPACE)
+                handle = await asyncio.to_thread(
+                    ray.get_actor, actor_name(replica_id), namespace=NAMESPACE
+                )
             except ValueError as exc:  # no such actor: it died or never existed
                 raise RayActorError(f"peer {replica_id} is gone") from exc
             self._handles[replica_id] = handle
@@ -104,7 +107,7 @@ class ReplicaHost:
     async def start(self) -> str:
         """Load the model and join the index (slow, so not in the constructor)."""
         model_path, config, hmac_key = self._engine_args
-        engine = Engine(model_path, config, hmac_key=hmac_key)
+        engine = await asyncio.to_thread(Engine, model_path, config, hmac_key=hmac_key)
         index = None
         if self._index_spec:
             engine.cache.codec.share = share_in_object_store  # peers may pull its states
@@ -140,6 +143,10 @@ class ReplicaHost:
     def stats(self) -> tuple[ReplicaStats, dict]:
         return self._replica.stats, dict(vars(self._replica.engine.stats))
 
+    def loop_lag(self) -> LoopLag:
+        """How late this actor's event loop ran lately."""
+        return self._replica.loop_lag.snapshot()
+
     def ship_timings(self) -> dict[str, float]:
         """Seconds spent so far on each stage of shipping states (either way), and when the
         last pull began and the last restore ended (`time.perf_counter()` here)."""
@@ -160,7 +167,7 @@ class ReplicaHost:
         """Leave: hand the hottest checkpoints to peers for up to `handoff_s`, then stop."""
         if self.replica is not None:
             await self.replica.leave(handoff_s)
-            self.replica.engine.close()
+            await asyncio.to_thread(self.replica.engine.close)
             self.replica = None
 
     @property

@@ -35,5 +35,7 @@ def test_http_decode_compares_http_with_the_engine(tiny_model, serve_port) -> No
         assert result[side]["best_tokens_per_s"] > 0
     assert result["ratio"] > 0
     assert "HTTP / engine" in format_report(result)
+    assert 0 <= result["loop_stall"]["p99_ms"] <= result["loop_stall"]["max_ms"]
+    assert "replica event loop: longest stall" in format_report(result)
     assert "decode: the engine alone, 1 x 32 tokens" in stderr.getvalue()
     assert "decode: through HTTP" in stderr.getvalue()
