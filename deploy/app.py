@@ -2,12 +2,14 @@
 
 `build_app(config)` is what `baton serve` runs; `app_builder(args)` is the import path a
 Serve config names (`serve run`, `serve deploy`, and the Helm chart's serveConfigV2), with
-`args` made by `deploy.config.to_serve_args`.
+`args` made by `deploy.config.to_serve_args`. The cluster key is never among a deployment's
+arguments (Serve stores and shows them): replicas read it on their node (`replica_key_file`).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import ray
@@ -15,9 +17,11 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
+from baton_serve.cache_store.cluster_key import KEY_ENV, KEY_FILE_ENV, write_private_key_file
 from baton_serve.cache_store.fingerprint import file_fingerprint
 from baton_serve.cache_store.index import EMBEDDED_SPEC
-from baton_serve.deploy.config import BatonConfig, RouterPolicy, load_config
+from baton_serve.deploy.capacity_check import check_object_store_fits, fit_store_budget
+from baton_serve.deploy.config import BatonConfig, ConfigError, RouterPolicy, load_config
 from baton_serve.deploy.index_placement import start_embedded_index_on_head
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.models.model_source import resolve_model
@@ -89,11 +93,37 @@ def shutdown_timeout_s(config: BatonConfig) -> float:
     return DRAIN_S + config.handoff_seconds + closing
 
 
+def check_cluster_key(config: BatonConfig) -> None:
+    """Refuse a disk tier without an explicit cluster key: with a key generated per start,
+    every start would delete the checkpoint files the one before left."""
+    if config.engine.checkpoint_dir is not None and not (config.hmac_key or config.hmac_key_file):
+        raise ConfigError(
+            "engine.checkpoint_dir (--checkpoint-dir) needs a fixed cluster key: set "
+            f"{KEY_ENV} (at least 16 characters) or {KEY_FILE_ENV} (a file holding it), or "
+            "hmac_key / hmac_key_file in the config file; a key generated at each start "
+            "could not verify the files the previous start left"
+        )
+
+
+def replica_key_file(config: BatonConfig) -> str | None:
+    """Where the replicas read the cluster key: `hmac_key_file` (at that path on every
+    node); None when the key is this process's `BATON_HMAC_KEY`, which every node's
+    environment holds (the chart's pods; a local cluster inherits `baton serve`'s);
+    otherwise a private file written here (mode 0600, deleted when this process exits)
+    with the key given, or a generated one: a cluster on this machine reads it there."""
+    if config.hmac_key_file is not None:
+        return config.hmac_key_file
+    key = config.with_hmac_key().hmac_key.get_secret_value()  # type: ignore[union-attr]
+    if config.hmac_key is not None and key == os.environ.get(KEY_ENV):
+        return None
+    return str(write_private_key_file(key))
+
+
 def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Application:
-    """The application for `config`. Without an HMAC key, one is generated here: every
-    replica of this application receives the same one. With `startup_dir`, replicas on
-    this machine report their start-up stages there (`deploy/startup.py` shows them)."""
-    config = config.with_hmac_key()
+    """The application for `config`. Without a cluster key, one is generated here and
+    written where this machine's replicas read it (`replica_key_file`). With `startup_dir`,
+    replicas on this machine report their start-up stages there (`deploy/startup.py`)."""
+    check_cluster_key(config)
     model_path = resolve_model(config.model)
     engine = config.engine
     if "n_threads" not in engine.model_fields_set:  # one thread per logical CPU a replica holds
@@ -120,7 +150,7 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
         ReplicaSettings(
             model_path=str(model_path),
             engine=engine,
-            hmac_key_hex=config.hmac_key.get_secret_value().encode().hex(),
+            hmac_key_file=replica_key_file(config),
             index=config.index,
             ship=config.router is RouterPolicy.BATON,
             heartbeat_s=config.heartbeat_s,
@@ -144,6 +174,9 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
         chat_template=config.engine.chat_template,
         api_keys=tuple(k.get_secret_value() for k in config.api_keys),
         max_body_bytes=config.max_body_bytes,
+        max_messages=config.max_messages,
+        max_prompts=config.max_prompts,
+        max_prompt_bytes=config.max_prompt_bytes,
         stream_ping_s=config.stream_ping_s,
     )
     return gateway.bind(settings, replica)
@@ -154,5 +187,21 @@ def app_builder(args: dict) -> Application:
 
     `args` override the `BATON_*` environment variables of the process that builds the app
     (the Helm chart passes API keys, the HMAC key and the Redis URL that way, from Secrets).
+    The cluster key must come from that environment (`BATON_HMAC_KEY`, or
+    `BATON_HMAC_KEY_FILE` / `hmac_key_file` naming a file every node has): the app may run
+    on nodes this process cannot write a key file to, and args are stored with the app.
     """
-    return build_app(load_config(overrides=args))
+    if "hmac_key" in args:
+        raise ConfigError(
+            "a Serve config's args must not hold hmac_key (Serve stores and shows them): "
+            f"set {KEY_ENV} or {KEY_FILE_ENV} on every Ray node instead"
+        )
+    config = load_config(overrides=args)
+    if config.hmac_key is None and config.hmac_key_file is None:
+        raise ConfigError(
+            f"no cluster key: set {KEY_ENV} (the key) or {KEY_FILE_ENV} (a file holding it) "
+            "on every Ray node, where Serve builds the app and where replicas run"
+        )
+    config = fit_store_budget(config)
+    check_object_store_fits(config)  # before anything is deployed
+    return build_app(config)

@@ -107,7 +107,15 @@ class BatonConfig(BaseModel):
         default=(), description="accepted API keys (empty: no auth)"
     )
     hmac_key: SecretStr | None = Field(
-        default=None, description="signs state blobs between replicas (None: generated per serve)"
+        default=None,
+        description="the cluster key: signs state blobs between replicas and on disk (None: "
+        "generated per serve; required with engine.checkpoint_dir)",
+    )
+    hmac_key_file: str | None = Field(
+        default=None,
+        min_length=1,
+        description="a file holding the cluster key instead (a mounted Secret): every node "
+        "must have it at this path",
     )
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=8000, ge=1, le=65535)
@@ -118,6 +126,17 @@ class BatonConfig(BaseModel):
         description="Prometheus /metrics port of the local Ray cluster (None: Ray picks one)",
     )
     max_body_bytes: int = Field(default=4 << 20, ge=1, description="largest request body accepted")
+    max_messages: int = Field(
+        default=2048, ge=1, description="most messages in one chat request (more: 400)"
+    )
+    max_prompts: int = Field(
+        default=256, ge=1, description="most prompts in one completion request (more: 400)"
+    )
+    max_prompt_bytes: int = Field(
+        default=4 << 20,
+        ge=1,
+        description="largest prompt text, a chat as its template renders it (larger: 413)",
+    )
     max_queued_requests: int = Field(
         default=64,
         ge=1,
@@ -210,6 +229,12 @@ class BatonConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _check_one_key(self) -> BatonConfig:
+        if self.hmac_key is not None and self.hmac_key_file is not None:
+            raise ValueError("set hmac_key (BATON_HMAC_KEY) or hmac_key_file, not both")
+        return self
+
+    @model_validator(mode="after")
     def _check_liveness(self) -> BatonConfig:
         if self.liveness_ttl_s <= self.heartbeat_s:
             raise ValueError(
@@ -275,16 +300,15 @@ def load_config(
 
 
 def to_serve_args(config: BatonConfig) -> dict[str, Any]:
-    """The settings given explicitly, as plain JSON-able data with secrets revealed.
+    """The settings given explicitly, as plain JSON-able data with API keys revealed, and
+    without the cluster key: replicas read it from their nodes (`cache_store.cluster_key`).
 
     Unset fields are left out, so defaults (such as `engine.n_threads`, the CPU count) are
     taken where the Serve app runs.
     """
-    args = config.model_dump(mode="json", exclude_unset=True)
+    args = config.model_dump(mode="json", exclude_unset=True, exclude={"hmac_key"})
     if "api_keys" in args:
         args["api_keys"] = [key.get_secret_value() for key in config.api_keys]
-    if "hmac_key" in args and config.hmac_key is not None:
-        args["hmac_key"] = config.hmac_key.get_secret_value()
     return args
 
 

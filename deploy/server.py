@@ -14,7 +14,8 @@ from ray import serve
 
 from baton_serve.cache_store.disk_dir import check_checkpoint_dir
 from baton_serve.cache_store.redis_address import redact
-from baton_serve.deploy.app import APP_NAME, build_app, logical_cpus
+from baton_serve.deploy.app import APP_NAME, build_app, check_cluster_key, logical_cpus
+from baton_serve.deploy.capacity_check import check_object_store_fits, fit_store_budget
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.local_ray import local_ray, metrics_export_port
 from baton_serve.deploy.startup import deploy_with_progress
@@ -29,13 +30,7 @@ def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) 
             "metrics_port sets the metrics port of the cluster baton serve starts; a joined "
             "cluster serves metrics where `ray start --metrics-export-port` put them"
         )
-    if config.engine.checkpoint_dir is not None and config.hmac_key is None:
-        print(
-            "note: no hmac_key (BATON_HMAC_KEY) is set, so one is generated: the next start "
-            "cannot adopt the checkpoints this one leaves in --checkpoint-dir",
-            flush=True,
-        )
-    config = config.with_hmac_key()
+    check_cluster_key(config)  # a disk tier needs a fixed key, before anything starts
     if not address:  # a joined cluster's replicas may not run on this machine
         if config.engine.checkpoint_dir is not None:
             check_checkpoint_dir(config.engine.checkpoint_dir)
@@ -53,6 +48,8 @@ def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) 
         _startup_dir(local=not address) as stages_dir,
         local_ray(num_cpus, address=address, metrics_port=config.metrics_port),
     ):
+        config = fit_store_budget(config)
+        check_object_store_fits(config)  # before anything is deployed
         # After ray.init, which installs handlers of its own: both signals mean "stop".
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, _raise_interrupt)

@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 
 from baton_serve.deploy.config import RouterPolicy
+from baton_serve.loadtests.abuse_cli import add_abuse_command
 from baton_serve.loadtests.bench_common import (
     MODEL_HELP,
     non_negative_float,
@@ -86,6 +87,8 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     disk.add_argument("--model", help=MODEL_HELP)
     disk.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
     disk.add_argument("--runs", type=int, default=3)
+    disk.add_argument("--startup-gib", type=float, nargs="+", metavar="GIB", help=_STARTUP_HELP)
+    disk.add_argument("--startup-dir", help="where --startup-gib writes (default: the temp dir)")
     disk.add_argument("--json", action="store_true", help="print one JSON object")
     disk.set_defaults(run=_bench_disk)
 
@@ -170,6 +173,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     soak.set_defaults(run=_bench_soak)
 
     add_restart_command(benches)
+    add_abuse_command(benches)
 
 
 _ROUTING_WORKLOAD_FLAGS = {  # flag → what it sets (defaults: `RoutingWorkload`)
@@ -272,9 +276,16 @@ def _bench_ship(args: argparse.Namespace) -> int:
     return 0
 
 
+_STARTUP_HELP = "instead: a disk tier's start-up time on this many GiB of files, e.g. 1 16"
+
+
 def _bench_disk(args: argparse.Namespace) -> int:
     from baton_serve.loadtests.disk_bench import disk_benchmark, format_report
 
+    if args.startup_gib:
+        from baton_serve.loadtests.disk_startup_bench import run_startup_bench
+
+        return run_startup_bench(args)
     with _progress(args, "disk") as progress:
         result = disk_benchmark(resolve_model(args.model), args.tokens, args.runs, progress)
     _report(args, result, format_report(result), [])

@@ -21,6 +21,7 @@ from opentelemetry.trace import Span
 from baton_serve.cache_store.checkpoint import Checkpoint
 from baton_serve.cache_store.index import CheckpointIndex, IndexUnavailable
 from baton_serve.cache_store.state_blob import BlobError
+from baton_serve.cache_store.supervised import supervised
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.protocol import (
@@ -32,6 +33,8 @@ from baton_serve.replicas.engine.protocol import (
 )
 from baton_serve.replicas.handoff import HandoffReport, hand_off, handoff_order
 from baton_serve.replicas.index_publisher import IndexPublisher
+from baton_serve.replicas.loop_lag import LoopLagMonitor
+from baton_serve.replicas.off_loop import OffLoop, reuse_and_chain, submit
 from baton_serve.replicas.request_telemetry import RequestTelemetry
 from baton_serve.replicas.shipping import (
     PeerDirectory,
@@ -98,6 +101,8 @@ class Replica:
             on_error=self._index_error,
         )
         self.streams = StreamSender()
+        self.off_loop = OffLoop()  # per-request CPU work: token scans, grammars, hashing
+        self.loop_lag = LoopLagMonitor()
         self._tasks: list[asyncio.Task[None]] = []
         self._leaving = False
 
@@ -106,8 +111,13 @@ class Replica:
     async def start(self) -> None:
         """Start publishing to the index (call once, on the loop that serves requests)."""
         self._tasks += self.publisher.start()
+        self._tasks.append(self.loop_lag.start())
         if metrics.enabled():
-            self._tasks.append(asyncio.create_task(self._gauge_loop()))
+            self._tasks.append(supervised("replica.gauges", self._gauge_loop))
+
+    def check_health(self) -> None:
+        """Raise `EngineStalled` if the engine loop is stuck or gone (Serve's probe)."""
+        self.engine.check_health()
 
     async def leave(self, handoff_s: float) -> HandoffReport:
         """Leave for good, once no request is left: let the engine finish the work in hand
@@ -130,7 +140,8 @@ class Replica:
             self._index_error()
             return HandoffReport()
         cache = self.engine.cache
-        order = handoff_order(cache.store.checkpoints(), nested=not cache.kind.needs_checkpoints)
+        nested = not cache.kind.needs_checkpoints
+        order = await asyncio.to_thread(handoff_order, cache.store.checkpoints(), nested=nested)
         report = await hand_off(
             order,
             self._export_checkpoint,
@@ -180,6 +191,7 @@ class Replica:
             task.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=CLOSE_TIMEOUT_S)
+        self.off_loop.close()
         if self.index is not None:
             forget = asyncio.ensure_future(self.index.forget(self.replica_id))
             done, _ = await asyncio.wait({forget}, timeout=CLOSE_TIMEOUT_S)
@@ -195,8 +207,7 @@ class Replica:
         with RequestTelemetry(request, self.replica_id) as telemetry:
             await self.prepare(request.generation.prompt.tokens, telemetry)
             telemetry.submitting()
-            handle = self.engine.submit(request.generation)
-            self.publisher.announce(request)
+            handle = await submit(self.off_loop, self.engine, self.publisher, request)
             try:
                 done = await handle.aresult()
             finally:
@@ -213,12 +224,11 @@ class Replica:
         `Completion`. Closing the stream early (a client that went away) cancels the
         generation and frees its slot."""
         with RequestTelemetry(request, self.replica_id) as telemetry:
-            self.engine.check(request.generation)
+            await self.off_loop.run(self.engine.check, request.generation)
             yield Admitted(replica_id=self.replica_id)
             await self.prepare(request.generation.prompt.tokens, telemetry)
             telemetry.submitting()
-            handle = self.engine.submit(request.generation)
-            self.publisher.announce(request)
+            handle = await submit(self.off_loop, self.engine, self.publisher, request)
             try:
                 async for event in handle.aiter():
                     yield event
@@ -236,10 +246,9 @@ class Replica:
         if self.index is None or self.peers is None:
             return
         usable = len(tokens) - MIN_PIECE  # the engine always computes the last piece itself
-        local, local_restore_s = self.engine.local_reuse(tokens)
-        if usable - local < self.policy.min_gain_tokens:
-            return  # no peer can hold enough more to be worth a pull: skip the lookup
-        chain = self.engine.cache.hasher.chain(tokens[:usable])
+        local, local_restore_s, chain = await self.off_loop.run(
+            reuse_and_chain, self.engine, tokens, self.policy.min_gain_tokens
+        )
         if not chain:
             return
         started = time.perf_counter()

@@ -10,10 +10,11 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from baton_serve.cache_store.cluster_key import read_cluster_key
 from baton_serve.cache_store.index import IndexUnavailable
 from baton_serve.cache_store.index_connect import connect_cluster_index
 from baton_serve.replicas.engine.engine import Engine
@@ -44,7 +45,9 @@ class ReplicaSettings(BaseModel):
 
     model_path: str
     engine: EngineConfig = EngineConfig()
-    hmac_key_hex: str = Field(repr=False)
+    # The cluster key's file; None: the replica's environment (cache_store.cluster_key). The
+    # key itself is never here: Serve stores and shows a deployment's arguments.
+    hmac_key_file: str | None = None
     index: str | None = "embedded"
     ship: bool = True  # pull from peers (needs Baton's router to reach a given replica)
     heartbeat_s: float = 5.0
@@ -89,7 +92,7 @@ class ReplicaDeployment:
             Engine,
             settings.model_path,
             settings.engine,
-            hmac_key=bytes.fromhex(settings.hmac_key_hex),
+            hmac_key=read_cluster_key(settings.hmac_key_file),
         )
         index = None
         if settings.index:
@@ -134,6 +137,7 @@ class ReplicaDeployment:
 
     def record_routing_stats(self) -> dict[str, int | float | str]:
         load = self.replica.engine.load()
+        lag = self.replica.loop_lag.snapshot()
         return {
             "replica_id": self.replica_id,
             "queued": load.queued,
@@ -144,10 +148,16 @@ class ReplicaDeployment:
             "pulled_bytes": self.replica.stats.pulled_bytes,
             "streamed_exports": self.replica.stats.streamed_exports,
             "prefill_tokens_per_s": self.replica.engine.stats.prefill_tokens_per_s or 0.0,
+            "loop_stall_max_ms": lag.max_ms,  # the event loop's longest stall, lately
+            "loop_stall_p99_ms": lag.p99_ms,
         }
 
     def ready(self) -> bool:
         return True
+
+    def check_health(self) -> None:
+        """Serve's periodic probe: raising (a stuck engine loop) makes Serve replace it."""
+        self.replica.check_health()
 
     async def __del__(self) -> None:
         """Serve stops this replica (scale-down, a rolling update) once its requests are

@@ -13,8 +13,10 @@ import llama_cpp
 from baton_serve.replicas.engine.llama_model import LlamaModel, ModelKind
 
 
-def _baton(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "BATON_CACHE_DIR": str(cache)}
+def _baton(
+    *args: str, cache: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "BATON_CACHE_DIR": str(cache), **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "baton_serve.deploy.cli", *args],
         capture_output=True,
@@ -162,7 +164,9 @@ def test_serve_refuses_an_unusable_checkpoint_dir_or_budget_in_one_line(tmp_path
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     done = _baton(
-        "serve", "--model", "tiny:llama", "--checkpoint-dir", f"{a_file}/x", cache=tmp_path
+        *("serve", "--model", "tiny:llama", "--checkpoint-dir", f"{a_file}/x"),
+        cache=tmp_path,
+        env={"BATON_HMAC_KEY": "a-fixed-cluster-key-for-tests"},  # else refused for that
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.startswith("baton: error: cannot use checkpoint directory"), done.stderr

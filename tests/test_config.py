@@ -279,11 +279,11 @@ def test_serve_args_round_trip(tmp_path: Path) -> None:
             "router": "round-robin",
             "index": "rediss://:pw@cache:6380",
         },
-    ).with_hmac_key()
+    )
     args = to_serve_args(config)
     assert json.loads(json.dumps(args)) == args
     assert args["api_keys"] == ["k1", "k2"]
-    assert args["hmac_key"] == config.hmac_key.get_secret_value()  # type: ignore[union-attr]
+    assert to_serve_args(config.with_hmac_key()) == args  # the cluster key is never in args
     assert args["router"] == "round-robin"
     assert args["engine"] == {"n_ctx": 2048}  # unset fields (n_threads) default where Serve runs
     restored = config_from_serve_args(args)
@@ -311,11 +311,13 @@ def test_serve_config_matches_ray_schema(tmp_path: Path) -> None:
         "baton_serve.deploy.app:app_builder",
     )
     assert app.args == to_serve_args(config)
-    assert config_from_serve_args(app.args) == config
+    restored = config_from_serve_args(app.args)
+    assert restored.hmac_key is None and to_serve_args(restored) == app.args
 
     path = tmp_path / "serve.yaml"
     write_serve_config(config, path)
     assert yaml.safe_load(path.read_text()) == serve_config(config)
+    assert HMAC_KEY not in path.read_text()  # replicas read it on their nodes
     assert os.stat(path).st_mode & 0o777 == 0o600
 
 
@@ -334,7 +336,10 @@ def test_app_builder_reads_baton_variables_under_the_args(
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
     config = load_config(env={}, overrides={"model": str(model), "replicas": 3})
-    app.app_builder(to_serve_args(config))  # no BATON_* variables: the args alone
+    with pytest.raises(ConfigError, match="no cluster key"):  # none from the nodes
+        app.app_builder(to_serve_args(config))
+    key_file = tmp_path / "hmac-key"
+    app.app_builder({**to_serve_args(config), "hmac_key_file": str(key_file)})
 
     index = f"redis://:{REDIS_PASSWORD}@baton-redis:6379/0"
     monkeypatch.setenv("BATON_API_KEYS", f"{API_KEY},second-key")
@@ -344,7 +349,7 @@ def test_app_builder_reads_baton_variables_under_the_args(
     app.app_builder({**to_serve_args(config), "engine": {"n_ctx": 2048}})
 
     plain, merged = built
-    assert plain == config
+    assert plain == config.model_copy(update={"hmac_key_file": str(key_file)})
     assert [key.get_secret_value() for key in merged.api_keys] == [API_KEY, "second-key"]
     assert merged.hmac_key is not None and merged.hmac_key.get_secret_value() == HMAC_KEY
     assert merged.index == index

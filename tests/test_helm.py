@@ -625,6 +625,7 @@ def test_serve_builds_and_deploys_the_app_the_chart_describes(
     """What Serve's controller does with serveConfigV2, without a cluster: call the import
     path with the args in the pods' environment, build the application, and apply the config's
     deployment options (autoscaling) to the Replica deployment."""
+    from ray import cloudpickle
     from ray._common.utils import import_attr
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
     from ray.serve._private.application_state import override_deployment_info
@@ -650,6 +651,16 @@ def test_serve_builds_and_deploys_the_app_the_chart_describes(
     keys = os.environ.get("BATON_API_KEYS")
     assert gateway.init_args[0].api_keys == (tuple(keys.split(",")) if keys else ())
     replica = built[REPLICA_DEPLOYMENT]
+    # The cluster key reaches the replicas as each pod's BATON_HMAC_KEY, never in what
+    # Serve stores of a deployment (its arguments, options and config).
+    assert replica.init_args[0].hmac_key_file is None
+    kept = cloudpickle.dumps(
+        [
+            (d.init_args, d.init_kwargs, d.ray_actor_options, d._deployment_config)
+            for d in built.values()
+        ]
+    )
+    assert os.environ["BATON_HMAC_KEY"].encode() not in kept
     info = DeploymentInfo(
         deployment_config=replica._deployment_config,
         replica_config=replica._replica_config,

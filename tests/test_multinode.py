@@ -43,7 +43,15 @@ ROOM_PER_WORKER = 2  # room for two replicas: only max_replicas_per_node keeps t
 GATEWAY_RESOURCE = "baton_gateway"  # only the head has it: the gateway runs there
 NODE_CPUS = 1
 OBJECT_STORE_BYTES = 80 << 20  # each node's own store (Ray's minimum is 75 MiB)
-ENGINE = {"n_ctx": 1024, "n_slots": 1, "n_threads": 1, "prefill_chunk": 128}
+# A store budget that fits each node's object store (`baton serve` refuses one that does not).
+STORE_BUDGET_BYTES = 32 << 20
+ENGINE = {
+    "n_ctx": 1024,
+    "n_slots": 1,
+    "n_threads": 1,
+    "prefill_chunk": 128,
+    "store_budget_bytes": STORE_BUDGET_BYTES,
+}
 HEARTBEAT_S = 0.25
 LIVENESS_TTL_S = 2.0
 SYSTEM = "You answer in short sentences about nodes, object stores and state. " * 12

@@ -187,11 +187,12 @@ def test_bad_inputs_get_4xx_and_the_app_stays_healthy(app) -> None:
 
 
 def test_the_checked_in_serve_config_builds_through_serves_own_loader(
-    serve_port, tiny_model
+    serve_port, tiny_model, tmp_path
 ) -> None:
     """What `serve run deploy/serve_config.yaml` does: validate the file with Serve's
     schema, import the builder, call it with the file's args (here overridden to a tiny
-    model on one replica), run the application."""
+    model on one replica, and the cluster key's file: never the key itself), run the
+    application."""
     import yaml
     from ray._common.utils import import_attr
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
@@ -199,8 +200,11 @@ def test_the_checked_in_serve_config_builds_through_serves_own_loader(
 
     schema = ServeDeploySchema.model_validate(yaml.safe_load(open("deploy/serve_config.yaml")))
     (application,) = schema.applications
+    key_file = tmp_path / "hmac-key"
+    key_file.write_text("a-cluster-key-in-a-mounted-file")
     args = {
         **application.args,
+        "hmac_key_file": str(key_file),
         "model": str(tiny_model("llama")),
         "replicas": 1,
         "num_cpus_per_replica": 0.5,
