@@ -165,7 +165,10 @@ class IndexPublisher:
         with self._lock:
             self._dirty.update(hashes)
         if self._loop is not None and self._wake is not None:
-            self._loop.call_soon_threadsafe(self._wake.set)
+            try:
+                self._loop.call_soon_threadsafe(self._wake.set)
+            except RuntimeError:  # the serving loop has closed: nobody publishes any more
+                pass
 
     def _entry(self, prefix_hash: bytes) -> IndexEntry | None:
         """What to publish under `prefix_hash` now (lock held): the longest checkpoint here,

@@ -354,6 +354,10 @@ def push_blob(offer: StreamOffer, head: bytes, state: memoryview) -> None:
     `PeerUnreachable` when connecting fails, another `OSError` when the stream does."""
     try:
         conn = socket.create_connection((offer.host, offer.port), timeout=CONNECT_TIMEOUT_S)
+    except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError):
+        # The peer accepted and then dropped us (a busy host may report it while the
+        # connect is still being checked): it is reachable, only this stream failed.
+        raise
     except OSError as exc:
         raise PeerUnreachable(f"cannot connect to {offer.host}:{offer.port}: {exc}") from exc
     with conn:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 
+import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
@@ -25,16 +26,16 @@ class _Replica:
         self.routing_stats: dict = {}
 
 
-def _metadata_at(address: int) -> tuple[RequestMetadata, list[RequestMetadata]]:
+def _metadata_at(address: int) -> tuple[RequestMetadata | None, list[RequestMetadata]]:
     """A new `RequestMetadata` whose id() is `address` (CPython reuses a freed object's
-    memory), and the others made while looking for it (keep them alive)."""
+    memory) or None if none was, and the others made while looking (keep them alive)."""
     made = []
     for _ in range(10_000):
         metadata = RequestMetadata(request_id="B", internal_request_id="B")
         if id(metadata) == address:
             return metadata, made
         made.append(metadata)
-    raise AssertionError("no new RequestMetadata reused the freed one's address")
+    return None, made
 
 
 def test_a_plan_is_not_handed_to_a_later_request_that_reuses_the_id() -> None:
@@ -42,10 +43,6 @@ def test_a_plan_is_not_handed_to_a_later_request_that_reuses_the_id() -> None:
     carries no prompt, gets a metadata object at A's old address and is sent to the other
     replica. Keyed by id(), B's routing moved A's plan there: the ledger claimed that
     replica would hold A's prefix."""
-    router = BatonRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(
-        index="redis://127.0.0.1:1", fingerprint_hex="ab" * 32, follow_index=False
-    )
     replicas = [_Replica("a"), _Replica("b")]
     tokens = tuple(range(640))
     chain = tuple(PrefixHasher(b"fp", 64).chain(tokens))
@@ -53,7 +50,11 @@ def test_a_plan_is_not_handed_to_a_later_request_that_reuses_the_id() -> None:
         generation=GenerationRequest(prompt=Prompt(tokens=tokens)), prefix_hashes=chain
     )
 
-    async def scenario() -> set[str]:
+    async def scenario() -> set[str] | None:
+        router = BatonRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(
+            index="redis://127.0.0.1:1", fingerprint_hex="ab" * 32, follow_index=False
+        )
         metadata = RequestMetadata(request_id="A", internal_request_id="A")
         pending = PendingRequest(args=[request], kwargs={}, metadata=metadata)
         ranks = await router.choose_replicas(replicas, pending)
@@ -63,12 +64,20 @@ def test_a_plan_is_not_handed_to_a_later_request_that_reuses_the_id() -> None:
         del metadata, pending
         gc.collect()
         reused, _alive = _metadata_at(address)
+        if reused is None:
+            return None  # another object took the freed memory this time
         later = PendingRequest(args=["not a ReplicaRequest"], kwargs={}, metadata=reused)
         await router.choose_replicas([other], later)
         router.request_routed(later, other)
         return set(router._ledger.lookup(chain)) - {first.replica_id.unique_id}
 
-    assert asyncio.run(scenario()) == set()
+    # Whether CPython hands the freed address to a new RequestMetadata depends on what else
+    # allocates meanwhile: try a few times; every time it does, the plan must not follow.
+    outcomes = [asyncio.run(scenario()) for _ in range(5)]
+    reused = [outcome for outcome in outcomes if outcome is not None]
+    if not reused:
+        pytest.skip("CPython reused no freed RequestMetadata's address in 5 tries")
+    assert all(outcome == set() for outcome in reused)
 
 
 def test_an_entry_goes_when_its_object_is_freed() -> None:
