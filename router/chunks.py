@@ -29,31 +29,45 @@ class ReplyIds:
 
 
 class ReplyReader:
-    """Reads one chat reply's text: reasoning, content, and calls to the offered tools."""
+    """Reads one chat reply's text: reasoning (left out unless `reasoning`), content, and
+    calls to the offered tools."""
 
-    def __init__(self, parser: ReplyParser, tools: Sequence[Tool], *, parallel: bool) -> None:
+    def __init__(
+        self,
+        parser: ReplyParser,
+        tools: Sequence[Tool],
+        *,
+        parallel: bool,
+        reasoning: bool = True,
+    ) -> None:
         self._parser = parser
         self._tools = tools
         self._parallel = parallel
+        self._reasoning = reasoning
 
     def feed(self, text: str) -> list[Piece]:
-        return self._parser.feed(text)
+        return self._shown(self._parser.feed(text))
 
-    def finish(self) -> tuple[list[Piece], list[ToolCall]]:
-        """The last pieces, and the calls; a tool section that holds no valid call is content."""
-        pieces = self._parser.finish()
+    def _shown(self, pieces: list[Piece]) -> list[Piece]:
+        return [p for p in pieces if self._reasoning or p.part is not Part.REASONING]
+
+    def finish(self, *, truncated: bool) -> tuple[list[Piece], list[ToolCall]]:
+        """The last pieces, and the calls (`truncated`: the reply was cut at max_tokens)."""
+        pieces = self._shown(self._parser.finish())
         section = self._parser.tool_text
         if not section:
             return pieces, []
-        parsed = parse_tool_calls(section, self._tools, parallel=self._parallel)
+        parsed = parse_tool_calls(
+            section, self._tools, parallel=self._parallel, truncated=truncated
+        )
         if parsed.content:
             pieces.append(Piece(Part.CONTENT, parsed.content))
         return pieces, parsed.calls
 
-    def message(self, text: str) -> tuple[api.AssistantMessage, bool]:
+    def message(self, text: str, *, truncated: bool) -> tuple[api.AssistantMessage, bool]:
         """The whole reply as a message, and whether it calls tools."""
         pieces = self.feed(text)
-        rest, calls = self.finish()
+        rest, calls = self.finish(truncated=truncated)
         pieces += rest
         content = "".join(p.text for p in pieces if p.part is Part.CONTENT)
         reasoning = "".join(p.text for p in pieces if p.part is Part.REASONING)
@@ -66,11 +80,11 @@ class ReplyReader:
 
 
 def chat_choice(done: Completion, reader: ReplyReader, logprobs: LogprobFormat) -> api.ChatChoice:
-    message, called = reader.message(done.text)
+    message, called = reader.message(done.text, truncated=done.finish_reason == "length")
     return api.ChatChoice(
         index=done.index,
         message=message,
-        finish_reason="tool_calls" if called else finish_reason(done),
+        finish_reason=_chat_finish_reason(done, called),
         logprobs=None if done.logprobs is None else logprobs.chat(done.logprobs),
     )
 
@@ -104,14 +118,15 @@ class ChatChunks:
     def finish(self, done: Completion) -> list[BaseModel]:
         chunks = []
         for choice in done.choices:
-            pieces, calls = self._readers[choice.index].finish()
+            truncated = choice.finish_reason == "length"
+            pieces, calls = self._readers[choice.index].finish(truncated=truncated)
             chunks += [self._chunk(_delta(piece), index=choice.index) for piece in pieces]
             for i, call in enumerate(calls):
                 deltas = call_deltas(i, call)
                 chunks += [
                     self._chunk(api.ChatDelta(tool_calls=[d]), index=choice.index) for d in deltas
                 ]
-            reason = "tool_calls" if calls else finish_reason(choice)
+            reason = _chat_finish_reason(choice, bool(calls))
             chunks.append(self._chunk(api.ChatDelta(), reason, index=choice.index))
         return chunks
 
@@ -125,6 +140,13 @@ class ChatChunks:
         return api.ChatCompletionChunk(**asdict(self._ids), choices=[choice])
 
 
+def _chat_finish_reason(done: Completion, called: bool) -> api.FinishReason:
+    """The reason: `tool_calls` when the reply ended on its own after calls; `length` when
+    max_tokens cut it, calls or not (its complete calls are still returned)."""
+    reason = finish_reason(done)
+    return "tool_calls" if called and reason != "length" else reason
+
+
 def _delta(piece: Piece) -> api.ChatDelta:
     if piece.part is Part.REASONING:
         return api.ChatDelta(reasoning_content=piece.text)
@@ -132,15 +154,22 @@ def _delta(piece: Piece) -> api.ChatDelta:
 
 
 class TextChunks:
-    """A streamed text completion."""
+    """A streamed text completion; with `echo`, the prompt's text is the first chunk of each
+    of the `n` choices."""
 
-    def __init__(self, ids: ReplyIds, logprobs: LogprobFormat) -> None:
+    def __init__(
+        self, ids: ReplyIds, logprobs: LogprobFormat, *, echo: str = "", n: int = 1
+    ) -> None:
         self._ids = ids
         self._logprobs = logprobs
+        self._echo = echo
+        self._n = n
         self._sent: dict[int, int] = defaultdict(int)  # characters sent, by choice
 
     def opening(self) -> list[BaseModel]:
-        return []
+        if not self._echo:
+            return []
+        return [self._chunk(api.CompletionChoice(index=i, text=self._echo)) for i in range(self._n)]
 
     def text(
         self, text: str, logprobs: Sequence[TokenLogprob] = (), index: int = 0

@@ -24,6 +24,7 @@ from baton_serve.replicas.engine.protocol import (
     InvalidGeneration,
     PromptTooLong,
 )
+from baton_serve.router import refused_fields
 
 logger = logging.getLogger("baton.gateway")
 
@@ -193,7 +194,7 @@ async def _failed(_: Request, exc: Exception) -> JSONResponse:
     return from_exception(exc).response()
 
 
-async def _invalid_body(_: Request, exc: Exception) -> JSONResponse:
+async def _invalid_body(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     first = errors[0]
@@ -206,10 +207,13 @@ async def _invalid_body(_: Request, exc: Exception) -> JSONResponse:
         return invalid_request(message).response()
     unknown = [_path(e["loc"]) or "body" for e in errors if e["type"] == "extra_forbidden"]
     if unknown:
+        chat = request.url.path.endswith("/chat/completions")
+        refused = refused_fields.CHAT if chat else refused_fields.COMPLETIONS
+        why = "".join(f"; {name}: {refused[name]}" for name in unknown if name in refused)
         message = (
             f"Unsupported field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: Baton "
-            "does not serve it (refused rather than ignored); /openapi.json lists the fields "
-            "it accepts."
+            f"does not serve it (refused rather than ignored){why}. docs/api-fields.md and "
+            "/openapi.json list every field."
         )
         return invalid_request(message, param=unknown[0], code="unsupported_parameter").response()
     problems = "; ".join(f"{_path(e['loc']) or 'body'}: {e['msg']}" for e in errors[:5])

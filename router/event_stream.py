@@ -1,5 +1,9 @@
 """OpenAI server-sent events from a replica's stream: headers once the replica admits the
-request, a comment ping while nothing comes (a long prefill, a queue), the chunks, `[DONE]`."""
+request, a comment ping while nothing comes (a long prefill, a queue), the chunks, `[DONE]`.
+
+With `include_usage` a last chunk carries the usage; with vLLM's `continuous_usage_stats`
+too, every chunk carries the usage so far of its choice (the opening chunk waits for the
+first token, when the replica has said how much of the prompt it had cached)."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from fastapi.responses import StreamingResponse
@@ -57,6 +62,50 @@ def usage_of(done: Sequence[Completion]) -> api.Usage:
     )
 
 
+@dataclass(frozen=True)
+class UsageChunks:
+    """Which chunks carry the usage: the last one (`final`), or every one (`continuous`)."""
+
+    final: bool = False
+    continuous: bool = False
+    prompt_tokens: int = 0
+
+
+class _UsageSoFar:
+    """Each choice's tokens so far, as the replica reports them, for continuous usage."""
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self._prompt = prompt_tokens
+        self._cached = 0
+        self._generated: dict[int, int] = {}
+
+    def cached(self, item: TokenEvent | Completion) -> None:
+        """Learn the cached prompt tokens (known once the replica placed the request)."""
+        self._cached = (
+            item.cached_tokens if isinstance(item, TokenEvent) else item.usage.cached_tokens
+        )
+
+    def counted(self, item: TokenEvent | Completion) -> None:
+        """Learn the tokens generated so far (all of them, from a `Completion`)."""
+        if isinstance(item, TokenEvent):
+            self._generated[item.index] = item.completion_tokens
+        else:
+            self._prompt = item.usage.prompt_tokens
+            self._generated.update((c.index, c.usage.completion_tokens) for c in item.choices)
+
+    def stamp(self, chunk: BaseModel) -> BaseModel:
+        """`chunk` carrying the usage so far of its choice."""
+        choices = getattr(chunk, "choices", None) or []
+        completion = self._generated.get(choices[0].index if choices else 0, 0)
+        usage = api.Usage(
+            prompt_tokens=self._prompt,
+            completion_tokens=completion,
+            total_tokens=self._prompt + completion,
+            prompt_tokens_details=api.PromptTokensDetails(cached_tokens=self._cached),
+        )
+        return chunk.model_copy(update={"usage": usage})
+
+
 _DONE = "data: [DONE]\n\n"
 
 
@@ -65,40 +114,55 @@ def _sse(data: str) -> str:
 
 
 async def event_stream(
-    items: ReplicaStream, chunks: ChunkFormat, include_usage: bool, ping_s: float
+    items: ReplicaStream, chunks: ChunkFormat, usage: UsageChunks, ping_s: float
 ) -> _EventStream:
     """Start the request. A failure before the replica admits it is answered with an HTTP
     status; once admitted, the response's headers go out at once."""
     first = await anext(items)
-    return _EventStream(_events(_pinged(items, first, ping_s), chunks, include_usage))
+    return _EventStream(_events(_pinged(items, first, ping_s), chunks, usage))
 
 
 async def _events(
-    items: AsyncGenerator[object, None], chunks: ChunkFormat, include_usage: bool
+    items: AsyncGenerator[object, None], chunks: ChunkFormat, usage: UsageChunks
 ) -> AsyncGenerator[str, None]:
     """OpenAI's chunks, then `[DONE]`; a failure mid-stream is sent as an error event."""
     logprobs: dict[int, list[TokenLogprob]] = {}  # by choice: tokens whose text is not sent
+    so_far = _UsageSoFar(usage.prompt_tokens) if usage.continuous else None
+
+    def sse(chunk: BaseModel) -> str:
+        return _sse((so_far.stamp(chunk) if so_far else chunk).model_dump_json())
+
+    opening = chunks.opening()
     try:
-        for chunk in chunks.opening():
-            yield _sse(chunk.model_dump_json())
+        if so_far is None:  # without usage on every chunk the opening needs no wait
+            for chunk in opening:
+                yield sse(chunk)
+            opening = []
         async for item in items:
             if item is _PING:
                 yield ": ping\n\n"
-            elif isinstance(item, TokenEvent):
+                continue
+            if so_far is not None and isinstance(item, TokenEvent | Completion):
+                so_far.cached(item)
+                for chunk in opening:  # before any token: completion_tokens 0
+                    yield sse(chunk)
+                opening = []
+                so_far.counted(item)
+            if isinstance(item, TokenEvent):
                 pending = logprobs.setdefault(item.index, [])
                 if item.logprob is not None:
                     pending.append(item.logprob)
                 if item.text:
                     for chunk in chunks.text(item.text, pending, item.index):
-                        yield _sse(chunk.model_dump_json())
+                        yield sse(chunk)
                     pending.clear()
             elif isinstance(item, Completion):
                 for index, pending in logprobs.items():  # tokens that showed no text
                     for chunk in chunks.text("", pending, index) if pending else []:
-                        yield _sse(chunk.model_dump_json())
+                        yield sse(chunk)
                 for chunk in chunks.finish(item):
-                    yield _sse(chunk.model_dump_json())
-                if include_usage:
+                    yield sse(chunk)
+                if usage.final:
                     yield _sse(chunks.usage(usage_of([item])).model_dump_json())
                 break
         else:

@@ -43,15 +43,17 @@ from baton_serve.router.errors import (
 )
 from baton_serve.router.event_stream import (
     ReplicaStream,
+    UsageChunks,
     event_stream,
     finish_reason,
     usage_of,
 )
 from baton_serve.router.gateway_work import PromptThreads, Readiness, all_or_none
+from baton_serve.router.guided import guided_grammar, template_variables
 from baton_serve.router.http_telemetry import HTTPTelemetry
 from baton_serve.router.logprobs import LogprobFormat
 from baton_serve.router.middleware import APIKeyAuth, BodySizeLimit
-from baton_serve.router.prompt_builder import PromptBuilder
+from baton_serve.router.prompt_builder import ChatEnding, PromptBuilder
 from baton_serve.router.structured_output import (
     SchemaNotEnforceable,
     response_grammar,
@@ -161,9 +163,10 @@ class _Gateway:
         tools = self._builder.template_tools
         plan = plan_chat(body, tools, self._call_grammar)
         grammar = self._reply_grammar(body, plan)
+        extras = template_variables(body, plan.extras)
         with tracing.span("tokenise") as span:
             prompt = await self._prompt_threads.run(
-                self._builder.from_messages, plan.messages, plan.extras
+                self._builder.from_messages, plan.messages, extras, _chat_ending(body)
             )
             span.set_attribute("baton.prompt_tokens", len(prompt))
         request_id = bound_request() or uuid.uuid4().hex
@@ -173,14 +176,17 @@ class _Gateway:
 
         def reader() -> ReplyReader:  # one per choice
             parser = plan.reply_parser(tools, in_reasoning)
-            return ReplyReader(parser, plan.tools, parallel=plan.parallel)
+            return ReplyReader(
+                parser, plan.tools, parallel=plan.parallel, reasoning=body.include_reasoning
+            )
 
-        reply = ReplyIds(f"chatcmpl-{request_id}", int(time.time()), self._settings.model_name)
+        reply_id = f"chatcmpl-{body.request_id or request_id}"
+        reply = ReplyIds(reply_id, int(time.time()), self._settings.model_name)
         if body.stream:
             return await event_stream(
                 self._replicas.stream(call),
                 ChatChunks(reply, reader, self._logprobs),
-                body.include_usage,
+                _usage_chunks(body, len(prompt)),
                 self._settings.stream_ping_s,
             )
         done = await self._replicas.generate(call)
@@ -201,25 +207,30 @@ class _Gateway:
             span.set_attribute("baton.prompt_tokens", sum(len(p) for p in prompts))
         request_id = bound_request() or uuid.uuid4().hex
         calls = []
+        grammar = guided_grammar(body)
         for i, (prompt, given) in enumerate(zip(prompts, body.prompt, strict=True)):
             text = given if isinstance(given, str) else ""
             # One prompt keeps the request's id (so its replica's log lines name it).
             call_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            calls.append(self._replica_request(prompt, body, call_id, text=text))
-        reply = ReplyIds(f"cmpl-{request_id}", int(time.time()), self._settings.model_name)
+            calls.append(self._replica_request(prompt, body, call_id, text=text, grammar=grammar))
+        echoed = [
+            self._echoed(p, given) if body.echo else "" for p, given in zip(prompts, body.prompt)
+        ]
+        reply_id = f"cmpl-{body.request_id or request_id}"
+        reply = ReplyIds(reply_id, int(time.time()), self._settings.model_name)
         if body.stream:
-            chunks = TextChunks(reply, self._logprobs)
+            chunks = TextChunks(reply, self._logprobs, echo=echoed[0], n=body.n)
             return await event_stream(
                 self._replicas.stream(calls[0]),
                 chunks,
-                body.include_usage,
+                _usage_chunks(body, len(prompts[0])),
                 self._settings.stream_ping_s,
             )
         done = await all_or_none([self._replicas.generate(call) for call in calls])
         choices = [  # prompt-major, as OpenAI numbers them
             api.CompletionChoice(
                 index=i * body.n + c.index,
-                text=c.text,
+                text=echoed[i] + c.text,
                 finish_reason=finish_reason(c),
                 logprobs=None if c.logprobs is None else self._logprobs.completion(c.logprobs),
             )
@@ -244,6 +255,13 @@ class _Gateway:
         if model != self._settings.model_name:
             raise model_not_found(model, self._settings.model_name)
 
+    def _echoed(self, prompt: Prompt, given: str | list[int]) -> str:
+        """The prompt's text for `echo` (token ids given: their text)."""
+        if isinstance(given, str):
+            return given
+        text = b"".join(self._builder.token_bytes(t) for t in prompt.tokens)
+        return text.decode("utf-8", errors="replace")
+
     def _completion_prompts(self, prompts: Sequence[str | list[int]]) -> list[Prompt]:
         build = self._builder
         return [
@@ -260,12 +278,26 @@ class _Gateway:
         messages: list[dict[str, str]] | None = None,
         grammar: str | None = None,
     ) -> ReplicaRequest:
+        max_tokens = self._max_tokens(body.requested_tokens, len(prompt))
+        if body.min_tokens > max_tokens:
+            raise invalid_request(
+                f"min_tokens is {body.min_tokens}, more than the {max_tokens} tokens this "
+                "request may generate.",
+                param="min_tokens",
+            )
         sampling = SamplingParams(
-            max_tokens=self._max_tokens(body.requested_tokens, len(prompt)),
+            max_tokens=max_tokens,
             temperature=body.temperature,
             top_k=max(body.top_k, 0),
             top_p=body.top_p,
             min_p=body.min_p,
+            typical_p=body.typical_p,
+            top_n_sigma=body.top_n_sigma,
+            xtc_probability=body.xtc_probability,
+            xtc_threshold=body.xtc_threshold,
+            mirostat=body.mirostat,
+            mirostat_tau=body.mirostat_tau,
+            mirostat_eta=body.mirostat_eta,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty,
@@ -274,6 +306,9 @@ class _Gateway:
             stop=tuple(body.stop),
             stop_token_ids=tuple(self._token_ids(body.stop_token_ids, "stop_token_ids")),
             ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
             logprobs=body.logprobs_count,
             grammar=grammar,
         )
@@ -300,15 +335,23 @@ class _Gateway:
 
     @staticmethod
     def _reply_grammar(body: api.ChatCompletionRequest, plan: ChatPlan) -> str | None:
-        """The grammar of a forced tool call, or of `response_format` (not both)."""
+        """The grammar of a forced tool call, or of `response_format` or `guided_json` /
+        `guided_choice` (one of them)."""
         try:
             grammar = response_grammar(body.response_format)
         except SchemaNotEnforceable as exc:
             raise invalid_request(str(exc), param="response_format") from None
+        guided = guided_grammar(body)
+        if grammar is not None and guided is not None:
+            raise invalid_request(
+                "send response_format or guided_json / guided_choice, not both.",
+                param="response_format",
+            )
+        grammar = grammar or guided
         if grammar is not None and plan.tools:
             raise invalid_request(
-                "response_format cannot be combined with tools the model may call; "
-                'send tool_choice "none", or no response_format.',
+                "response_format (or guided_json / guided_choice) cannot be combined with "
+                'tools the model may call; send tool_choice "none", or no format.',
                 param="response_format",
             )
         return grammar or plan.grammar
@@ -344,6 +387,16 @@ class _Gateway:
             return requested
         room = self._builder.n_ctx - prompt_tokens
         return room if cap is None else min(room, cap)
+
+
+def _chat_ending(body: api.ChatCompletionRequest) -> ChatEnding:
+    if body.continue_final_message:
+        return "inside_last_message"
+    return "generation_prompt" if body.add_generation_prompt else "last_message"
+
+
+def _usage_chunks(body: GenerationBody, prompt_tokens: int) -> UsageChunks:
+    return UsageChunks(body.include_usage, body.continuous_usage, prompt_tokens)
 
 
 # ---- responses -----------------------------------------------------------------------------

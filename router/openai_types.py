@@ -1,10 +1,11 @@
 """OpenAI API bodies: the requests Baton accepts and the responses it sends.
 
-Requests refuse fields they do not know (a 400 naming the field: a feature Baton does not
-serve is never silently dropped), accept a few that have no effect on the reply (`user`,
-`metadata`, `store`, `service_tier`, `safety_identifier`, `prompt_cache_key`), treat an
-explicit `null` as "not set", and reject values Baton does not serve (`echo`). `top_k`,
-`min_p`, `repetition_penalty`, `stop_token_ids` and `ignore_eos` are extensions (as in vLLM).
+Requests take OpenAI's fields and the widely used extensions of vLLM (and a few of
+llama-server's); every field says in its description what it does, and fields described
+"No effect" are the client's bookkeeping. Fields they do not know are refused (a 400 naming
+the field, with the reason `refused_fields` gives: a feature Baton does not serve is never
+silently dropped); an explicit `null` means "not set". docs/api-fields.md is the table of
+all of them (`python -m baton_serve.router.api_fields`).
 """
 
 from __future__ import annotations
@@ -13,19 +14,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
-    PlainValidator,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
+from baton_serve.router import refused_fields
+from baton_serve.router.openai_inputs import InputMessage, Prompts, StopSequences
 from baton_serve.router.openai_tools import Tool, ToolCall, ToolCallDelta, ToolChoice
 from baton_serve.router.structured_output import ResponseFormat
 
-MAX_STOP_SEQUENCES = 4
 MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16
@@ -37,69 +37,29 @@ def _is_none(value: object) -> bool:
     return value is None
 
 
-def _as_list(value: object) -> object:
-    return [value] if isinstance(value, str) else value
-
-
-def _joined_text_parts(value: object) -> object:
-    """Message content given as parts: the text parts, joined with newlines."""
-    if not isinstance(value, list):
-        return value
-    texts = []
-    for part in value:
-        text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
-        if not isinstance(text, str):
-            raise ValueError(
-                'only text content parts ({"type": "text", "text": "..."}) are supported'
-            )
-        texts.append(text)
-    return "\n".join(texts)
-
-
-def _is_token_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _prompt_list(value: object) -> list[str | list[int]]:
-    """`prompt` in any of its four OpenAI forms, as a list of prompts (text or token ids)."""
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and value:
-        if all(isinstance(item, str) for item in value):
-            return list(value)
-        if all(_is_token_id(item) for item in value):
-            return [list(value)]
-        if all(isinstance(item, list) and item and all(map(_is_token_id, item)) for item in value):
-            return [list(item) for item in value]
-    raise ValueError(
-        "prompt must be a string, a list of strings, a list of token ids, "
-        "or a list of non-empty lists of token ids"
-    )
-
-
-MessageContent = Annotated[
-    str, BeforeValidator(_joined_text_parts, json_schema_input_type=str | list[dict[str, str]])
-]
-StopSequences = Annotated[
-    list[Annotated[str, Field(min_length=1)]],
-    BeforeValidator(_as_list, json_schema_input_type=str | list[str]),
-    Field(max_length=MAX_STOP_SEQUENCES),
-]
-Prompts = Annotated[
-    list[str | list[int]],
-    PlainValidator(
-        _prompt_list, json_schema_input_type=str | list[str] | list[int] | list[list[int]]
-    ),
-]
-
-
 # ---- requests ------------------------------------------------------------------------------
+
+NO_EFFECT = "No effect"  # how a field accepted only as the client's bookkeeping is described
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
+def _nulls_dropped(data: Any) -> Any:
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False
+    include_usage: bool = Field(
+        default=False, description="A last chunk (choices: []) carries the usage."
+    )
+    continuous_usage_stats: bool = Field(
+        default=False,
+        description="vLLM: with include_usage, every chunk also carries the usage so far "
+        "(prompt, cached and completion tokens of its choice).",
+    )
+
+    _nulls_are_unset = model_validator(mode="before")(_nulls_dropped)
 
 
 class _GenerationRequest(BaseModel):
@@ -107,46 +67,107 @@ class _GenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1, description="extension; 0 or -1 disables it")
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="extension")
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    stop: StopSequences = []
-    ignore_eos: bool = Field(default=False, description="extension")
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
-        default=[], description="extension: token ids that end the reply (not returned)"
+    model: str = Field(description="The served model's name (GET /v1/models).")
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0: greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling.")
+    top_k: int = Field(default=0, ge=-1, description="vLLM: 0 or -1 disables it.")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="vLLM: min-p sampling.")
+    typical_p: float = Field(
+        default=1.0, gt=0.0, le=1.0, description="llama-server: locally typical sampling."
     )
-    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="at most the replica's slots")
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    top_n_sigma: float = Field(
+        default=-1.0,
+        allow_inf_nan=False,
+        description="llama-server: logits within n sigmas of the top (≤ 0: off).",
+    )
+    xtc_probability: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="llama-server: XTC's chance per step."
+    )
+    xtc_threshold: float = Field(
+        default=0.1, ge=0.0, le=1.0, description="llama-server: XTC's cut (> 0.5: off)."
+    )
+    mirostat: Literal[0, 1, 2] = Field(
+        default=0, description="llama-server: mirostat 1 or 2 instead of top-k/p, min-p, XTC."
+    )
+    mirostat_tau: float = Field(
+        default=5.0, ge=0.0, allow_inf_nan=False, description="llama-server: its target."
+    )
+    mirostat_eta: float = Field(
+        default=0.1, ge=0.0, allow_inf_nan=False, description="llama-server: its rate."
+    )
+    seed: int | None = Field(
+        default=None, ge=0, le=MAX_SEED, description="Reproducible sampling (choice i: seed + i)."
+    )
+    stop: StopSequences = Field(default=[], description="Up to 4 strings that end the reply.")
+    include_stop_str_in_output: bool = Field(
+        default=False, description="vLLM: the reply keeps the stop string that ended it."
+    )
+    ignore_eos: bool = Field(
+        default=False, description="vLLM: generate past end-of-generation tokens."
+    )
+    min_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="vLLM: no end-of-generation token, stop token id or stop string "
+        "before this many tokens.",
+    )
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
+        default=[], description="vLLM: token ids that end the reply (not returned)."
+    )
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="Choices; at most the slots.")
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="Reply tokens.")
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="Reply tokens.")
     repetition_penalty: float = Field(
-        default=1.0, gt=0.0, le=10.0, description="extension; counts prompt and reply tokens"
+        default=1.0, gt=0.0, le=10.0, description="vLLM: counts prompt and reply tokens."
     )
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(
-        default={}, description="token id (as a string) → a bias added to its logit"
+        default={}, description="Token id (as a string) → a bias added to its logit."
+    )
+    guided_json: dict[str, Any] | None = Field(
+        default=None, description="vLLM: the reply is JSON valid against this schema."
+    )
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None, min_length=1, description="vLLM: the reply is exactly one of these."
+    )
+    skip_special_tokens: bool = Field(
+        default=False,
+        description="vLLM (default true there): control tokens are left out of the text. "
+        "Baton shows them by default, so the reply parser sees reasoning and tool markers.",
+    )
+    spaces_between_special_tokens: bool = Field(
+        default=True,
+        description=f"{NO_EFFECT}: llama.cpp's detokenizer never adds spaces between them.",
+    )
+    priority: Literal[0] = Field(
+        default=0, description="vLLM: only 0, as vLLM without priority scheduling."
     )
     # Accepted and without effect on the reply: identifiers and bookkeeping for the client.
-    user: str | None = Field(default=None, description="no effect: an end-user id")
-    metadata: dict[str, str] | None = Field(default=None, description="no effect: tags")
-    store: Literal[False] | None = Field(default=None, description="Baton stores nothing")
+    request_id: str | None = Field(
+        default=None, max_length=256, description="vLLM: the reply's id is made from it."
+    )
+    user: str | None = Field(default=None, description=f"{NO_EFFECT}: an end-user id.")
+    metadata: dict[str, str] | None = Field(default=None, description=f"{NO_EFFECT}: tags.")
+    store: Literal[False] | None = Field(
+        default=None, description="Only false: Baton stores nothing."
+    )
     service_tier: Literal["auto", "default"] | None = Field(
-        default=None, description="no effect: one tier"
+        default=None, description=f"{NO_EFFECT}: one tier."
     )
-    safety_identifier: str | None = Field(default=None, description="no effect: an end-user id")
+    safety_identifier: str | None = Field(default=None, description=f"{NO_EFFECT}: a user id.")
     prompt_cache_key: str | None = Field(
-        default=None, description="no effect: Baton finds cached prefixes by their tokens"
+        default=None, description=f"{NO_EFFECT}: cached prefixes are found by their tokens."
     )
-    stream: bool = False
-    stream_options: StreamOptions | None = None
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = Field(
+        default=None, description=f"{NO_EFFECT}: the replicas' caches decide."
+    )
+    cache_prompt: bool | None = Field(
+        default=None, description=f"{NO_EFFECT} (llama-server): prefixes are always reused."
+    )
+    session_id: str | None = Field(default=None, description=f"{NO_EFFECT} (vLLM).")
+    stream: bool = Field(default=False, description="Server-sent events.")
+    stream_options: StreamOptions | None = Field(default=None, description="Only with stream.")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls_are_unset(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
-        return data
+    _nulls_are_unset = model_validator(mode="before")(_nulls_dropped)
 
     @field_validator("stream_options")
     @classmethod
@@ -157,54 +178,81 @@ class _GenerationRequest(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return value
 
+    @field_validator("guided_choice")
+    @classmethod
+    def _one_guide(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        if value is not None and info.data.get("guided_json") is not None:
+            raise ValueError("send guided_json or guided_choice, not both")
+        return value
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-
-class InputMessage(BaseModel):
-    """A message of the conversation. An assistant message may carry `tool_calls` and no
-    content; a `tool` message answers the call named by `tool_call_id`."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    role: str = Field(min_length=1)
-    content: MessageContent | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-    reasoning_content: str | None = None
-
-    @model_validator(mode="after")
-    def _shape_fits_role(self) -> InputMessage:
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("only assistant messages may carry tool_calls")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs the tool_call_id it answers")
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (only an assistant's tool calls may omit it)")
-        return self
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (vLLM: only together with include_usage)."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[InputMessage] = Field(min_length=1)
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
-    response_format: ResponseFormat | None = None
-    chat_template_kwargs: dict[str, Any] = Field(
-        default={}, description="extension: more variables for the chat template"
+    model_config = ConfigDict(json_schema_extra={"x-refused-fields": refused_fields.CHAT})
+
+    messages: list[InputMessage] = Field(min_length=1, description="The conversation.")
+    tools: list[Tool] | None = Field(default=None, description="Functions the model may call.")
+    tool_choice: ToolChoice | None = Field(
+        default=None, description='"none", "auto", "required" or a named function.'
     )
-    max_tokens: int | None = Field(default=None, ge=1, description="deprecated by OpenAI")
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    parallel_tool_calls: bool = Field(default=True, description="More than one call allowed.")
+    response_format: ResponseFormat | None = Field(
+        default=None, description="text, json_object or json_schema (enforced by a grammar)."
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default={}, description="vLLM: more variables for the chat template."
+    )
+    add_generation_prompt: bool = Field(
+        default=True, description="vLLM: end the prompt with the assistant's turn opening."
+    )
+    continue_final_message: bool = Field(
+        default=False,
+        description="vLLM: the reply continues the last message (send "
+        "add_generation_prompt false with it).",
+    )
+    reasoning_effort: ReasoningEffort | None = Field(
+        default=None,
+        description="A chat template variable, as in vLLM (with enable_thinking: effort is "
+        "not none, unless chat_template_kwargs sets it); templates that do not read them "
+        "are unaffected.",
+    )
+    documents: list[dict[str, str]] | None = Field(
+        default=None, description="vLLM: a chat template variable (for RAG templates)."
+    )
+    include_reasoning: bool = Field(
+        default=True, description="vLLM: false leaves reasoning_content out of the reply."
+    )
+    modalities: list[Literal["text"]] | None = Field(default=None, description="Only text.")
+    max_tokens: int | None = Field(default=None, ge=1, description="Deprecated by OpenAI.")
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, description="The most tokens to generate (default: the context)."
+    )
+    logprobs: bool = Field(default=False, description="Log-probabilities of the reply tokens.")
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_TOP_LOGPROBS, description="Alternatives per token."
+    )
 
     @field_validator("top_logprobs")
     @classmethod
     def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs is only allowed when logprobs is true")
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_ending(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt", True):
+            raise ValueError("continue_final_message needs add_generation_prompt false")
         return value
 
     @property
@@ -223,10 +271,23 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: Prompts
-    max_tokens: int = Field(default=16, ge=1)
-    echo: Literal[False] = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    model_config = ConfigDict(json_schema_extra={"x-refused-fields": refused_fields.COMPLETIONS})
+
+    prompt: Prompts = Field(description="Text, texts, token ids, or lists of token ids.")
+    max_tokens: int = Field(default=16, ge=1, description="The most tokens to generate.")
+    echo: bool = Field(
+        default=False, description="The prompt's text comes first in the reply's text."
+    )
+    logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_TOP_LOGPROBS, description="Alternatives per reply token."
+    )
+
+    @field_validator("logprobs")
+    @classmethod
+    def _not_with_echo(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("echo"):
+            raise ValueError("with echo it needs prompt log-probabilities, which are not computed")
+        return value
 
     @property
     def requested_tokens(self) -> int:

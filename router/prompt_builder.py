@@ -6,9 +6,10 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from baton_serve.cache_store.prefix_hash import PrefixHasher
+from baton_serve.replicas.engine.chat_segments import ChatText
 from baton_serve.replicas.engine.engine_config import context_size
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.engine.prompt import (
@@ -26,6 +27,10 @@ from baton_serve.router.chat_plan import TemplateTools
 from baton_serve.router.errors import context_length_exceeded, invalid_request, prompt_too_large
 from baton_serve.router.reply_parser import THINK_OPEN
 from baton_serve.router.tool_calls import ToolFormat
+
+# How a chat prompt ends: with the assistant's turn opened (OpenAI), after the last message
+# (vLLM's add_generation_prompt false), or inside it, for the reply to continue it.
+ChatEnding = Literal["generation_prompt", "last_message", "inside_last_message"]
 
 
 class PromptBuilder:
@@ -55,14 +60,21 @@ class PromptBuilder:
         self.n_ctx = context_size(n_ctx, self._model.n_ctx_train)
 
     def from_messages(
-        self, messages: Sequence[ChatMessage], extras: Mapping[str, Any] | None = None
+        self,
+        messages: Sequence[ChatMessage],
+        extras: Mapping[str, Any] | None = None,
+        ending: ChatEnding = "generation_prompt",
     ) -> Prompt:
         """A chat rendered with the model's template (`extras`: more template variables),
-        ending with the generation prompt."""
+        ending as `ending` says."""
         if self._template is None:
             raise invalid_request(no_chat_template_message(self._model.name), param="messages")
         try:
             chat = render_chat(self._template, messages, extras, max_bytes=self.max_prompt_bytes)
+            if ending != "generation_prompt":
+                chat = self._without_generation_prompt(chat, messages, extras)
+            if ending == "inside_last_message":
+                chat = _cut_after_last_message(chat, messages[-1].content)
             self._refuse_unfitting(chat.text)
             prompt = tokenize_chat(self._model, chat, messages)
         except RenderedTooLarge as exc:
@@ -91,6 +103,17 @@ class PromptBuilder:
         if not all(0 <= token < n_vocab for token in ids):
             raise invalid_request(f"token ids must be in [0, {n_vocab})", param="prompt")
         return self.check_length(Prompt(tokens=tuple(ids)))
+
+    def _without_generation_prompt(
+        self, chat: ChatText, messages: Sequence[ChatMessage], extras: Mapping[str, Any] | None
+    ) -> ChatText:
+        if chat.pieces:  # the tail is the generation prompt
+            return ChatText(pieces=chat.pieces, tail="")
+        assert self._template is not None
+        return ChatText(
+            pieces=(),
+            tail=self._template.render(messages, add_generation_prompt=False, extras=extras),
+        )
 
     @property
     def n_vocab(self) -> int:
@@ -144,3 +167,23 @@ class PromptBuilder:
 
     def close(self) -> None:
         self._model.close()
+
+
+def _cut_after_last_message(chat: ChatText, content: str | None) -> ChatText:
+    """`chat` ending right after the last message's text (what closes the message, such as
+    an end-of-turn token, cut off), as vLLM's continue_final_message does."""
+    if chat.pieces:
+        *parts, last = chat.pieces[-1]
+        end = last.rfind(content) if content else -1
+        if end >= 0:
+            last_piece = (*parts, last[: end + len(content or "")])
+            return ChatText(pieces=(*chat.pieces[:-1], last_piece), tail="")
+    else:
+        end = chat.tail.rfind(content) if content else -1
+        if end >= 0:
+            return ChatText(pieces=(), tail=chat.tail[: end + len(content or "")])
+    raise invalid_request(
+        "continue_final_message: the chat template does not show the last message's text "
+        "as it was sent, so the reply cannot continue it.",
+        param="continue_final_message",
+    )

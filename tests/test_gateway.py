@@ -286,8 +286,8 @@ BAD_REQUESTS = [  # path, body (JSON, or raw bytes), then (status, param, code)
     ),
     pytest.param(
         CHAT,
-        _chat(reasoning_effort="low"),
-        (400, "reasoning_effort", "unsupported_parameter"),
+        _chat(verbosity="low"),
+        (400, "verbosity", "unsupported_parameter"),
         id="unknown field",
     ),
     pytest.param(
@@ -345,7 +345,9 @@ BAD_REQUESTS = [  # path, body (JSON, or raw bytes), then (status, param, code)
     pytest.param(COMPLETIONS, _text([1, 10**6]), (400, "prompt", None), id="token id too big"),
     pytest.param(COMPLETIONS, _text([-1, 2]), (400, "prompt", None), id="negative token id"),
     pytest.param(COMPLETIONS, _text([2**70]), (400, "prompt", None), id="token id past int64"),
-    pytest.param(COMPLETIONS, _text("a", echo=True), (400, "echo", None), id="echo"),
+    pytest.param(
+        COMPLETIONS, _text("a", echo=True, logprobs=1), (400, "logprobs", None), id="echo+logprobs"
+    ),
     pytest.param(
         COMPLETIONS,
         _text(["a", "b"], stream=True),

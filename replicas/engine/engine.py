@@ -46,7 +46,6 @@ from baton_serve.replicas.engine.protocol import (
     GenerationRequest,
     InvalidGeneration,
     PromptTooLong,
-    TokenEvent,
 )
 from baton_serve.replicas.engine.request_handle import RequestHandle
 from baton_serve.replicas.engine.sampling import SamplingParams, sampling_problem
@@ -372,7 +371,7 @@ class Engine:
         delta = run.text.push(token)
         if delta or not run.text.stopped:
             logprob = run.logprobs[-1] if run.logprobs else None
-            run.handle.emit(TokenEvent(token=token, text=delta, logprob=logprob, index=run.index))
+            run.handle.emit(run.event(token, delta, logprob))
         if run.text.stopped:
             self._finish(run, "stop")
         elif len(run.generated) >= params.max_tokens or len(run.slot.tokens) + 1 >= self.n_ctx:
@@ -384,7 +383,7 @@ class Engine:
         """Answer the client now; then replay the reply so the cache holds exact states."""
         rest = run.text.flush()
         if rest:
-            run.handle.emit(TokenEvent(token=run.generated[-1], text=rest, index=run.index))
+            run.handle.emit(run.event(run.generated[-1], rest))
         self._complete(run, reason)
         if run.index:  # a later choice of an n > 1 request: only the first one is replayed
             self.cache.rewind_to_prompt(run)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import logging
 import os
 import threading
@@ -177,16 +178,17 @@ class LlamaModel:
                 return list(out[:n])
             capacity = -n
 
-    def token_bytes(self, token: int) -> bytes:
-        """The bytes one token stands for (special tokens rendered as their text); nothing
-        for a vocabulary without text or an id outside the vocabulary."""
+    def token_bytes(self, token: int, *, special: bool = True) -> bytes:
+        """The bytes one token stands for (control tokens rendered as their text, or as
+        nothing unless `special`); nothing for a vocabulary without text or an id outside
+        the vocabulary."""
         if not self.has_text or not 0 <= token < self.n_vocab:
             return b""
         buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
     def detokenize(self, tokens: list[int] | np.ndarray) -> str:
@@ -194,6 +196,11 @@ class LlamaModel:
 
     def is_end_of_generation(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+
+    @functools.cached_property
+    def end_tokens(self) -> tuple[int, ...]:
+        """Every end-of-generation token id (found once, on first use)."""
+        return tuple(t for t in range(self.n_vocab) if self.is_end_of_generation(t))
 
     def token_text(self, token: int) -> str:
         return self.token_bytes(token).decode("utf-8", errors="replace")

@@ -77,6 +77,8 @@ class TokenEvent(BaseModel):
     text: str
     logprob: TokenLogprob | None = None
     index: int = 0  # which choice of an n > 1 request
+    completion_tokens: int = 0  # this choice's tokens generated so far (usage on every chunk)
+    cached_tokens: int = 0  # prompt tokens the replica reused from its cache
 
 
 class Admitted(BaseModel):

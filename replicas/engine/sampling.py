@@ -1,8 +1,9 @@
 """Token sampling on llama.cpp's own sampler chain (`llama_sampler_*`), one chain per request.
 
 The chain runs on a copy of a logits row (the engine may have split the batch, so a row is
-not always still in the context). Its order is llama.cpp's: logit bias, penalties, top-k,
-top-p, min-p, temperature, then a seeded draw (or the highest logit when greedy). A grammar
+not always still in the context). Its order is llama.cpp's: logit bias, penalties,
+top-n-sigma, top-k, typical-p, top-p, min-p, XTC, temperature, then a seeded draw (or the
+highest logit when greedy); with mirostat, temperature and then mirostat's draw. A grammar
 is checked the way llama.cpp's `common_sampler` does it: the chain picks a token, and only
 when the grammar rejects that token are the candidates filtered by the grammar and the chain
 run again — filtering a 49k-token vocabulary on every step would cost more than sampling.
@@ -35,6 +36,14 @@ class SamplingParams(BaseModel):
     top_k: int = Field(default=0, ge=0, description="0 disables top-k")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    # llama-server's samplers, with its defaults:
+    typical_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_n_sigma: float = Field(default=-1.0)  # ≤ 0 disables it
+    xtc_probability: float = Field(default=0.0, ge=0.0, le=1.0)
+    xtc_threshold: float = Field(default=0.1, ge=0.0, le=1.0)  # > 0.5 disables XTC
+    mirostat: int = Field(default=0, ge=0, le=2)  # 1, 2: instead of the truncating samplers
+    mirostat_tau: float = Field(default=5.0, ge=0.0)
+    mirostat_eta: float = Field(default=0.1, ge=0.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
@@ -44,6 +53,9 @@ class SamplingParams(BaseModel):
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0, description="no end before this many tokens")
+    include_stop_str_in_output: bool = False  # the matched stop string ends the text
+    skip_special_tokens: bool = False  # control tokens add nothing to the text
     logprobs: int | None = Field(default=None, ge=0, le=20)  # None: none; k: chosen + top k
 
     @property
@@ -55,7 +67,9 @@ class TokenSampler:
     """Samples one token per call for one request; owns its llama.cpp samplers.
 
     `prompt` feeds the repetition penalty (it counts prompt and reply tokens, as in vLLM);
-    presence and frequency penalties count the reply only, as OpenAI defines them.
+    presence and frequency penalties count the reply only, as OpenAI defines them. Until
+    `params.min_tokens` tokens are accepted, `end_tokens` (the model's end-of-generation
+    tokens) and the stop token ids cannot be picked.
     """
 
     def __init__(
@@ -65,9 +79,13 @@ class TokenSampler:
         *,
         vocab: llama_cpp.llama_vocab_p | None = None,
         prompt: tuple[int, ...] = (),
+        end_tokens: tuple[int, ...] = (),
     ) -> None:
         self.params = params
         self._n_vocab = n_vocab
+        ends = {*end_tokens, *params.stop_token_ids} if params.min_tokens else set()
+        self._too_early = np.array(sorted(t for t in ends if 0 <= t < n_vocab), dtype=np.int64)
+        self._accepted = 0
         self._grammar = _grammar(params.grammar, vocab) if params.grammar else None
         self._chain = _chain(params, n_vocab, prompt)
         self._argmax_only = llama_cpp.llama_sampler_chain_n(self._chain) == 1 and params.greedy
@@ -77,6 +95,9 @@ class TokenSampler:
     def __call__(self, logits: np.ndarray) -> int | None:
         """The next token, or None when a grammar allows no token (it is complete and the
         model has no end-of-generation token it could pick)."""
+        if self._accepted < self.params.min_tokens and self._too_early.size:
+            logits = logits.copy()
+            logits[self._too_early] = -np.inf
         if self._argmax_only:  # llama.cpp's lone greedy sampler is an argmax: skip the copy
             token = int(np.argmax(logits))
         else:
@@ -91,6 +112,7 @@ class TokenSampler:
 
     def accept(self, token: int, *, end_of_generation: bool = False) -> None:
         """Record a generated token (penalties count it; the grammar advances over it)."""
+        self._accepted += 1
         llama_cpp.llama_sampler_accept(self._chain, token)
         if self._grammar is not None and not end_of_generation:
             llama_cpp.llama_sampler_accept(self._grammar, token)
@@ -218,14 +240,29 @@ def _chain(params: SamplingParams, n_vocab: int, prompt: tuple[int, ...]) -> cty
     if params.greedy:
         add(llama_cpp.llama_sampler_init_greedy())
         return chain
+    seed = LLAMA_SEEDS if params.seed is None else params.seed % LLAMA_SEEDS
+    if params.mirostat:
+        add(llama_cpp.llama_sampler_init_temp(params.temperature))
+        tau, eta = params.mirostat_tau, params.mirostat_eta
+        if params.mirostat == 1:
+            add(llama_cpp.llama_sampler_init_mirostat(n_vocab, seed, tau, eta, 100))
+        else:
+            add(llama_cpp.llama_sampler_init_mirostat_v2(seed, tau, eta))
+        return chain
+    if params.top_n_sigma > 0:
+        add(llama_cpp.llama_sampler_init_top_n_sigma(params.top_n_sigma))
     if params.top_k:
         add(llama_cpp.llama_sampler_init_top_k(params.top_k))
+    if params.typical_p < 1.0:
+        add(llama_cpp.llama_sampler_init_typical(params.typical_p, 1))
     if params.top_p < 1.0:
         add(llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
     if params.min_p:
         add(llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
+    if params.xtc_probability and params.xtc_threshold <= 0.5:
+        xtc = llama_cpp.llama_sampler_init_xtc
+        add(xtc(params.xtc_probability, params.xtc_threshold, 1, seed))
     add(llama_cpp.llama_sampler_init_temp(params.temperature))
-    seed = LLAMA_SEEDS if params.seed is None else params.seed % LLAMA_SEEDS
     add(llama_cpp.llama_sampler_init_dist(seed))
     return chain
 

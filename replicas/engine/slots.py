@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ import numpy as np
 
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE, prefill_pieces
 from baton_serve.replicas.engine.llama_model import LlamaModel
-from baton_serve.replicas.engine.protocol import Completion, Timings, Usage
+from baton_serve.replicas.engine.protocol import Completion, Timings, TokenEvent, Usage
 from baton_serve.replicas.engine.request_handle import RequestHandle
 from baton_serve.replicas.engine.sampling import (
     SamplingParams,
@@ -114,6 +115,17 @@ class Running:
             self.logprobs.append(token_logprob(logits, token, params.logprobs))
         return token, False
 
+    def event(self, token: int, text: str, logprob: TokenLogprob | None = None) -> TokenEvent:
+        """The stream event for `token` (the last generated) making `text` visible."""
+        return TokenEvent(
+            token=token,
+            text=text,
+            logprob=logprob,
+            index=self.index,
+            completion_tokens=len(self.generated),
+            cached_tokens=self.cached,
+        )
+
     def completion(self, reason: str, now: float) -> Completion:
         """What the client gets when this request ends now, for `reason`."""
         n_prompt, first = len(self.prompt), self.first_token_at
@@ -178,7 +190,11 @@ def start_request(
         if index and params.seed is not None:
             params = params.model_copy(update={"seed": params.seed + index})
         sampler = TokenSampler(
-            params, model.n_vocab, vocab=model.vocab, prompt=request.prompt.tokens
+            params,
+            model.n_vocab,
+            vocab=model.vocab,
+            prompt=request.prompt.tokens,
+            end_tokens=model.end_tokens if params.min_tokens else (),
         )
         target.running = Running(
             handle=handle,
@@ -188,7 +204,12 @@ def start_request(
             pieces=pieces if not index else [],
             checkpoints=checkpoints if not index else set(),
             sampler=sampler,
-            text=TextStream(model.token_bytes, params.stop),
+            text=TextStream(
+                functools.partial(model.token_bytes, special=not params.skip_special_tokens),
+                params.stop,
+                keep_stop=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens,
+            ),
             submitted_at=started,
             admitted_at=admitted_at,
             phase=Phase.PREFILL if not index else Phase.WAIT,
