@@ -104,17 +104,17 @@ def plan_chat(
     elif tools:
         messages = _with_tools_described(messages, tools)
     fmt = caps.format if caps.renders_tools else ToolFormat.HERMES
+    named = not isinstance(choice, str)
+    parallel = body.parallel_tool_calls and not named  # a named function is called once
     grammar = None
     if forced:
         rules = schema_grammar(call_schema(forced, fmt))
         try:
-            grammar = wrap_call_grammar(rules, fmt, parallel=body.parallel_tool_calls)
+            grammar = wrap_call_grammar(rules, fmt, parallel=parallel)
         except ValueError as exc:
             raise invalid_request(str(exc), param="tools") from None
     readable = tools if choice != "none" else []
-    return ChatPlan(
-        messages, extras, tools=readable, grammar=grammar, parallel=body.parallel_tool_calls
-    )
+    return ChatPlan(messages, extras, tools=readable, grammar=grammar, parallel=parallel)
 
 
 def _template_variables(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,8 @@ Formats (detected from the chat template's text):
 - Mistral: `[TOOL_CALLS]` then a JSON array of `{"name": …, "arguments": {…}}`.
 - Generic fallback: a reply that is only JSON — one call object, several, or a list.
 Reading accepts every format whatever the template, and only names the request offered.
+Every complete call is read, also from a reply cut off by `max_tokens`; the markup of a call
+that cannot be read is dropped, never returned as content.
 """
 
 from __future__ import annotations
@@ -60,20 +62,29 @@ class ParsedReply:
     calls: list[ToolCall]
 
 
-def parse_tool_calls(text: str, tools: Sequence[Tool], *, parallel: bool = True) -> ParsedReply:
-    """The calls in `text` to functions of `tools`, and the text around them. Text that
-    looks like a call but is not valid JSON, names another function, or — for a function
-    marked `strict` — has arguments its schema rejects, stays content. Without `parallel`,
-    only the first call counts (the request allowed one)."""
+def parse_tool_calls(
+    text: str, tools: Sequence[Tool], *, parallel: bool = True, truncated: bool = False
+) -> ParsedReply:
+    """The calls in `text` to functions of `tools`, and the text around them.
+
+    Marked calls (Hermes blocks, `[TOOL_CALLS]`, `<|python_tag|>`): every complete call to
+    an offered function is read; the markup of anything else — a call cut off by
+    `max_tokens`, invalid JSON, a function not offered, a `strict` function's call that its
+    schema rejects — is dropped, never returned as content. A reply that is only JSON is
+    read as calls when every value in it is one, and is content otherwise; `truncated` (the
+    reply was cut off) lets a trailing incomplete value go. Without `parallel`, only the
+    first call counts (the request allowed one)."""
     by_name = {tool.function.name: tool for tool in tools}
-    for parse in (_hermes, _mistral, _llama, _bare_json):
-        found = parse(text)
-        if found is None:
-            continue
-        content, objects = found
-        calls = [call for obj in objects if (call := _call(obj, by_name)) is not None]
-        if calls and len(calls) == len(objects):
+    for read in (_hermes, _mistral, _llama):
+        found = read(text)
+        if found is not None:
+            content, objects = found
+            calls = [call for obj in objects if (call := _call(obj, by_name)) is not None]
             return ParsedReply(content.strip(), calls if parallel else calls[:1])
+    objects = _bare_json(text, truncated=truncated)
+    calls = [call for obj in objects if (call := _call(obj, by_name)) is not None]
+    if calls and len(calls) == len(objects):
+        return ParsedReply("", calls if parallel else calls[:1])
     return ParsedReply(text, [])
 
 
@@ -99,7 +110,7 @@ def new_call_id() -> str:
 
 # ---- reading -------------------------------------------------------------------------------
 
-Found = tuple[str, list[Any]] | None  # (content around the calls, the call objects)
+Found = tuple[str, list[Any]] | None  # (content around the markup, the call objects in it)
 
 
 def _hermes(text: str) -> Found:
@@ -109,14 +120,9 @@ def _hermes(text: str) -> Found:
     rest = text
     while HERMES_OPEN in rest:
         before, _, after = rest.partition(HERMES_OPEN)
-        body, closed, rest = after.partition(HERMES_CLOSE)
+        body, _, rest = after.partition(HERMES_CLOSE)  # unclosed: the rest of the reply
         content.append(before)
-        value = _json(body)
-        if value is None:
-            return None
-        objects.append(value)
-        if not closed:
-            rest = ""
+        objects.append(_json(body))
     content.append(rest)
     return "".join(content), objects
 
@@ -125,41 +131,56 @@ def _mistral(text: str) -> Found:
     if MISTRAL_MARK not in text:
         return None
     before, _, after = text.partition(MISTRAL_MARK)
-    value = _json(after)
-    if value is None:
-        return None
-    return before, value if isinstance(value, list) else [value]
+    body = after.lstrip()
+    values, _ = _json_values(body[1:] if body.startswith("[") else body)
+    return before, values
 
 
 def _llama(text: str) -> Found:
     if LLAMA_MARK not in text:
         return None
     before, _, after = text.partition(LLAMA_MARK)
-    objects = [_json(part) for part in after.split(";") if part.strip()]
-    if not objects or any(o is None for o in objects):
-        return None
-    return before, objects
+    values, _ = _json_values(after)
+    return before, values
 
 
-def _bare_json(text: str) -> Found:
-    """A reply that is only JSON: a call, a list of calls, `{"tool_calls": [...]}`, or
-    several call objects one after another."""
-    decoder = json.JSONDecoder()
-    objects: list[Any] = []
-    position = 0
+def _bare_json(text: str, *, truncated: bool) -> list[Any]:
+    """The call objects of a reply that is only JSON: a call, a list of calls,
+    `{"tool_calls": [...]}`, or several call objects one after another (none if the reply
+    is anything else)."""
     stripped = text.strip()
-    while position < len(stripped):
-        try:
-            value, end = decoder.raw_decode(stripped, position)
-        except json.JSONDecodeError:
-            return None
+    values, stopped = _json_values(stripped)
+    if stopped < len(stripped) and not truncated:
+        return []
+    objects: list[Any] = []
+    for value in values:
         if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
             value = value["tool_calls"]
         objects.extend(value if isinstance(value, list) else [value])
-        position = end
-        while position < len(stripped) and stripped[position] in " \t\r\n;,":
-            position += 1
-    return ("", objects) if objects else None
+    return objects
+
+
+def _json_values(text: str) -> tuple[list[Any], int]:
+    """The JSON values that `text` starts with, separated by whitespace, `,` or `;`, up to
+    the first that does not decode (a call cut off, or what follows the calls); and where
+    reading stopped."""
+    decoder = json.JSONDecoder()
+    values: list[Any] = []
+    position = _skip_separators(text, 0)
+    while position < len(text):
+        try:
+            value, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            break
+        values.append(value)
+        position = _skip_separators(text, position)
+    return values, position
+
+
+def _skip_separators(text: str, position: int) -> int:
+    while position < len(text) and text[position] in " \t\r\n;,":
+        position += 1
+    return position
 
 
 def _json(text: str) -> Any:
@@ -210,13 +231,19 @@ def call_schema(tools: Sequence[Tool], fmt: ToolFormat) -> dict[str, Any]:
 
 def wrap_call_grammar(call_rules: str, fmt: ToolFormat, *, parallel: bool) -> str:
     """A grammar for a reply that is one call (or, with `parallel`, one or more) in `fmt`,
-    from `call_rules`: a GBNF grammar whose `root` is one call object."""
+    from `call_rules`: a GBNF grammar whose `root` is one call object.
+
+    The reply can end only where `root` is complete: llama.cpp's grammar sampler allows
+    end-of-generation there and nowhere else (and nothing but it once `root` can go no
+    further). So one call ends the reply; with `parallel`, the model may end after any
+    call — also after the newline that would start another, the token models trained on
+    Hermes calls pick after `</tool_call>`."""
     renamed, count = re.subn(r"^root ::=", "tool-call ::=", call_rules, flags=re.MULTILINE)
     if count != 1 or re.search(r"(?<![\w\"-])root(?![\w\"-])", renamed):
         raise ValueError("the tool's schema refers to its own root; it cannot be forced")
     if fmt is ToolFormat.HERMES:
         item = f'"{HERMES_OPEN}\\n" tool-call "\\n{HERMES_CLOSE}"'
-        root = f'{item} ("\\n" {item})*' if parallel else item
+        root = f'{item} ("\\n" {item})* "\\n"?' if parallel else item
     elif fmt is ToolFormat.MISTRAL:
         root = f'"{MISTRAL_MARK}" "[" tool-call ' + (
             '("," " "? tool-call)* "]"' if parallel else '"]"'
@@ -224,5 +251,5 @@ def wrap_call_grammar(call_rules: str, fmt: ToolFormat, *, parallel: bool) -> st
     elif fmt is ToolFormat.LLAMA3:
         root = "tool-call"  # Llama 3.x makes one call per turn
     else:
-        root = 'tool-call ("\\n" tool-call)*' if parallel else "tool-call"
+        root = 'tool-call ("\\n" tool-call)* "\\n"?' if parallel else "tool-call"
     return f"root ::= {root}\n{renamed}"

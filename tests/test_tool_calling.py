@@ -114,21 +114,22 @@ def test_calls_are_read_in_every_format(text: str, content: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "text",
+    ("text", "content"),
     [
-        "Just words.",
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>',  # bad JSON
-        '<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>',  # not offered
-        '{"city": "Oslo"}',  # JSON, but no call
+        ("Just words.", "Just words."),
+        ('{"city": "Oslo"}', '{"city": "Oslo"}'),  # JSON, but no call
+        # Marked, but not a valid call: the markup is dropped, never content.
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>', ""),
+        ('Hm. <tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>', "Hm."),
     ],
 )
-def test_what_is_not_a_valid_call_stays_content(text: str) -> None:
+def test_what_is_not_a_valid_call_is_no_call(text: str, content: str) -> None:
     parsed = parse_tool_calls(text, TOOLS)
-    assert parsed.calls == [] and parsed.content == text
+    assert parsed.calls == [] and parsed.content == content
 
 
 def test_strict_functions_and_one_call_only() -> None:
-    """A `strict` function's call whose arguments break its schema stays content (strict
+    """A `strict` function's call whose arguments break its schema is no call (strict
     calls returned always validate, forced or not); without parallel calls, only the first
     call counts."""
     strict = Tool.model_validate({**WEATHER, "function": {**WEATHER["function"], "strict": True}})
