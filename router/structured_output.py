@@ -3,7 +3,8 @@ forced tool calls, enforced by llama.cpp's grammar sampler.
 
 `{"type": "text"}` needs no grammar; `{"type": "json_object"}` gets llama-cpp-python's
 `JSON_GBNF` (its root is an object, as OpenAI's JSON mode promises); `{"type":
-"json_schema", ...}` gets `json_schema_to_gbnf`'s grammar for the schema, after
+"json_schema", ...}` gets `schema_converter`'s grammar for the schema (llama-cpp-python's
+converter plus Baton's rules for numeric bounds, string formats and `uniqueItems`), after
 `schema_check.prepare` has refused every keyword that grammar would not enforce (and worked
 around the converter's defects: colliding `$ref` names, a root `$ref`, missing commas beside
 optional properties, unsafe patterns and literals, bounds llama.cpp's parser crashes on).
@@ -13,8 +14,8 @@ grammar llama.cpp cannot parse is refused too. Every refusal names the keyword a
 Baton enforces every schema it accepts, whatever `strict` says: objects never get properties
 their schema does not list unless `additionalProperties` allows them (OpenAI's strict rule,
 and a narrowing, so replies also validate against non-strict schemas). `oneOf` is enforced
-as `anyOf`: give it disjoint alternatives. The enforced keywords are listed in
-`schema_check`'s docstring and the README.
+as `anyOf`: exact with a `discriminator` (checked disjoint); otherwise give it disjoint
+alternatives. The enforced keywords are listed in `schema_check`'s docstring and the README.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import functools
 import json
 from typing import Annotated, Any, Literal
 
-from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+from llama_cpp.llama_grammar import JSON_GBNF
 from pydantic import BaseModel, ConfigDict, Field
 
 from baton_serve.replicas.engine.sampling import grammar_parses
 from baton_serve.router.schema_check import SchemaError, prepare
+from baton_serve.router.schema_converter import schema_to_gbnf
 
 # Converter defect: its JSON string character admits raw control characters.
 _LOOSE_CHAR = r'char ::= [^"\\] | '
@@ -93,7 +95,7 @@ def _grammar(schema_json: str, prop_order: tuple[str, ...]) -> str:
     except SchemaError as exc:
         raise SchemaNotEnforceable(str(exc)) from None
     try:
-        grammar = json_schema_to_gbnf(json.dumps(prepared), prop_order=list(prop_order))
+        grammar = schema_to_gbnf(prepared, list(prop_order))
     except Exception as exc:  # the converter reports what it cannot read with asserts
         raise SchemaNotEnforceable(f"the schema cannot be turned into a grammar: {exc!r}") from None
     grammar = grammar.replace(_LOOSE_CHAR, _JSON_CHAR)

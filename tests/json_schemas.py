@@ -227,17 +227,157 @@ SUPPORTED: dict[str, Schema] = {
         "minItems": 1,
         "maxItems": 5,
     },
+    "integer_minimum_only": {"type": "integer", "minimum": 0},
+    "integer_exclusive_minimum_only": {"type": "integer", "exclusiveMinimum": 0},
+    "integer_maximum_only": {"type": "integer", "maximum": -3},
+    "integer_wide_range": {"type": "integer", "minimum": -10_000, "maximum": 10_000},
+    "integer_float_bounds": {"type": "integer", "minimum": 0.5, "exclusiveMaximum": 7.5},
+    "number_minimum_only": {"type": "number", "minimum": 0},
+    "number_exclusive_bounds": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+    "number_fraction_bounds": {"type": "number", "minimum": -2.5, "maximum": 3.75},
+    "number_negative_upper_only": {"type": "number", "exclusiveMaximum": -0.5},
+    "number_bounds_in_object": {
+        "type": "object",
+        "properties": {
+            "p": {"type": "number", "minimum": 0, "maximum": 1},
+            "t": {"type": "number", "minimum": -273.15},
+            "n": {"type": "integer", "exclusiveMinimum": 0, "maximum": 10},
+        },
+        "required": ["p", "t", "n"],
+    },
+    "format_email": {"type": "string", "format": "email"},
+    "format_uri": {"type": "string", "format": "uri"},
+    "format_uri_implied_lengths": {
+        "type": "string",
+        "format": "uri",
+        "minLength": 1,
+        "maxLength": 2083,
+    },
+    "format_ipv4": {"type": "string", "format": "ipv4"},
+    "format_ipv6": {"type": "string", "format": "ipv6"},
+    "format_duration": {"type": "string", "format": "duration"},
+    "format_uuid4": {"type": "string", "format": "uuid4"},
+    "format_password": {"type": "string", "format": "password", "maxLength": 8},
+    "unique_enum_items": {
+        "type": "array",
+        "items": {"enum": ["a", "b", "c", "d"]},
+        "uniqueItems": True,
+    },
+    "unique_booleans_min_items": {
+        "type": "array",
+        "items": {"type": "boolean"},
+        "uniqueItems": True,
+        "minItems": 2,
+    },
+    "unique_ref_enum_bounded": {
+        "$defs": {"Color": {"type": "string", "enum": ["red", "green", "blue"]}},
+        "type": "array",
+        "items": {"$ref": "#/$defs/Color"},
+        "uniqueItems": True,
+        "minItems": 1,
+        "maxItems": 2,
+    },
+    "unique_small_integers": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 1, "maximum": 5},
+        "uniqueItems": True,
+    },
+    "additional_properties_map": {
+        "type": "object",
+        "additionalProperties": {"type": "integer", "minimum": 0},
+    },
+    "discriminated_refs": {  # pydantic's shape for a discriminated union
+        "$defs": {
+            "Cat": {
+                "type": "object",
+                "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}},
+                "required": ["kind", "lives"],
+            },
+            "Dog": {
+                "type": "object",
+                "properties": {"kind": {"enum": ["dog", "puppy"]}, "barks": {"type": "boolean"}},
+                "required": ["kind", "barks"],
+            },
+        },
+        "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+        "discriminator": {
+            "propertyName": "kind",
+            "mapping": {"cat": "#/$defs/Cat", "dog": "#/$defs/Dog", "puppy": "#/$defs/Dog"},
+        },
+    },
+    "tuple_with_lengths": {  # pydantic's shape for tuple[int, bool]
+        "type": "array",
+        "prefixItems": [{"type": "integer"}, {"type": "boolean"}],
+        "minItems": 2,
+        "maxItems": 2,
+    },
     "root_primitive": {"type": "boolean"},
 }
 
 UNSUPPORTED: list[tuple[str, Schema, str, str]] = [
-    ("minimum_on_number", {"type": "number", "minimum": 0}, "minimum", "/minimum"),
-    ("one_sided_integer", {"type": "integer", "minimum": 0}, "minimum", "/minimum"),
     (
-        "wide_integer_range",
-        {"type": "integer", "minimum": 0, "maximum": 10_000},
-        "minimum",
-        "/minimum",
+        "multiple_of_one_sided",
+        {"type": "integer", "minimum": 0, "multipleOf": 5},
+        "multipleOf",
+        "/multipleOf",
+    ),
+    (
+        "multiple_of_too_many",
+        {"type": "integer", "minimum": 0, "maximum": 10_000, "multipleOf": 3},
+        "multipleOf",
+        "/multipleOf",
+    ),
+    ("empty_integer_range", {"type": "integer", "minimum": 5, "maximum": 3}, "minimum", "/minimum"),
+    (
+        "empty_number_range",
+        {"type": "number", "exclusiveMinimum": 1, "maximum": 1},
+        "exclusiveMinimum",
+        "/exclusiveMinimum",
+    ),
+    ("bound_too_many_digits", {"type": "number", "minimum": 1e20}, "minimum", "/minimum"),
+    ("bound_too_fine", {"type": "number", "maximum": 1e-20}, "maximum", "/maximum"),
+    ("bound_boolean", {"type": "number", "minimum": True}, "minimum", "/minimum"),
+    (
+        "unique_items_strings",
+        {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+        "uniqueItems",
+        "/uniqueItems",
+    ),
+    (
+        "unique_items_min_too_large",
+        {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True, "minItems": 3},
+        "uniqueItems",
+        "/uniqueItems",
+    ),
+    (
+        "discriminator_not_required",
+        {
+            "oneOf": [
+                {"type": "object", "properties": {"k": {"const": "a"}}},
+                {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]},
+            ],
+            "discriminator": {"propertyName": "k"},
+        },
+        "discriminator",
+        "/discriminator",
+    ),
+    (
+        "discriminator_shared_value",
+        {
+            "oneOf": [
+                {"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+                {"type": "object", "properties": {"k": {"enum": ["b", "a"]}}, "required": ["k"]},
+            ],
+            "discriminator": {"propertyName": "k"},
+        },
+        "discriminator",
+        "/discriminator",
+    ),
+    (
+        "tuple_length_mismatch",
+        {"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 2},
+        "minItems",
+        "/minItems",
     ),
     (
         "nested_max_properties",
@@ -283,10 +423,10 @@ UNSUPPORTED: list[tuple[str, Schema, str, str]] = [
         "propertyNames",
         "/propertyNames",
     ),
-    ("format_email", {"type": "string", "format": "email"}, "format", "/format"),
+    ("format_regex", {"type": "string", "format": "regex"}, "format", "/format"),
     (
         "format_with_length",
-        {"type": "string", "format": "date", "maxLength": 10},
+        {"type": "string", "format": "date", "maxLength": 5},
         "maxLength",
         "/maxLength",
     ),
@@ -384,7 +524,10 @@ UNSUPPORTED: list[tuple[str, Schema, str, str]] = [
             "type": "array",
             "items": {
                 "anyOf": [
-                    {"type": "object", "properties": {"t": {"type": "string", "format": "uri"}}}
+                    {
+                        "type": "object",
+                        "properties": {"t": {"type": "string", "format": "hostname"}},
+                    }
                 ]
             },
         },
@@ -393,8 +536,8 @@ UNSUPPORTED: list[tuple[str, Schema, str, str]] = [
     ),
     (
         "json_pointer_escaping",
-        {"type": "object", "properties": {"a/b": {"type": "number", "maximum": 1}}},
-        "maximum",
-        "/properties/a~1b/maximum",
+        {"type": "object", "properties": {"a/b": {"type": "number", "multipleOf": 0.5}}},
+        "multipleOf",
+        "/properties/a~1b/multipleOf",
     ),
 ]

@@ -114,9 +114,12 @@ def test_json_schema_and_json_object_replies(served: Served) -> None:
         (
             {
                 "type": "json_schema",
-                "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 1}},
+                "json_schema": {
+                    "name": "n",
+                    "schema": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+                },
             },
-            "minimum",
+            "uniqueItems",
         ),
         ({"type": "json_schema", "json_schema": {"name": "n"}}, "schema"),
         ({"type": "xml"}, "response_format"),

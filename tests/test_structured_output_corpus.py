@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import llama_cpp
 import pytest
+from grammar_sampler import MAX_TOKENS, GrammarSampler
 from json_schemas import SUPPORTED, UNSUPPORTED
 from jsonschema import Draft202012Validator, FormatChecker
 from llama_cpp.llama_grammar import JSON_GBNF
@@ -30,9 +30,7 @@ from baton_serve.router.structured_output import (
     response_grammar,
 )
 
-MAX_TOKENS = 400
 RESPONSE_FORMAT: TypeAdapter[Any] = TypeAdapter(ResponseFormat)
-CLOSING_BIAS = 8.0
 SEEDS = 3
 
 
@@ -122,78 +120,17 @@ def test_a_grammar_llama_cpp_cannot_parse_is_refused() -> None:
     assert not grammar_parses("root ::= undefined-rule")
 
 
-# ---- sampling (test-only scaffolding: the engine's sampler chain is another change's) --------
-
-
-class _Sampler:
-    """Generates with llama.cpp's grammar sampler on a real context, token by token.
-
-    A random-weight model at temperature 1 almost never picks one of the few tokens that
-    close a string among the ~49,000 the grammar allows inside it, so an unbounded string
-    runs on for thousands of tokens. The chain therefore adds `CLOSING_BIAS` to the logits
-    of tokens starting with `"`: the grammar still decides which tokens are allowed (and the
-    output is validated all the same); the bias only keeps strings short.
-    """
-
-    def __init__(self, model: LlamaModel) -> None:
-        self.model = model
-        closing = [
-            t for t in range(model.n_vocab) if model.token_bytes(t)[:1] in (b'"', b"]", b"}")
-        ]
-        self.bias = (llama_cpp.llama_logit_bias * len(closing))(
-            *(llama_cpp.llama_logit_bias(t, CLOSING_BIAS) for t in closing)
-        )
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = params.n_batch = MAX_TOKENS + 8
-        params.n_threads = params.n_threads_batch = 2
-        self.ctx = llama_cpp.llama_init_from_model(model.pointer, params)
-        assert self.ctx
-
-    def generate(self, grammar: str, seed: int) -> tuple[str, bool]:
-        """Text sampled under `grammar` (grammar, temperature 1, dist(seed)), and whether it
-        ended on an end-of-generation token rather than the token cap."""
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
-        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-        grammar_sampler = llama_cpp.llama_sampler_init_grammar(
-            self.model.vocab, grammar.encode(), b"root"
-        )
-        assert grammar_sampler
-        for sampler in (
-            grammar_sampler,
-            llama_cpp.llama_sampler_init_logit_bias(self.model.n_vocab, len(self.bias), self.bias),
-            llama_cpp.llama_sampler_init_temp(1.0),
-            llama_cpp.llama_sampler_init_dist(seed),
-        ):
-            llama_cpp.llama_sampler_chain_add(chain, sampler)  # the chain owns them
-        token, out = self.model.bos_token or 0, []
-        try:
-            for _ in range(MAX_TOKENS):
-                batch = (llama_cpp.llama_token * 1)(token)
-                assert (
-                    llama_cpp.llama_decode(self.ctx, llama_cpp.llama_batch_get_one(batch, 1)) == 0
-                )
-                # `llama_sampler_sample` also accepts the token into every sampler of the
-                # chain: accepting it again would advance the grammar twice (and abort).
-                token = llama_cpp.llama_sampler_sample(chain, self.ctx, -1)
-                if self.model.is_end_of_generation(token):
-                    return self.model.detokenize(out), True
-                out.append(token)
-            return self.model.detokenize(out), False
-        finally:
-            llama_cpp.llama_sampler_free(chain)
-
-    def close(self) -> None:
-        llama_cpp.llama_free(self.ctx)
+# ---- sampling ------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def sampler(model: LlamaModel) -> Iterator[_Sampler]:
-    made = _Sampler(model)
+def sampler(model: LlamaModel) -> Iterator[GrammarSampler]:
+    made = GrammarSampler(model)
     yield made
     made.close()
 
 
-_FORMATS = FormatChecker(formats=["uuid"])
+_FORMATS = FormatChecker(formats=["uuid", "ipv4", "ipv6", "email"])
 _DATE = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
 _TIME = r"([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{3})?(Z|[+-]([01]\d|2[0-3]):[0-5]\d)"
 for _name, _regex in (("date", _DATE), ("time", _TIME), ("date-time", f"{_DATE}T{_TIME}")):
@@ -204,15 +141,11 @@ for _name, _regex in (("date", _DATE), ("time", _TIME), ("date-time", f"{_DATE}T
 
 
 @pytest.mark.parametrize("name", SUPPORTED)
-def test_sampled_output_validates(name: str, sampler: _Sampler) -> None:
+def test_sampled_output_validates(name: str, sampler: GrammarSampler) -> None:
     grammar = response_grammar(_format(SUPPORTED[name])) or ""
     validator = Draft202012Validator(SUPPORTED[name], format_checker=_FORMATS)
     for seed in _seeds(name):
-        import time
-
-        t = time.time()
         text, ended = sampler.generate(grammar, seed)
-        print("TIMING", name, seed, round(time.time() - t, 2), repr(text))
         assert ended, f"seed {seed}: no end of generation within {MAX_TOKENS} tokens: {text!r}"
         validator.validate(json.loads(text))
 
@@ -223,7 +156,7 @@ def _seeds(name: str) -> range:
 
 
 @pytest.mark.parametrize("seed", range(SEEDS))
-def test_sampled_json_object_is_an_object(seed: int, sampler: _Sampler) -> None:
+def test_sampled_json_object_is_an_object(seed: int, sampler: GrammarSampler) -> None:
     text, ended = sampler.generate(JSON_GBNF, seed)
     assert ended, f"no end of generation within {MAX_TOKENS} tokens: {text!r}"
     assert isinstance(json.loads(text), dict)
