@@ -344,13 +344,13 @@ class _Gateway:
         guided = guided_grammar(body)
         if grammar is not None and guided is not None:
             raise invalid_request(
-                "send response_format or guided_json / guided_choice, not both.",
+                "send response_format or a guided_* / json_schema / grammar field, not both.",
                 param="response_format",
             )
         grammar = grammar or guided
         if grammar is not None and plan.tools:
             raise invalid_request(
-                "response_format (or guided_json / guided_choice) cannot be combined with "
+                "response_format (or a guided_* / json_schema / grammar field) cannot be combined with "
                 'tools the model may call; send tool_choice "none", or no format.',
                 param="response_format",
             )

@@ -1,6 +1,6 @@
-"""vLLM's request extensions that shape the reply, as llama.cpp sees them: `guided_json` and
-`guided_choice` as grammars, and the chat template variables vLLM fills from request
-fields (`reasoning_effort`, `documents`)."""
+"""vLLM's and llama-server's request extensions that shape the reply, as llama.cpp sees them:
+`guided_json`, `guided_choice`, `json_schema` and `grammar` as grammars, and the chat
+template variables vLLM fills from request fields (`reasoning_effort`, `documents`)."""
 
 from __future__ import annotations
 
@@ -12,19 +12,28 @@ from baton_serve.router.structured_output import SchemaNotEnforceable, schema_gr
 
 
 def guided_grammar(body: api.ChatCompletionRequest | api.CompletionRequest) -> str | None:
-    """The grammar `guided_json` or `guided_choice` asks for (None: neither was sent)."""
+    """The grammar `guided_json`, `guided_choice` or llama-server's `json_schema` or
+    `grammar` ask for (None: none was sent). A raw grammar is parsed by the engine, which
+    refuses one llama.cpp cannot parse."""
+    if body.grammar is not None:
+        return body.grammar
     if body.guided_choice is not None:
         if any(_has_surrogate(choice) for choice in body.guided_choice):
             raise invalid_request(
                 "guided_choice: a lone surrogate is not text", param="guided_choice"
             )
         return "root ::= " + " | ".join(_literal(choice) for choice in body.guided_choice)
-    if body.guided_json is None:
+    schema, param = (
+        (body.guided_json, "guided_json")
+        if body.guided_json is not None
+        else (body.json_schema, "json_schema")
+    )
+    if schema is None:
         return None
     try:
-        return schema_grammar(body.guided_json)
+        return schema_grammar(schema)
     except SchemaNotEnforceable as exc:
-        raise invalid_request(str(exc), param="guided_json") from None
+        raise invalid_request(str(exc), param=param) from None
 
 
 def _has_surrogate(text: str) -> bool:

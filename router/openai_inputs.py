@@ -1,15 +1,34 @@
 """The input shapes of OpenAI requests: message content given as parts, stop sequences,
-prompts in their four forms, and one message of a conversation."""
+prompts in their four forms, one message of a conversation, and the stream options."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, model_validator
 
 from baton_serve.router.openai_tools import ToolCall
 
 MAX_STOP_SEQUENCES = 4
+
+
+def _nulls_dropped(data: Any) -> Any:
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = Field(
+        default=False, description="A last chunk (choices: []) carries the usage."
+    )
+    continuous_usage_stats: bool = Field(
+        default=False,
+        description="vLLM: with include_usage, every chunk also carries the usage so far "
+        "(prompt, cached and completion tokens of its choice).",
+    )
+
+    _nulls_are_unset = model_validator(mode="before")(_nulls_dropped)
 
 
 def _as_list(value: object) -> object:

@@ -22,13 +22,22 @@ from pydantic import (
 )
 
 from baton_serve.router import refused_fields
-from baton_serve.router.openai_inputs import InputMessage, Prompts, StopSequences
+from baton_serve.router.openai_inputs import (
+    InputMessage,
+    Prompts,
+    StopSequences,
+    StreamOptions,
+    _nulls_dropped,
+)
 from baton_serve.router.openai_tools import Tool, ToolCall, ToolCallDelta, ToolChoice
 from baton_serve.router.structured_output import ResponseFormat
 
 MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16
+MAX_GRAMMAR_CHARS = 64 << 10  # a raw GBNF grammar: parsed by llama.cpp per request
+# Fields that each give the reply a grammar: at most one per request.
+GUIDES = ("guided_json", "guided_choice", "json_schema", "grammar")
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
@@ -41,25 +50,6 @@ def _is_none(value: object) -> bool:
 
 NO_EFFECT = "No effect"  # how a field accepted only as the client's bookkeeping is described
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
-
-
-def _nulls_dropped(data: Any) -> Any:
-    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    include_usage: bool = Field(
-        default=False, description="A last chunk (choices: []) carries the usage."
-    )
-    continuous_usage_stats: bool = Field(
-        default=False,
-        description="vLLM: with include_usage, every chunk also carries the usage so far "
-        "(prompt, cached and completion tokens of its choice).",
-    )
-
-    _nulls_are_unset = model_validator(mode="before")(_nulls_dropped)
 
 
 class _GenerationRequest(BaseModel):
@@ -129,6 +119,15 @@ class _GenerationRequest(BaseModel):
     guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
         default=None, min_length=1, description="vLLM: the reply is exactly one of these."
     )
+    json_schema: dict[str, Any] | None = Field(
+        default=None, description="llama-server: the same as guided_json."
+    )
+    grammar: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_GRAMMAR_CHARS,
+        description="llama-server: a llama.cpp GBNF grammar (rule `root`) the reply follows.",
+    )
     skip_special_tokens: bool = Field(
         default=False,
         description="vLLM (default true there): control tokens are left out of the text. "
@@ -178,11 +177,12 @@ class _GenerationRequest(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return value
 
-    @field_validator("guided_choice")
+    @field_validator(*GUIDES[1:])
     @classmethod
-    def _one_guide(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
-        if value is not None and info.data.get("guided_json") is not None:
-            raise ValueError("send guided_json or guided_choice, not both")
+    def _one_guide(cls, value: object, info: ValidationInfo) -> object:
+        earlier = [name for name in GUIDES if info.data.get(name) is not None]
+        if value is not None and earlier:
+            raise ValueError(f"send one of {', '.join(GUIDES)}, not {earlier[0]} and this")
         return value
 
     @property

@@ -55,8 +55,6 @@ _BOTH: dict[str, str] = {
     "id_slot": "Baton's router picks the replica and slot (by cached prefix)",
     "n_keep": "context shifting is not served: a reply ends at the context",
     "n_discard": "context shifting is not served: a reply ends at the context",
-    "grammar": "raw grammars are not accepted: send response_format or guided_json",
-    "json_schema": "send response_format json_schema or guided_json",
     "lora": "LoRA adapters are not served",
     "t_max_predict_ms": "no time limit per reply; send max_tokens",
     "post_sampling_probs": "log-probabilities are the model's, before sampling",

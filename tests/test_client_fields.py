@@ -332,3 +332,19 @@ def test_the_field_table_matches_the_models(client: httpx.Client) -> None:
     assert schemas["CompletionRequest"]["x-refused-fields"] == refused_fields.COMPLETIONS
     for model, refused in api_fields.ENDPOINTS.values():
         assert not model.model_fields.keys() & refused.keys()
+
+
+def test_llama_server_json_schema_and_grammar(client: httpx.Client) -> None:
+    """llama-server's `json_schema` (as guided_json) and `grammar` (raw GBNF) shape the
+    reply; a grammar llama.cpp cannot parse, or two guides at once, get a 400."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    reply = _post(client, CHAT, _chat(json_schema=schema, ignore_eos=False, max_tokens=40))
+    assert isinstance(json.loads(reply["choices"][0]["message"]["content"])["n"], int)
+    for seed in range(3):
+        body = _text("Answer:", grammar='root ::= "yes" | "no"', temperature=1.0, seed=seed)
+        assert _post(client, COMPLETIONS, body)["choices"][0]["text"] in ("yes", "no")
+    broken = client.post(COMPLETIONS, json=_text("Answer:", grammar="root ::= (("))
+    assert broken.status_code == 400 and "grammar" in broken.json()["error"]["message"]
+    both = client.post(CHAT, json=_chat(json_schema=schema, grammar='root ::= "x"'))
+    assert both.status_code == 400 and both.json()["error"]["param"] == "grammar"
+    assert "not json_schema and this" in both.json()["error"]["message"]
