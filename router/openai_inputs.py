@@ -12,7 +12,9 @@ from baton_serve.router.openai_tools import ToolCall
 MAX_STOP_SEQUENCES = 4
 
 
-def _nulls_dropped(data: Any) -> Any:
+def nulls_dropped(data: Any) -> Any:
+    """A body with its null fields left out: a null means "not sent" (OpenAI clients send
+    nulls for options they leave unset)."""
     return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
@@ -28,7 +30,7 @@ class StreamOptions(BaseModel):
         "(prompt, cached and completion tokens of its choice).",
     )
 
-    _nulls_are_unset = model_validator(mode="before")(_nulls_dropped)
+    _nulls_are_unset = model_validator(mode="before")(nulls_dropped)
 
 
 def _as_list(value: object) -> object:

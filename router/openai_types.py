@@ -27,7 +27,7 @@ from baton_serve.router.openai_inputs import (
     Prompts,
     StopSequences,
     StreamOptions,
-    _nulls_dropped,
+    nulls_dropped,
 )
 from baton_serve.router.openai_tools import Tool, ToolCall, ToolCallDelta, ToolChoice
 from baton_serve.router.structured_output import ResponseFormat
@@ -166,7 +166,7 @@ class _GenerationRequest(BaseModel):
     stream: bool = Field(default=False, description="Server-sent events.")
     stream_options: StreamOptions | None = Field(default=None, description="Only with stream.")
 
-    _nulls_are_unset = model_validator(mode="before")(_nulls_dropped)
+    _nulls_are_unset = model_validator(mode="before")(nulls_dropped)
 
     @field_validator("stream_options")
     @classmethod
