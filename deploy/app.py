@@ -17,17 +17,21 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
-from baton_serve.cache_store.cluster_key import KEY_ENV, KEY_FILE_ENV, write_private_key_file
+from baton_serve.cache_store.checkpoints.cluster_key import (
+    KEY_ENV,
+    KEY_FILE_ENV,
+    write_private_key_file,
+)
 from baton_serve.cache_store.fingerprint import file_fingerprint
-from baton_serve.cache_store.index import EMBEDDED_SPEC
+from baton_serve.cache_store.index.index import EMBEDDED_SPEC
 from baton_serve.deploy.capacity_check import check_object_store_fits, fit_store_budget
 from baton_serve.deploy.config import BatonConfig, ConfigError, RouterPolicy, load_config
 from baton_serve.deploy.index_placement import start_embedded_index_on_head
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.models.model_source import resolve_model
 from baton_serve.replicas.serve_deployment import ReplicaDeployment, ReplicaSettings
-from baton_serve.router.gateway import GatewaySettings
-from baton_serve.router.serve_gateway import GatewayDeployment
+from baton_serve.router.gateway.gateway import GatewaySettings
+from baton_serve.router.gateway.serve_gateway import GatewayDeployment
 
 APP_NAME = "baton"
 REPLICA_DEPLOYMENT = "Replica"
@@ -42,13 +46,13 @@ CLOSE_S = 5.0
 DISK_FLUSH_S = 25.0
 
 _ROUTERS = {
-    RouterPolicy.BATON: "baton_serve.router.request_router:BatonRouter",
+    RouterPolicy.BATON: "baton_serve.router.routing.request_router:BatonRouter",
     RouterPolicy.POW2: "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter",
     RouterPolicy.PREFIX_AFFINITY: (
         "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"
         "PrefixCacheAffinityRouter"
     ),
-    RouterPolicy.ROUND_ROBIN: "baton_serve.router.request_router:RoundRobinRouter",
+    RouterPolicy.ROUND_ROBIN: "baton_serve.router.routing.request_router:RoundRobinRouter",
 }
 
 

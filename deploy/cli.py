@@ -8,9 +8,9 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, entry_points, version
-from pathlib import Path
 
-from baton_serve.deploy.config import RouterPolicy, load_config
+from baton_serve.deploy.config import load_config
+from baton_serve.deploy.serve_flags import add_serve_flags, overrides_from
 from baton_serve.replicas.engine.ggml_backends import BackendUnavailable
 from baton_serve.replicas.models.default_model import DefaultModelMissing
 from baton_serve.replicas.models.model_check import ModelCheckFailed
@@ -117,57 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--config", help="YAML file of settings (BATON_* variables and flags override it)"
     )
-    serve.add_argument("--model", help=MODEL_HELP)
-    serve.add_argument("--model-name", help="name served in the API (default: the file's stem)")
-    serve.add_argument("--replicas", type=int)
-    serve.add_argument("--gpus-per-replica", type=float, dest="num_gpus_per_replica")
-    serve.add_argument("--cpus-per-replica", type=float, dest="num_cpus_per_replica")
-    serve.add_argument(
-        "--n-ctx", type=int, help="context window per sequence (0: the model's training context)"
-    )
-    serve.add_argument(
-        "--chat-template",
-        metavar="FILE",
-        help="a Jinja chat template to use instead of the model's own (or where it has none)",
-    )
-    serve.add_argument("--slots", type=int, help="concurrent sequences per replica")
-    serve.add_argument(
-        "--checkpoint-dir",
-        metavar="DIR",
-        help="keep checkpoints evicted from RAM in DIR (a local disk); a restart with the "
-        "same DIR and BATON_HMAC_KEY serves from them",
-    )
-    serve.add_argument(
-        "--disk-budget",
-        type=_byte_size,
-        metavar="BYTES",
-        help="most bytes of checkpoint files in --checkpoint-dir (suffixes K, M, G, T: "
-        "binary; default 16G)",
-    )
-    serve.add_argument(
-        "--handoff-s",
-        type=float,
-        metavar="SECONDS",
-        help="a replica leaving (scale-down, rolling update) hands its hottest checkpoints "
-        "to the others for up to this long (default 10; 0: none)",
-    )
-    serve.add_argument(
-        "--index",
-        metavar="INDEX",
-        help="'embedded' (default: a Ray actor) or Redis: redis[s]://[:PASSWORD@]HOST:PORT/DB "
-        "(one server), redis[s]+sentinel://[:PASSWORD@]HOST:26379[,HOST:26379…]/MASTER[/DB]"
-        "[?sentinel_password=…] (the master its Sentinels name; follows a failover), or "
-        "redis[s]+cluster://[:PASSWORD@]HOST:PORT[,HOST:PORT…] (a Redis Cluster's seed nodes)",
-    )
-    serve.add_argument("--router", choices=[p.value for p in RouterPolicy])
-    serve.add_argument(
-        "--api-key", action="append", dest="api_keys", help="require this key (repeatable)"
-    )
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
-    serve.add_argument(
-        "--metrics-port", type=int, help="serve Prometheus metrics on this port (/metrics)"
-    )
+    add_serve_flags(serve)
     serve.add_argument(
         "--log-format", choices=FORMATS, help="log lines as text or JSON (BATON_LOG_FORMAT)"
     )
@@ -198,30 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
     from baton_serve.deploy.server import serve_until_interrupted
     from baton_serve.deploy.startup import AppStartFailed
 
-    overrides = {
-        key: getattr(args, key)
-        for key in (
-            "model",
-            "model_name",
-            "replicas",
-            "num_gpus_per_replica",
-            "num_cpus_per_replica",
-            "index",
-            "router",
-            "api_keys",
-            "host",
-            "port",
-            "metrics_port",
-            "handoff_s",
-        )
-    }
-    overrides["engine"] = {
-        "n_ctx": args.n_ctx,
-        "n_slots": args.slots,
-        "chat_template": _read_chat_template(args.chat_template),
-        "checkpoint_dir": args.checkpoint_dir,
-        "disk_budget_bytes": args.disk_budget,
-    }
+    overrides = overrides_from(args)
     config = load_config(args.config, overrides=overrides)
     if args.log_format:  # the Ray workers started from here inherit the environment
         os.environ["BATON_LOG_FORMAT"] = args.log_format
@@ -232,30 +159,6 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"baton: error: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-_SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def _byte_size(text: str) -> int:
-    """`1073741824`, `512M`, `20G` (binary multiples; a trailing `i`/`B` is allowed)."""
-    value = text.strip().upper().removesuffix("B").removesuffix("I")
-    number, suffix = (value[:-1], value[-1]) if value[-1:].isalpha() else (value, "")
-    try:
-        return int(float(number) * _SIZE_SUFFIXES[suffix])
-    except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(
-            f"expected a size in bytes such as 1073741824, 512M or 20G, got {text!r}"
-        ) from None
-
-
-def _read_chat_template(path: str | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        return Path(path).expanduser().read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ValueError(f"cannot read the chat template {path}: {exc.strerror}") from exc
 
 
 def _serve_config(args: argparse.Namespace) -> int:

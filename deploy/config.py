@@ -2,7 +2,8 @@
 
 `load_config` reads, highest priority first: explicit overrides (CLI flags), `BATON_*`
 environment variables (nested with `__`, e.g. `BATON_ENGINE__N_CTX`), a YAML file, and the
-defaults below. `to_serve_args` / `config_from_serve_args` carry a config to the Serve app.
+defaults below (`config_sources` reads the file and the variables). `to_serve_args` /
+`config_from_serve_args` carry a config to the Serve app.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -26,12 +26,19 @@ from pydantic import (
     model_validator,
 )
 
-from baton_serve.cache_store.index import EMBEDDED_SPEC
-from baton_serve.cache_store.redis_address import (
+from baton_serve.cache_store.index.index import EMBEDDED_SPEC
+from baton_serve.cache_store.index.redis_address import (
     REDIS_FORMS,
     is_redis_address,
     parse_redis_address,
     redact,
+)
+from baton_serve.deploy.config_sources import (
+    ConfigError,
+    from_env,
+    merge,
+    read_yaml,
+    without_none,
 )
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.models.default_model import DEFAULT_MODEL_FILE
@@ -39,15 +46,9 @@ from baton_serve.replicas.models.hf_hub import HF_PREFIX, parse_hf_ref
 from baton_serve.replicas.models.model_source import TINY_PREFIX
 from baton_serve.replicas.models.tiny_model import ARCHITECTURES
 
-ENV_PREFIX = "BATON_"
-ENV_NESTING = "__"
 MIN_HMAC_KEY_CHARS = 16
 # Ray's built-in resources have settings of their own (or none to set): not custom resources.
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
-
-
-class ConfigError(ValueError):
-    """An invalid configuration; the message lists every problem as `field.path: message`."""
 
 
 class RouterPolicy(str, Enum):
@@ -66,50 +67,89 @@ class BatonConfig(BaseModel):
 
     model: str | None = Field(
         default=None,
-        description='GGUF path, "tiny:ARCH", "hf://ORG/REPO/PATH[@REVISION]" (downloaded into '
-        "$BATON_CACHE_DIR/models), or None for SmolLM2-135M-Instruct",
+        description="a GGUF path; tiny:ARCH (a generated test model, cached under "
+        "$BATON_CACHE_DIR); hf://ORG/REPO/PATH[@REVISION] (a Hugging Face file, downloaded once "
+        "into $BATON_CACHE_DIR/models); unset: SmolLM2-135M-Instruct",
     )
     model_name: str | None = Field(
-        default=None, description="name served in the OpenAI API (default: the model file's stem)"
+        default=None,
+        description="the model's name in the OpenAI API (/v1/models, a request's model field); "
+        "unset: the model file's stem",
     )
-    replicas: int = Field(default=2, ge=1, description="engine replicas")
-    num_gpus_per_replica: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    replicas: int = Field(
+        default=2, ge=1, description="size of the replica deployment (one engine each)"
+    )
+    num_gpus_per_replica: float = Field(
+        default=0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="GPUs a replica asks Ray for (1: one replica per GPU)",
+    )
     num_cpus_per_replica: float = Field(
-        default=1.0, gt=0, allow_inf_nan=False, description="logical Ray CPUs a replica asks for"
+        default=1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="logical Ray CPUs a replica asks for (llama.cpp's threads are engine.n_threads)",
     )
-    gateway_replicas: int = Field(default=1, ge=1)
+    gateway_replicas: int = Field(
+        default=1, ge=1, description="size of the gateway (HTTP) deployment"
+    )
     replica_resources: dict[str, float] = Field(
         default_factory=dict,
         description='custom Ray resources a replica asks for, e.g. {"baton_replica": 1}: '
-        "replicas run only on nodes started with them (`ray start --resources`)",
+        "replicas run only on nodes started with them (ray start --resources); CPU, GPU, "
+        "memory and node:… are refused (they have settings of their own, or are Ray's)",
     )
     gateway_resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources a gateway replica asks for"
     )
     max_replicas_per_node: int | None = Field(
-        default=None, ge=1, description="Serve's max_replicas_per_node for the replicas"
+        default=None,
+        ge=1,
+        description="Serve's max_replicas_per_node for the replicas: spreads them over nodes "
+        "(1: a node's death costs one replica)",
     )
     rollout_surge_percent: int = Field(
         default=0,
         ge=0,
         le=100,
-        description="Serve's max_surge_percent for the replicas: new replicas start before "
-        "old ones stop in a rolling update, so even the last one hands its states over",
+        description="Serve's max_surge_percent for the replicas: in a rolling update this share "
+        "of extra replicas (rounded up: 1 or more) starts before old ones stop, so no replica "
+        "stops with no peer to hand its states to and a single replica has no gap; it needs "
+        "room for the extra replicas (0: Serve stops an old replica before starting its "
+        "replacement)",
     )
-    engine: EngineConfig = Field(default_factory=EngineConfig)
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="every replica's engine settings"
+    )
     index: str = Field(
         default=EMBEDDED_SPEC,
-        description='"embedded", or a Redis address: redis:// / rediss:// (one server), '
-        "redis+sentinel://host:26379[,…]/<master name>[/db], redis+cluster://host:port[,…]",
+        description="the checkpoint index: embedded (a Ray actor on the head node), or Redis: "
+        "redis://[:PASSWORD@]HOST:PORT/DB (one server); "
+        "redis+sentinel://[:PASSWORD@]HOST:26379[,HOST:26379…]/MASTER[/DB]"
+        "[?sentinel_password=…] (the master its Sentinels name, followed through a failover; "
+        "the password is the master's, sentinel_password the Sentinels'); "
+        "redis+cluster://[:PASSWORD@]HOST:PORT[,HOST:PORT…] (a Redis Cluster's seed nodes; "
+        "one database); rediss… for TLS. A malformed address is refused naming the problem",
     )
-    router: RouterPolicy = RouterPolicy.BATON
+    router: RouterPolicy = Field(
+        default=RouterPolicy.BATON,
+        description="how the gateway picks a replica: baton (by prefixes held, being computed "
+        "or pullable, and load), pow2 (Ray's default), prefix-affinity (Ray Serve LLM's "
+        "PrefixCacheAffinityRouter) or round-robin",
+    )
     api_keys: tuple[SecretStr, ...] = Field(
-        default=(), description="accepted API keys (empty: no auth)"
+        default=(),
+        description="accepted API keys: when set, every path but /health needs "
+        "Authorization: Bearer KEY (deny-by-default); empty: no auth; BATON_API_KEYS is a "
+        "comma-separated list",
     )
     hmac_key: SecretStr | None = Field(
         default=None,
-        description="the cluster key: signs state blobs between replicas and on disk (None: "
-        "generated per serve; required with engine.checkpoint_dir)",
+        description="the cluster key (at least 16 characters) that signs state blobs between "
+        "replicas and on disk; replicas read it from their environment or hmac_key_file, never "
+        "from Serve's arguments; unset: generated per serve, so a disk tier "
+        "(engine.checkpoint_dir) needs a fixed one",
     )
     hmac_key_file: str | None = Field(
         default=None,
@@ -117,51 +157,75 @@ class BatonConfig(BaseModel):
         description="a file holding the cluster key instead (a mounted Secret): every node "
         "must have it at this path",
     )
-    host: str = Field(default="127.0.0.1", min_length=1)
-    port: int = Field(default=8000, ge=1, le=65535)
+    host: str = Field(
+        default="127.0.0.1", min_length=1, description="address the HTTP API listens on"
+    )
+    port: int = Field(default=8000, ge=1, le=65535, description="port of the HTTP API")
     metrics_port: int | None = Field(
         default=None,
         ge=1,
         le=65535,
-        description="Prometheus /metrics port of the local Ray cluster (None: Ray picks one)",
+        description="Prometheus /metrics port of the local Ray cluster baton serve starts "
+        "(unset: Ray picks one)",
     )
-    max_body_bytes: int = Field(default=4 << 20, ge=1, description="largest request body accepted")
+    max_body_bytes: int = Field(
+        default=4 << 20, ge=1, description="largest request body accepted (larger: 413)"
+    )
     max_messages: int = Field(
-        default=2048, ge=1, description="most messages in one chat request (more: 400)"
+        default=2048,
+        ge=1,
+        description="most messages in one chat request; more get a 400 naming the setting, "
+        "before anything is rendered",
     )
     max_prompts: int = Field(
-        default=256, ge=1, description="most prompts in one completion request (more: 400)"
+        default=256,
+        ge=1,
+        description="most prompts in one completion request; more get a 400 naming the setting",
     )
     max_prompt_bytes: int = Field(
         default=4 << 20,
         ge=1,
-        description="largest prompt text, a chat as its template renders it (larger: 413)",
+        description="largest prompt text, a chat as its template renders it; larger gets a "
+        "413, before it is tokenised",
     )
     max_queued_requests: int = Field(
         default=64,
         ge=1,
-        description="requests a gateway holds while every replica is full; more get 503",
+        description="requests a gateway holds while every replica is full (each replica "
+        "accepts 4 × n_slots + 4); beyond that, 503 with Retry-After: 1",
     )
-    heartbeat_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
+    heartbeat_s: float = Field(
+        default=5.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="seconds between a replica's heartbeats to the index",
+    )
     liveness_ttl_s: float = Field(
         default=15.0,
         gt=0,
         allow_inf_nan=False,
-        description="a replica without a heartbeat for this long drops out of the index",
+        description="a replica without a heartbeat for this long drops out of index lookups "
+        "(it must exceed heartbeat_s)",
     )
     handoff_s: float = Field(
         default=10.0,
         ge=0,
         le=300,
         allow_inf_nan=False,
-        description="a replica leaving (scale-down, rolling update) hands its hottest "
-        "checkpoints to the others for up to this long (0: none)",
+        description="a replica Serve stops (scale-down, a rolling update) hands its hottest "
+        "checkpoints to the replicas that stay for up to this long, after its requests in "
+        "flight finished; 0 turns it off; router baton only (another router cannot send a "
+        "state to a chosen replica: a handoff_s set with one is refused, and the default does "
+        "nothing)",
     )
     stream_ping_s: float = Field(
         default=15.0,
         ge=0,
         allow_inf_nan=False,
-        description="an SSE comment after this many seconds without an event (0: none)",
+        description="a streamed reply's headers go out as soon as a replica admits the "
+        "request; while no token comes (a long prefill, a queue) the gateway sends an SSE "
+        "comment (: ping) every this many seconds, so proxies with idle timeouts (often 60 s) "
+        "do not cut the stream; 0 turns pings off",
     )
 
     @field_validator("model")
@@ -293,9 +357,9 @@ def load_config(
     `overrides` may nest (`{"engine": {"n_ctx": 2048}}`); None values in it are ignored.
     Raises `ConfigError` naming every invalid field, or the file that cannot be read.
     """
-    data = _read_yaml(Path(yaml_path)) if yaml_path is not None else {}
-    data = _merge(data, _from_env(os.environ if env is None else env))
-    data = _merge(data, _without_none(overrides or {}))
+    data = read_yaml(Path(yaml_path)) if yaml_path is not None else {}
+    data = merge(data, from_env(os.environ if env is None else env, BatonConfig.model_fields))
+    data = merge(data, without_none(overrides or {}))
     return _validate(data)
 
 
@@ -335,65 +399,3 @@ def _describe(exc: ValidationError) -> str:
             message = error["msg"].removeprefix("Value error, ")
         lines.append(f"  {field}: {message}")
     return "\n".join(lines)
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"cannot read config file {path}: not UTF-8 text") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        # Built from the parts, not str(exc), whose snippet of the line could hold a secret.
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        problem = getattr(exc, "problem", None) or "not valid YAML"
-        raise ConfigError(f"invalid YAML in config file {path}{where}: {problem}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {path} must hold a mapping of settings, not a {type(data).__name__}"
-        )
-    return data
-
-
-def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    """Settings from `BATON_<FIELD>[__<SUBFIELD>]` variables; other BATON_* names are ignored
-    (e.g. BATON_CACHE_DIR). `BATON_API_KEYS` is a comma-separated list."""
-    data: dict[str, Any] = {}
-    for name, value in sorted(env.items()):
-        if not name.upper().startswith(ENV_PREFIX):
-            continue
-        path = name[len(ENV_PREFIX) :].lower().split(ENV_NESTING)
-        if path[0] not in BatonConfig.model_fields:
-            continue
-        setting: Any = value
-        if path == ["api_keys"]:
-            setting = [key.strip() for key in value.split(",") if key.strip()]
-        for key in reversed(path):
-            setting = {key: setting}
-        data = _merge(data, setting)
-    return data
-
-
-def _merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """`base` updated by `override`, nested mappings merged key by key."""
-    merged = dict(base)
-    for key, value in override.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def _without_none(values: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        key: _without_none(value) if isinstance(value, Mapping) else value
-        for key, value in values.items()
-        if value is not None
-    }

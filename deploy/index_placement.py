@@ -8,7 +8,7 @@ it dies, so does the application, so the index there adds no failure of its own.
 
 from __future__ import annotations
 
-from baton_serve.cache_store.embedded_index import ACTOR_NAME, ACTOR_NAMESPACE, IndexActor
+from baton_serve.cache_store.index.embedded_index import ACTOR_NAME, ACTOR_NAMESPACE, IndexActor
 
 # A resource only the head node has (ray._common.constants.HEAD_NODE_RESOURCE_NAME). Asking
 # for a sliver of it, not for the head's node id, lets the actor restart on a new head

@@ -6,8 +6,9 @@
 
 A URL is streamed into `DEST.partial`, hashing as it goes, and renamed to DEST only when the
 digest matches; a file already at DEST with that digest is kept. A Hugging Face reference is
-downloaded into the shared cache `DIR/hf/ORG/REPO/REV/PATH` (default `$BATON_CACHE_DIR/models`,
-where `baton serve --model hf://...` looks) and checked against the hub's SHA-256 or `--sha256`;
+found in the user's Hugging Face cache, else downloaded with `huggingface_hub` into the shared
+cache `DIR/hf` (the hub's cache layout; default `$BATON_CACHE_DIR/models`, where
+`baton serve --model hf://...` looks) and checked against the hub's SHA-256 or `--sha256`;
 `--link` points a symlink at the cached file. Both resume an interrupted download and wait for
 another process downloading the same file.
 """
@@ -23,7 +24,6 @@ from pathlib import Path
 from baton_serve.replicas.models.download import (
     TIMEOUT_S,
     ModelDownloadError,
-    Source,
     fetch,
     file_lock,
     verified_sha256,
@@ -38,7 +38,7 @@ def download_model(url: str, sha256: str, dest: Path, *, timeout_s: float = TIME
     """Make `dest` hold the content of `url` whose SHA-256 is `sha256` (hex); return `dest`."""
     with file_lock(dest):
         if verified_sha256(dest) != sha256.lower():
-            fetch(Source(url), dest, sha256, timeout_s=timeout_s)
+            fetch(url, dest, sha256, timeout_s=timeout_s)
     return dest
 
 

@@ -12,8 +12,8 @@ from contextlib import contextmanager
 
 from ray import serve
 
-from baton_serve.cache_store.disk_dir import check_checkpoint_dir
-from baton_serve.cache_store.redis_address import redact
+from baton_serve.cache_store.checkpoints.disk_dir import check_checkpoint_dir
+from baton_serve.cache_store.index.redis_address import redact
 from baton_serve.deploy.app import APP_NAME, build_app, check_cluster_key, logical_cpus
 from baton_serve.deploy.capacity_check import check_object_store_fits, fit_store_budget
 from baton_serve.deploy.config import BatonConfig

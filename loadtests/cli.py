@@ -2,7 +2,7 @@
 
 `baton_serve.deploy.cli` finds this through the `baton_serve.commands` entry point, so the
 command line never imports the benchmarks that import it. Benchmarks need the `bench`
-extra (locust, matplotlib, httpx); without it, each says how to install it.
+extra (locust, matplotlib, httpx-sse); without it, each says how to install it.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from baton_serve.loadtests.synthetic_text import filler_text
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_model import LlamaModel
-from baton_serve.replicas.engine.prompt import Prompt
-from baton_serve.replicas.engine.sampling import SamplingParams
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 PREFILL_ONLY = SamplingParams(max_tokens=0)
 RATIO_TARGET = 0.1  # restore from disk over recompute, at 2,048 tokens
@@ -59,14 +59,13 @@ def _one_run(model: Path, config: EngineConfig, key: bytes, tokens: tuple[int, .
         started = time.perf_counter()
         with Engine(str(model), disk_config, hmac_key=key) as restarted:
             adopt_s = time.perf_counter() - started  # includes loading the model
-            disk = restarted.cache.store.disk
-            assert disk is not None
-            state_bytes = disk.used_bytes
+            state_bytes = restarted.store_figures().disk_used_bytes
+            assert state_bytes is not None
             _drop_page_cache(Path(folder))  # adopting read them: read them cold again
             started = time.perf_counter()
             from_disk = restarted.generate(Prompt(tokens=prompt), PREFILL_ONLY)
             disk_s = time.perf_counter() - started
-            read_rate = disk.read_bytes_per_s
+            read_rate = restarted.store_figures().disk_read_bytes_per_s
     return {
         "disk_s": disk_s,
         "cached_tokens": from_disk.usage.cached_tokens,

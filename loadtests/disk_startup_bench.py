@@ -20,15 +20,15 @@ from pathlib import Path
 
 import numpy as np
 
-from baton_serve.cache_store.checkpoint import Checkpoint
-from baton_serve.cache_store.disk_tier import SUFFIX, DiskTier
-from baton_serve.cache_store.prefix_hash import PrefixHasher
-from baton_serve.cache_store.state_blob import (
+from baton_serve.cache_store.checkpoints.checkpoint import Checkpoint
+from baton_serve.cache_store.checkpoints.disk_tier import SUFFIX, DiskTier
+from baton_serve.cache_store.checkpoints.state_blob import (
     decode_blob,
     decode_head,
     encode_parts,
     seal_payload,
 )
+from baton_serve.cache_store.prefix_hash import PrefixHasher
 from baton_serve.loadtests.bench_common import bench_progress, print_report
 from baton_serve.loadtests.progress import SILENT, Progress
 

@@ -19,9 +19,9 @@ from baton_serve.loadtests.synthetic_text import filler_text
 from baton_serve.replicas.engine import ggml_backends
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.engine.prompt import Prompt
-from baton_serve.replicas.engine.protocol import Completion, GenerationRequest
-from baton_serve.replicas.engine.sampling import SamplingParams
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.protocol import Completion, GenerationRequest
+from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 BENCH_HMAC_KEY = b"baton-bench-only"
 

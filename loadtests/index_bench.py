@@ -24,10 +24,10 @@ import numpy as np
 import psutil
 import ray
 
-from baton_serve.cache_store.embedded_index import ACTOR_NAME, ACTOR_NAMESPACE
-from baton_serve.cache_store.index import CheckpointIndex, IndexEntry
-from baton_serve.cache_store.index_connect import connect_index
-from baton_serve.cache_store.redis_index import RedisIndex
+from baton_serve.cache_store.index.embedded_index import ACTOR_NAME, ACTOR_NAMESPACE
+from baton_serve.cache_store.index.index import CheckpointIndex, IndexEntry
+from baton_serve.cache_store.index.index_connect import connect_index
+from baton_serve.cache_store.index.redis_index import RedisIndex
 from baton_serve.deploy.local_ray import local_ray
 from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.redis_server import RedisServer

@@ -24,8 +24,8 @@ from ray.serve._private.common import (
 )
 from ray.serve.request_router import PendingRequest
 
-from baton_serve.cache_store.index import CheckpointIndex, IndexEntry
-from baton_serve.cache_store.index_connect import connect_index
+from baton_serve.cache_store.index.index import CheckpointIndex, IndexEntry
+from baton_serve.cache_store.index.index_connect import connect_index
 from baton_serve.deploy.app import REPLICA_DEPLOYMENT
 from baton_serve.deploy.local_ray import local_ray
 from baton_serve.loadtests.index_bench import (
@@ -35,11 +35,11 @@ from baton_serve.loadtests.index_bench import (
     redis_url_or_private_server,
 )
 from baton_serve.loadtests.progress import SILENT, Progress
-from baton_serve.replicas.engine.prompt import Prompt
-from baton_serve.replicas.engine.protocol import GenerationRequest, ReplicaRequest
-from baton_serve.replicas.engine.sampling import SamplingParams
-from baton_serve.router.request_router import BatonRouter
-from baton_serve.router.routing_metrics import decision_counts
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.router.routing.request_router import BatonRouter
+from baton_serve.router.routing.routing_metrics import decision_counts
 
 ROUTER_LOOKUP_TIMEOUT_S = 0.02  # BatonRouter's default: what `build_app` deploys
 CHAIN_BLOCKS = 64  # a 4,096-token prompt at 64 tokens per block

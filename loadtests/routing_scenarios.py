@@ -26,9 +26,10 @@ from baton_serve.loadtests.routing_workload import (
     RequestRecord,
     RoutingWorkload,
 )
-from baton_serve.loadtests.sse import StreamError, aevents
+from baton_serve.loadtests.sse import StreamError, aresponse_events
 from baton_serve.replicas.engine.llama_model import LlamaModel
-from baton_serve.replicas.engine.prompt import ChatMessage, chat_prompt, model_chat_template
+from baton_serve.replicas.engine.prompt import chat_prompt, model_chat_template
+from baton_serve.replicas.wire.prompt_types import ChatMessage
 
 PUBLISH_WAIT_S = 1.0  # a finished turn's checkpoint reaches the index (heartbeat below)
 STATS_WAIT_S = 1.0  # routing stats (every 0.5 s) show the busy replica's load
@@ -69,7 +70,7 @@ class Client:
                 reply.error = f"HTTP {r.status_code}"
                 return reply
             try:
-                async for chunk in aevents(r.aiter_lines()):
+                async for chunk in aresponse_events(r):
                     delta = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else ""
                     if delta:
                         reply.ttft_s = reply.ttft_s or time.perf_counter() - started

@@ -21,9 +21,10 @@ import numpy as np
 from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.engine.prompt import Prompt
-from baton_serve.replicas.engine.sampling import SamplingParams, TokenSampler
-from baton_serve.router.structured_output import schema_grammar
+from baton_serve.replicas.engine.sampling import TokenSampler
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.router.gateway.structured_output import schema_grammar
 
 BENCH_HMAC_KEY = b"baton-bench-only"
 ROWS = 32  # real logits rows for the per-token sampling times

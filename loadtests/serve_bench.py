@@ -24,11 +24,11 @@ from baton_serve.deploy.local_ray import local_ray
 from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.routing_overhead import BENCH_APP, format_routing, routing_overhead
 from baton_serve.loadtests.serve_app import replica_stats, serve_app, wait_idle
-from baton_serve.loadtests.sse import events
+from baton_serve.loadtests.sse import response_events
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.engine.protocol import GenerationRequest
-from baton_serve.replicas.engine.sampling import SamplingParams
+from baton_serve.replicas.wire.protocol import GenerationRequest
+from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 # ---- HTTP decode ---------------------------------------------------------------------------
 
@@ -91,7 +91,7 @@ def _stream_completion(client: httpx.Client, url: str, body: dict) -> tuple[dict
         if response.status_code != 200:
             response.read()
             raise RuntimeError(f"completion failed: HTTP {response.status_code}: {response.text}")
-        for chunk in events(response.iter_lines()):
+        for chunk in response_events(response):
             if chunk.get("choices") and chunk["choices"][0].get("text"):
                 stamps.append(time.perf_counter())
             if chunk.get("usage"):

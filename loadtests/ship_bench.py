@@ -34,10 +34,10 @@ from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.synthetic_text import filler_text
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_model import LlamaModel
-from baton_serve.replicas.engine.prompt import Prompt
-from baton_serve.replicas.engine.protocol import GenerationRequest
-from baton_serve.replicas.engine.sampling import SamplingParams
 from baton_serve.replicas.replica_actor import spawn_replica
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.protocol import GenerationRequest
+from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 PREFILL_ONLY = SamplingParams(max_tokens=0)
 STAGES = ("export", "transfer", "validate", "restore", "rest")

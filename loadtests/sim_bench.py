@@ -1,7 +1,7 @@
 """`baton bench sim`: the routing policies on simulated clusters of 4 to 256 replicas.
 
 A discrete-event simulation (`sim_cluster`) of replicas whose costs come from a profile —
-"cpu": SmolLM2 on this machine, from the README's `bench engine`, `bench ship` and
+"cpu": SmolLM2 on this machine, from docs/benchmarks.md's `bench engine`, `bench ship` and
 `bench routing` figures; "gpu": parameters — routed by each policy (`sim_policies`; Baton's
 is the router's own decision code). The workload (`sim_workload.cluster_workload`) grows
 with the replica count, so the load per replica is the same at every size.
@@ -77,7 +77,7 @@ PROFILES = {
     ),
 }
 
-# `baton bench routing`, SmolLM2, 2 replicas, 2026-11-24, a quiet machine (README, "Routing
+# `baton bench routing`, SmolLM2, 2 replicas, 2026-11-24, a quiet machine (docs/benchmarks.md, "Routing
 # policies"): whole-workload TTFT p50 and mean (s), and computed / new tokens.
 MEASURED_ROUTING = {
     "baton": {"ttft_p50_s": 1.574, "ttft_mean_s": 4.29, "computed_over_new": 0.802},
@@ -230,7 +230,7 @@ def format_report(result: dict) -> str:
 
 def format_validation(result: dict) -> str:
     lines = [
-        "bench routing's workload, 2 replicas: simulated vs measured (README, SmolLM2)",
+        "bench routing's workload, 2 replicas: simulated vs measured (docs/benchmarks.md, SmolLM2)",
         "| policy | TTFT p50 s sim | measured | agree | TTFT mean s sim | measured | agree"
         " | computed / new sim | measured | agree |",
         "|---|---:|---:|---|---:|---:|---|---:|---:|---|",

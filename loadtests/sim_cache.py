@@ -19,7 +19,7 @@ class SimCheckpoint:
     nbytes: int
 
 
-class PrefixCache:
+class SimPrefixCache:
     """Checkpoints under a byte budget, least recently used evicted first."""
 
     def __init__(self, budget: int) -> None:

@@ -1,7 +1,8 @@
 """The routing policies the simulator compares; each picks a replica id for a request.
 
-- **baton**: Baton's own decision code (`router/route_decision.py` → `route_cost.rank`),
-  with its `RoutingLedger` and the cluster's index, exactly as `BatonRouter` calls it.
+- **baton**: Baton's own decision code (`router/routing/route_decision.py` → `route_cost.rank`),
+  with its `RoutingLedger` and the cluster's index, exactly as `BatonRouter` calls it; the
+  plan (`plan_of`) travels with the request to the replica, which executes it.
 - **pow2**: Ray Serve's default — two replicas at random, the one with fewer requests.
 - **prefix-affinity**: Ray Serve LLM's `PrefixCacheAffinityRouter` rules: a tree of the
   prompts sent to each replica; the replicas with the longest match if it covers at least
@@ -25,11 +26,17 @@ import random
 from collections import Counter
 from collections.abc import Callable
 
-from baton_serve.cache_store.memory_index import ModelIndex
+from baton_serve.cache_store.index.memory_index import ModelIndex
 from baton_serve.loadtests.sim_replica import Job, SimReplica
-from baton_serve.router.route_cost import CostSettings
-from baton_serve.router.route_decision import decide, merge_ledger, record_sent, replica_state
-from baton_serve.router.routing_ledger import RoutingLedger
+from baton_serve.router.routing.route_cost import CostSettings
+from baton_serve.router.routing.route_decision import (
+    decide,
+    merge_ledger,
+    plan_of,
+    record_sent,
+    replica_state,
+)
+from baton_serve.router.routing.routing_ledger import RoutingLedger
 
 BATON, POW2, AFFINITY, CHWBL, ROUND_ROBIN = (
     "baton",
@@ -104,6 +111,7 @@ class BatonPolicy(Policy):
         # what RoutingLedger.entries_for gives an attention model: every block of the prompt
         held = [(h, (i + 1) * self.block_tokens) for i, h in enumerate(job.chain)]
         record_sent(self.ledger, chosen, job.key, job.n_prompt, held, now)
+        job.plan = plan_of(chosen)  # the replica executes it, as a real one does
         return chosen.replica_id
 
     def completed(self, rid: str, job: Job) -> None:

@@ -2,12 +2,11 @@
 prefix cache of checkpoints under a byte budget, and peer pulls by the replica's own rule.
 
 - **Slots and steps**: `profile.slots` requests run at once (the engine's `n_slots`); the
-  rest queue in order. As the engine's loop does, a replica runs one step at a time: a
-  decode step (one token for every decoding slot; `decode_step_s` grows with the batch)
-  unless a prefill step is due — the two alternate when both wait — else a prefill step
-  (the next `prefill_chunk` tokens of the prompt with the shortest remaining prefill, less
-  what it could have computed while it waited). A prompt's last step gives its first
-  token. Every step's time carries the host's noise (`step_noise`).
+  rest queue in order. The engine's own `plan_step` decides what is admitted and what each
+  step does; the replica executes it one step at a time: a decode step (one token for
+  every decoding slot; `decode_step_s` grows with the batch) or a prefill step (the next
+  `prefill_chunk` tokens of a prompt: no checkpoint cuts here). A prompt's last step gives
+  its first token. Every step's time carries the host's noise (`step_noise`).
 - **Replays**: once a reply is sent, its tokens are prefilled in its slot (the engine's
   replay, which makes the stored state exact), first in line; then the slot is free.
 - **Prefix cache** (attention): a checkpoint serves every prefix of itself; one is stored
@@ -17,12 +16,14 @@ prefix cache of checkpoints under a byte budget, and peer pulls by the replica's
   progress is announced there as in flight, with its expected end (under Baton's router,
   the index's only reader; the others never look it up).
 - **The same prefix twice**: a request whose prompt extends what another slot is
-  prefilling right now waits for it and reuses it (the engine never computes it twice).
-- **Pulls** (`replicas/replica.py`'s rule; only under Baton's router, as deployed: a
-  replica reaches a given peer through `target_replica=`, which only it honours): before queueing,
-  if a peer holds — or is computing — at least 64 tokens more, and waiting for it plus
-  shipping it (latency + bytes over the link + restore) takes under half of recomputing
-  them, the state is pulled.
+  prefilling right now waits in the queue (letting others pass) and reuses it then.
+- **Pulls** (`replicas/prefix_pull.py`'s; only under Baton's router, as deployed: a
+  replica reaches a given peer through `target_replica=`, which only it honours): before
+  queueing, the router's plan is executed — the planned donor's state pulled — and decided
+  again only when the donor no longer has it or the state the plan counts on is gone here;
+  then (and without a plan) a peer's state is pulled when `pull_pays` (`pull_cost`: waiting
+  for it plus shipping it — latency + bytes over the link + restore — against recomputing
+  what it gives).
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from baton_serve.cache_store.index import IndexEntry, IndexMatch
-from baton_serve.cache_store.memory_index import ModelIndex
-from baton_serve.loadtests.sim_cache import PrefixCache, SimCheckpoint
+from baton_serve.cache_store.index.index import IndexEntry, IndexMatch
+from baton_serve.cache_store.index.memory_index import ModelIndex
+from baton_serve.cache_store.pull_cost import ShipCost, pull_pays, pull_seconds
+from baton_serve.loadtests.sim_cache import SimCheckpoint, SimPrefixCache
+from baton_serve.replicas.engine import step_plan as steps
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
+from baton_serve.replicas.wire.route_plan import CACHED, PULL, RoutePlan
 
-MIN_PULL_TOKENS = 64
-PULL_SHARE = 0.5  # a pull must take under this share of the recompute it saves
 FOREVER = float("inf")
 
 
@@ -81,6 +83,13 @@ class Profile:
         return self.prefill_chunk / step_s
 
 
+def ship_cost(profile: Profile) -> ShipCost:
+    """What a pull costs a replica of `profile` (the rates a real replica measures): the
+    link and the restore in one rate, since a state crosses both."""
+    seconds_per_byte = 1 / profile.link_bytes_per_s + 1 / profile.restore_bytes_per_s
+    return ShipCost(bandwidth_bytes_per_s=1 / seconds_per_byte, latency_s=profile.ship_latency_s)
+
+
 class EventLoop:
     """A heap of timed callbacks; `now` is the time of the one running."""
 
@@ -110,8 +119,10 @@ class Job:
     reply_keys: tuple[list[int], list[int], list[bytes]]  # the prompt and its reply
     reused: int = 0
     shipped_bytes: int = 0
+    plan: RoutePlan | None = None  # the router's decision (Baton's router only)
     submitted_s: float = 0.0  # when it reached its replica
-    remaining: float = 0.0  # prompt (then reply, replaying) tokens left to compute
+    done: int = 0  # prompt (then reply, replaying) tokens computed...
+    end: int = 0  # ...of these
     replaying: bool = False
     decode_left: float = 0.0  # reply tokens left to decode
     prefill_s: float = 0.0  # compute time it cost its replica
@@ -119,7 +130,6 @@ class Job:
     done_s: float | None = None
     prefilled: bool = False
     dominates: int | None = None  # a checkpoint its prompt's state will serve all of
-    waiters: list[Job] = field(default_factory=list)
     on_prefilled: list[Callable[[], None]] = field(default_factory=list)
 
     @property
@@ -153,12 +163,13 @@ class SimReplica:
     ) -> None:
         self.rid = rid
         self.profile = profile
-        self.cache = PrefixCache(profile.cache_bytes)
+        self.cache = SimPrefixCache(profile.cache_bytes)
         self.in_flight = 0  # requests here (pulling, queued, running)
         self.busy_s = 0.0  # prefill seconds + decode slot-seconds / slots
         self._loop, self._index, self._peers = loop, index, peers
         self._on_done = on_done
         self._baton = baton  # only Baton's router and its replicas' pulls read the index
+        self.ship = ship_cost(profile)
         self._queue: deque[Job] = deque()
         self._running = 0
         self._prefilling: list[Job] = []
@@ -179,26 +190,42 @@ class SimReplica:
     # ---- pulls ---------------------------------------------------------------------------
 
     def _pull(self, job: Job) -> bool:
-        now, p = self._loop.now, self.profile
+        """Start pulling a peer's state for `job` as its plan says, or (without one, or on
+        evidence against it) when `pull_pays`; False if it computes instead."""
         local, _ = self.cache.match(job.keys, job.lengths)
         usable = job.n_prompt - MIN_PIECE
-        if usable - local < MIN_PULL_TOKENS:
+        least, plan, not_from = self.ship.min_gain_tokens, job.plan, None
+        if plan is not None and plan.kind == PULL and plan.donor_id:
+            if min(plan.donor_tokens, usable) - local < least:
+                return False  # held here after all
+            if self._pull_from(self._peers[plan.donor_id], job, plan.ready_at > 0):
+                return True
+            not_from = plan.donor_id  # the donor no longer has it: decide again
+        elif plan is not None and not (
+            plan.kind == CACHED and min(plan.reused_tokens, usable) - local >= least
+        ):
+            return False  # as planned (the state a cached plan counts on is here)
+        if usable - local < least:
             return False  # no peer can hold enough more: no lookup
+        now = self._loop.now
         matches = self._index.lookup(job.chain, now)
         best: IndexMatch | None = None
         for rid, match in matches.items():
-            if rid != self.rid and (best is None or match.n_tokens > best.n_tokens):
+            if rid not in (self.rid, not_from) and (best is None or match.n_tokens > best.n_tokens):
                 best = match
-        gain = min(best.n_tokens, usable) - local if best else 0
-        if best is None or gain < MIN_PULL_TOKENS:
+        if best is None:
             return False
-        move_s = p.ship_latency_s + best.nbytes / p.link_bytes_per_s
-        move_s += best.nbytes / p.restore_bytes_per_s
+        gain = min(best.n_tokens, usable) - local
         wait_s = max(0.0, best.ready_at - now) if best.in_flight else 0.0
-        if wait_s + move_s >= PULL_SHARE * gain / p.prefill_tokens_per_s:
+        speed = self.profile.prefill_tokens_per_s
+        if not pull_pays(gain, best.nbytes, wait_s, speed, self.ship):
             return False
-        peer = self._peers[best.replica_id]
-        if not best.in_flight:
+        return self._pull_from(self._peers[best.replica_id], job, best.in_flight)
+
+    def _pull_from(self, peer: SimReplica, job: Job, in_flight: bool) -> bool:
+        """Ship `peer`'s state for `job` now, or once the prefill it is waiting for ends;
+        False if `peer` is computing nothing of it."""
+        if not in_flight:
             self._ship_from(peer, job)
             return True
         computing = peer.computing(job)
@@ -223,9 +250,7 @@ class SimReplica:
             self._enqueue(job)
             return
         checkpoint = peer.cache.get(cid)
-        p = self.profile
-        move_s = p.ship_latency_s + checkpoint.nbytes / p.link_bytes_per_s
-        move_s += checkpoint.nbytes / p.restore_bytes_per_s
+        move_s = pull_seconds(checkpoint.nbytes, self.ship)
         job.shipped_bytes += checkpoint.nbytes
         self._loop.at(self._loop.now + move_s, self._pulled, job, checkpoint)
 
@@ -237,27 +262,68 @@ class SimReplica:
 
     def _enqueue(self, job: Job) -> None:
         self._queue.append(job)
-        self._admit()
+        self._schedule()
 
-    def _admit(self) -> None:
-        while self._queue and self._running < self.profile.slots:
+    def _schedule(self) -> None:
+        """Admit what the engine's plan admits (at once, even mid-step: the index hears of
+        it then), then start the plan's step unless one is under way."""
+        while (job := (plan := self._plan()).admit) is not None:
+            self._queue.remove(job)
             self._running += 1
-            self._start(self._queue.popleft())
+            self._start(job)
+        if self._stepping:
+            return
+        if plan.decode:
+            batch = list(plan.decode)
+            step_s = self._noisy(self.profile.decode_step_s(len(batch)))
+            self._loop.at(self._loop.now + step_s, self._decode_step_done, batch)
+        elif plan.prefill is not None:
+            job, end = plan.prefill.key, plan.prefill.end
+            step_s = self._noisy((end - job.done) / self.profile.prefill_tokens_per_s)
+            self._loop.at(self._loop.now + step_s, self._prefill_step_done, job, end)
+        else:
+            return
+        self._stepping = True
+
+    def _plan(self) -> steps.StepPlan[Job, Job]:
+        p = self.profile
+        runs = [self._view(j) for j in self._prefilling]
+        runs += [steps.RunView(j, i, decoding=True) for i, j in enumerate(self._decoding)]
+        view = steps.StepView(
+            queue=tuple(steps.Queued(j) for j in self._queue),
+            free_slots=p.slots - self._running,
+            runs=tuple(runs),
+            last_was_prefill=self._last_step_was_prefill,
+            prefill_speed=p.prefill_tokens_per_s,
+            max_piece=p.prefill_chunk,
+            now=self._loop.now,
+        )
+        return steps.plan_step(view, self._must_wait)
+
+    def _view(self, job: Job) -> steps.RunView[Job]:
+        """A prefill as `plan_step` sees it (aged from its arrival here)."""
+        return steps.RunView(job, 0, done=job.done, end=job.end, since=job.submitted_s)
+
+    def _rank(self, job: Job) -> tuple[float, float]:
+        now, speed = self._loop.now, self.profile.prefill_tokens_per_s
+        return steps.prefill_priority(self._view(job), speed, now)
+
+    def _must_wait(self, job: Job) -> bool:
+        """Another slot is prefilling more of `job`'s prompt than is held here."""
+        local, _ = self.cache.match(job.keys, job.lengths)
+        computing = self.computing(job)
+        return computing is not None and shared_tokens(computing, job.keys, job.lengths) > local
 
     def _start(self, job: Job) -> None:
         local, cid = self.cache.match(job.keys, job.lengths)
-        computing = self.computing(job)
-        if computing is not None and shared_tokens(computing, job.keys, job.lengths) > local:
-            computing.waiters.append(job)  # it waits in its slot for that prefix
-            return
         if cid is not None:
             used = self.cache.get(cid)
             if used.keys == job.keys[: len(used.keys)]:  # the new one will serve all of it
                 job.dominates = cid
         job.reused = min(local, job.n_prompt - 1)  # the last token is always computed
-        job.remaining = job.n_prompt - job.reused
+        job.done, job.end = job.reused, job.n_prompt
         self._prefilling.append(job)
-        ahead = sum(j.remaining for j in self._prefilling if self._rank(j) <= self._rank(job))
+        ahead = sum(j.end - j.done for j in self._prefilling if self._rank(j) <= self._rank(job))
         ends = self._loop.now + ahead / self.profile.prefill_speed(len(self._decoding))
         size = self.profile.block_tokens
         coming = [
@@ -267,32 +333,6 @@ class SimReplica:
         ]
         if self._baton:
             self._index.publish(self.rid, coming, FOREVER)
-        self._next_step()
-
-    def _rank(self, job: Job) -> float:
-        """The engine's prefill priority, lowest first: the tokens left, less those the
-        replica computes in the time the request has waited (an order that time keeps)."""
-        return job.remaining + self.profile.prefill_tokens_per_s * job.submitted_s
-
-    def _next_step(self) -> None:
-        """Start the engine's next step unless one is under way: a decode step (a token for
-        every decoding slot) unless a prefill step is due — one alternates with the other
-        when both wait — else the next `prefill_chunk` tokens of the prompt ranked first."""
-        if self._stepping:
-            return
-        p, now = self.profile, self._loop.now
-        if self._decoding and not (self._prefilling and not self._last_step_was_prefill):
-            batch = list(self._decoding)
-            step_s = self._noisy(p.decode_step_s(len(batch)))
-            self._loop.at(now + step_s, self._decode_step_done, batch)
-        elif self._prefilling:
-            job = min(self._prefilling, key=self._rank)
-            tokens = min(float(p.prefill_chunk), job.remaining)
-            step_s = self._noisy(tokens / p.prefill_tokens_per_s)
-            self._loop.at(now + step_s, self._prefill_step_done, job, tokens)
-        else:
-            return
-        self._stepping = True
 
     def _noisy(self, seconds: float) -> float:
         """A step's duration with the host's noise: without it, simulated replicas fall
@@ -303,14 +343,14 @@ class SimReplica:
             return seconds
         return seconds * self._noise.lognormvariate(-sigma * sigma / 2, sigma)  # mean 1
 
-    def _prefill_step_done(self, job: Job, tokens: float) -> None:
+    def _prefill_step_done(self, job: Job, end: int) -> None:
         self._last_step_was_prefill = True
-        job.remaining -= tokens
-        if job.remaining <= 1e-9:
+        job.done = end
+        if job.done >= job.end:
             self._prefilling.remove(job)
             (self._finish if job.replaying else self._prefilled)(job)
         self._stepping = False
-        self._next_step()
+        self._schedule()
 
     def _decode_step_done(self, batch: list[Job]) -> None:
         self._last_step_was_prefill = False
@@ -320,7 +360,7 @@ class SimReplica:
                 self._decoding.remove(job)
                 self._decoded(job)
         self._stepping = False
-        self._next_step()
+        self._schedule()
 
     def _prefilled(self, job: Job) -> None:
         now, p = self._loop.now, self.profile
@@ -335,8 +375,6 @@ class SimReplica:
             self._prompt_checkpoint[id(job)] = cid
             if job.dominates is not None:
                 self._forget(self.cache.remove(job.dominates))
-        for waiter in job.waiters:
-            self._start(waiter)
         for callback in job.on_prefilled:
             callback()
         job.decode_left = job.reply_tokens - 1
@@ -349,7 +387,7 @@ class SimReplica:
         """The reply is sent; its slot replays it."""
         job.done_s = self._loop.now
         self.in_flight -= 1
-        job.replaying, job.remaining = True, float(job.reply_tokens)
+        job.replaying, job.done, job.end = True, 0, job.reply_tokens
         self.busy_s += job.reply_tokens / self.profile.prefill_tokens_per_s
         self._prefilling.append(job)
         self._on_done(job, self)
@@ -361,8 +399,7 @@ class SimReplica:
         cid = self._prompt_checkpoint.pop(id(job), None)
         if cid is not None:  # the prompt's state, served by the one with its reply now
             self._forget(self.cache.remove(cid))
-        self._running -= 1
-        self._admit()
+        self._running -= 1  # the next plan (after this step) admits in its place
 
     # ---- the cache and the index ---------------------------------------------------------
 

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from baton_serve.cache_store.checkpoint import Checkpoint
+from baton_serve.cache_store.checkpoints.checkpoint import Checkpoint
 from baton_serve.replicas.shipping import PeerDirectory, PeerReply
 
 logger = logging.getLogger("baton.replica")

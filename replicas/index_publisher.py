@@ -4,8 +4,8 @@ its requests are computing, and that it is alive.
 Lookups send a prompt's block hashes, so a checkpoint is published under block hashes: an
 attention state under every block it covers (it serves each of its prefixes, cut back), a
 hybrid or recurrent state once, under its last whole block, with its exact length. A request
-announces the positions it will checkpoint as soon as it is admitted, *in flight* with the
-time they are expected; the held entry replaces that, and what never came is forgotten when
+announces the positions it will checkpoint as soon as it is admitted (under the gateway's
+hashes of its prompt, carried, not hashed again), *in flight* with the time they are expected; the held entry replaces that, and what never came is forgotten when
 the request ends. Writes are batched by a background task; when the index is unreachable
 they wait for its next heartbeat, and an index that lost its data is told everything again.
 Both loops are `supervised`: any other exception is logged and the loop starts again (what
@@ -20,11 +20,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from baton_serve.cache_store.checkpoint_store import Checkpoint
-from baton_serve.cache_store.index import CheckpointIndex, IndexEntry, IndexUnavailable
+from baton_serve.cache_store.checkpoints.checkpoint_store import Checkpoint
+from baton_serve.cache_store.index.index import CheckpointIndex, IndexEntry, IndexUnavailable
 from baton_serve.cache_store.supervised import supervised
 from baton_serve.replicas.engine.engine import Engine
-from baton_serve.replicas.engine.protocol import ReplicaRequest
+from baton_serve.replicas.wire.protocol import ReplicaRequest
 
 # Entries per index write: a whole backlog (thousands of entries after a restart or a burst)
 # packed in one write stalls the replica's event loop for tens of milliseconds.
@@ -54,18 +54,20 @@ class IndexPublisher:
         self._held: dict[bytes, dict[bytes, tuple[int, int]]] = {}
         # index hash → {request id: (tokens, bytes, ready_at)}: prefixes being computed now
         self._in_flight: dict[bytes, dict[str, tuple[int, int, float]]] = {}
+        # checkpoint hash → the (index hash, tokens) it is published under: hashed once
+        self._published: dict[bytes, list[tuple[bytes, int]]] = {}
         self._lock = threading.Lock()
         self._dirty: set[bytes] = set()
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        engine.cache.listener = self
+        engine.add_checkpoint_listener(self)
 
     def start(self) -> list[asyncio.Task[None]]:
         """Take in the store's contents and start publishing (on the serving loop); the
         tasks to cancel at close."""
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        for checkpoint in self.engine.cache.store.entries():  # RAM and disk
+        for checkpoint in self.engine.checkpoints(on_disk=True):
             self.checkpoint_added(checkpoint)
         if self.index is None:
             return []
@@ -76,9 +78,10 @@ class IndexPublisher:
 
     # ---- the local store (CheckpointListener; called on the engine thread) ---------------
 
-    def checkpoint_added(self, checkpoint: Checkpoint) -> None:
-        entries = self._entries_of(checkpoint)
+    def checkpoint_added(self, checkpoint: Checkpoint, chain: Sequence[bytes] = ()) -> None:
+        entries = self._block_entries(checkpoint.tokens, checkpoint.n_tokens, chain)
         with self._lock:
+            self._published[checkpoint.prefix_hash] = entries
             for prefix_hash, n_tokens in entries:
                 by_checkpoint = self._held.setdefault(prefix_hash, {})
                 by_checkpoint[checkpoint.prefix_hash] = (n_tokens, checkpoint.nbytes)
@@ -89,7 +92,10 @@ class IndexPublisher:
         self._mark_dirty(h for h, _ in self._entries_of(checkpoint))
 
     def checkpoint_removed(self, checkpoint: Checkpoint) -> None:
-        entries = self._entries_of(checkpoint)
+        with self._lock:
+            entries = self._published.pop(checkpoint.prefix_hash, None)
+        if entries is None:
+            entries = self._entries_of(checkpoint)
         with self._lock:
             for prefix_hash, _ in entries:
                 by_checkpoint = self._held.get(prefix_hash, {})
@@ -105,17 +111,21 @@ class IndexPublisher:
         blocks is findable; a hybrid or recurrent state serves only its exact length,
         published under the hash of its last whole block.
         """
-        return self._block_entries(checkpoint.tokens, checkpoint.n_tokens)
+        with self._lock:
+            entries = self._published.get(checkpoint.prefix_hash)
+        return entries or self._block_entries(checkpoint.tokens, checkpoint.n_tokens)
 
-    def _block_entries(self, tokens: Sequence[int], n_tokens: int) -> list[tuple[bytes, int]]:
-        hasher = self.engine.cache.hasher
-        block = hasher.block_tokens
+    def _block_entries(
+        self, tokens: Sequence[int], n_tokens: int, known: Sequence[bytes] = ()
+    ) -> list[tuple[bytes, int]]:
+        """`known`: the chain of the prompt `tokens` begin (the gateway's), not hashed again."""
+        block = self.engine.config.block_tokens
         covered = n_tokens // block * block
         if not covered:
             return []
+        chain = self.engine.hash_chain(tokens[:covered], known)
         if self.engine.kind.needs_checkpoints:
-            return [(hasher.prefix_hash(tokens, covered), n_tokens)]
-        chain = hasher.chain(tokens[:covered])
+            return [(chain[-1], n_tokens)]
         return [(h, (i + 1) * block) for i, h in enumerate(chain[:-1])] + [(chain[-1], n_tokens)]
 
     # ---- prefixes being computed ---------------------------------------------------------
@@ -126,9 +136,10 @@ class IndexPublisher:
         if self.index is None:
             return
         prompt = request.generation.prompt
-        positions = self.engine.cache.checkpoints_for(prompt, 0)
+        positions = self.engine.checkpoint_positions(prompt)
         if not positions:
             return
+        known = self.engine.carried_chain(prompt.tokens, request.prefix_hashes)
         speed = self.engine.stats.prefill_tokens_per_s or self._default_speed
         backlog = self.engine.load().backlog_tokens  # this prompt's tokens included
         request_id = request.generation.request_id
@@ -137,8 +148,8 @@ class IndexPublisher:
             for position in positions:
                 ahead = max(backlog - (len(prompt) - position), position)
                 ready_at = time.time() + ahead / speed
-                size = self.engine.cache.state_bytes(position)
-                for prefix_hash, n_tokens in self._block_entries(prompt.tokens, position):
+                size = self.engine.state_bytes(position)
+                for prefix_hash, n_tokens in self._block_entries(prompt.tokens, position, known):
                     held = self._held.get(prefix_hash, {})
                     if max((n for n, _ in held.values()), default=0) >= n_tokens:
                         continue

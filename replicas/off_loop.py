@@ -1,7 +1,8 @@
 """Per-request CPU work a replica hands to a few threads of its own, off its event loop.
 
 Checking a request scans its token ids and parses its grammar; announcing it and looking
-up peers hash its prompt; estimating local reuse compares it with every stored checkpoint.
+up peers hash its prompt when it came without the gateway's hashes;
+estimating local reuse compares it with every stored checkpoint.
 Each grows with the request, and on the event loop it would hold up every other request,
 stream and index write of the replica. The pool is bounded (and separate from the loop's
 default executor, which long waits such as `Engine.wait_idle` occupy).
@@ -18,9 +19,9 @@ from typing import TypeVar
 
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 from baton_serve.replicas.engine.engine import Engine
-from baton_serve.replicas.engine.protocol import ReplicaRequest
 from baton_serve.replicas.engine.request_handle import RequestHandle
 from baton_serve.replicas.index_publisher import IndexPublisher
+from baton_serve.replicas.wire.protocol import ReplicaRequest
 
 T = TypeVar("T")
 THREADS = 2
@@ -64,12 +65,12 @@ async def submit(
     off_loop: OffLoop, engine: Engine, publisher: IndexPublisher, request: ReplicaRequest
 ) -> RequestHandle:
     """Queue `request` on `engine` and announce it to the index, in `off_loop`'s threads
-    (checking it scans its token ids and parses its grammar; announcing hashes its prompt).
+    (checking it scans its token ids and parses its grammar; announcing it may hash it).
     A caller gone meanwhile leaves nothing behind: the queued request is cancelled and its
     announcement withdrawn."""
 
     def queue() -> RequestHandle:
-        handle = engine.submit(request.generation)
+        handle = engine.submit(request.generation, request.prefix_hashes)
         try:
             publisher.announce(request)
         except BaseException:
@@ -84,14 +85,11 @@ async def submit(
     return await off_loop.run(queue, on_abandoned=abandoned)
 
 
-def reuse_and_chain(
-    engine: Engine, tokens: tuple[int, ...], min_gain_tokens: int
-) -> tuple[int, float, list[bytes]]:
-    """What `engine` could reuse of `tokens` (tokens, and seconds to read them from its disk
-    tier) and the block hashes to ask the index about; no hashes where no peer could hold
-    `min_gain_tokens` more. Blocking: compares `tokens` with every stored checkpoint."""
-    usable = len(tokens) - MIN_PIECE  # the engine always computes the last piece itself
-    local, local_restore_s = engine.local_reuse(tokens)
-    if usable - local < min_gain_tokens:
-        return local, local_restore_s, []
-    return local, local_restore_s, engine.cache.hasher.chain(tokens[:usable])
+def lookup_chain(
+    engine: Engine, tokens: tuple[int, ...], carried: tuple[bytes, ...]
+) -> list[bytes]:
+    """The block hashes to ask the index about for `tokens` (all but the piece the engine
+    always computes itself): the gateway's chain (`carried`, computed once per request) cut
+    to them, or — for a request that came without it — hashed here (blocking then)."""
+    usable = max(len(tokens) - MIN_PIECE, 0)
+    return engine.hash_chain(tokens[:usable], engine.carried_chain(tokens, carried))

@@ -1,11 +1,12 @@
 """A replica: one engine, its entries in the cluster index, and state pulls from peers.
 
 The index is only ever a hint. It is told which prefixes this replica holds and is
-computing (`index_publisher`), and is asked, before a request runs, whether a peer holds —
-or is computing — a longer prefix. The peer then exports its checkpoint giving the longest
-prefix of the prompt (waiting for it if it is still being computed); this replica validates
-it fully and restores it. When the index is down or slow, a peer dies, a blob is bad or a
-deadline passes, the request simply computes what it must: it never fails for that.
+computing (`index_publisher`). Before a request runs, the replica gets its prefix as the
+router planned — pulling it from a named peer — or, without a plan, as the index suggests
+(`prefix_pull`). A peer exports its checkpoint giving the longest prefix of the prompt
+(waiting for it if it is still being computed); this replica validates it fully and
+restores it. When the index is down or slow, a peer dies, a blob is bad or a deadline
+passes, the request simply computes what it must: it never fails for that.
 """
 
 from __future__ import annotations
@@ -14,27 +15,17 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 
-from opentelemetry.trace import Span
-
-from baton_serve.cache_store.checkpoint import Checkpoint
-from baton_serve.cache_store.index import CheckpointIndex, IndexUnavailable
-from baton_serve.cache_store.state_blob import BlobError
+from baton_serve.cache_store.checkpoints.checkpoint import Checkpoint
+from baton_serve.cache_store.checkpoints.state_blob import BlobError
+from baton_serve.cache_store.index.index import CheckpointIndex, IndexUnavailable
 from baton_serve.cache_store.supervised import supervised
-from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 from baton_serve.replicas.engine.engine import Engine
-from baton_serve.replicas.engine.protocol import (
-    Admitted,
-    Completion,
-    EngineError,
-    ReplicaRequest,
-    TokenEvent,
-)
 from baton_serve.replicas.handoff import HandoffReport, hand_off, handoff_order
 from baton_serve.replicas.index_publisher import IndexPublisher
 from baton_serve.replicas.loop_lag import LoopLagMonitor
-from baton_serve.replicas.off_loop import OffLoop, reuse_and_chain, submit
+from baton_serve.replicas.off_loop import OffLoop, submit
+from baton_serve.replicas.prefix_pull import PrefixPuller, ReplicaStats
 from baton_serve.replicas.request_telemetry import RequestTelemetry
 from baton_serve.replicas.shipping import (
     PeerDirectory,
@@ -45,8 +36,14 @@ from baton_serve.replicas.shipping import (
     shipped_nbytes,
 )
 from baton_serve.replicas.state_stream import STREAMED, StreamOffer, StreamSender
-from baton_serve.replicas.telemetry import metrics, tracing
-from baton_serve.replicas.telemetry.logs import request_fields
+from baton_serve.replicas.telemetry import metrics
+from baton_serve.replicas.wire.protocol import (
+    Admitted,
+    Completion,
+    EngineError,
+    ReplicaRequest,
+    TokenEvent,
+)
 
 logger = logging.getLogger("baton.replica")
 CLOSE_TIMEOUT_S = 5.0
@@ -54,22 +51,6 @@ FINISH_S = 5.0  # leaving, the longest wait for replays of replies already sent
 
 GAUGE_PERIOD_S = 1.0  # how often the queue, slot and store gauges are sampled
 EXPORT_POLL_S = 0.02  # how often an export waiting for a checkpoint being computed looks
-
-
-@dataclass
-class ReplicaStats:
-    pulls: int = 0
-    pulled_bytes: int = 0
-    pulls_skipped: int = 0  # a peer had more, but recomputing was estimated cheaper
-    pull_misses: int = 0  # the peer had nothing better after all
-    pull_failures: int = 0  # peer dead, unreachable or past the deadline
-    pulls_rejected: int = 0  # the blob failed validation
-    exports: int = 0
-    exported_bytes: int = 0
-    streamed_exports: int = 0  # of `exports`, sent over the pulling peer's own stream
-    adopted: int = 0  # checkpoints a leaving peer handed over
-    adopted_bytes: int = 0
-    index_errors: int = 0
 
 
 class Replica:
@@ -102,6 +83,10 @@ class Replica:
         )
         self.streams = StreamSender()
         self.off_loop = OffLoop()  # per-request CPU work: token scans, grammars, hashing
+        self.puller = PrefixPuller(
+            replica_id, engine, index, peers, self.policy, self.stats, self.off_loop
+        )
+        self.puller.on_index_error = self._index_error
         self.loop_lag = LoopLagMonitor()
         self._tasks: list[asyncio.Task[None]] = []
         self._leaving = False
@@ -139,16 +124,15 @@ class Replica:
         except (IndexUnavailable, TimeoutError):
             self._index_error()
             return HandoffReport()
-        cache = self.engine.cache
-        nested = not cache.kind.needs_checkpoints
-        order = await asyncio.to_thread(handoff_order, cache.store.checkpoints(), nested=nested)
+        nested = not self.engine.kind.needs_checkpoints
+        order = await asyncio.to_thread(handoff_order, self.engine.checkpoints(), nested=nested)
         report = await hand_off(
             order,
             self._export_checkpoint,
             self.peers,
             [rid for rid in live if rid != self.replica_id],
             deadline_s=deadline_s,
-            bytes_per_peer=cache.store.budget_bytes // 2,
+            bytes_per_peer=self.engine.store_figures().budget_bytes // 2,
         )
         logger.info(
             "handed %d of %d checkpoints (%.1f MB) to %d peers in %.2f s; %d left",
@@ -162,7 +146,7 @@ class Replica:
         return report
 
     def _export_checkpoint(self, checkpoint: Checkpoint) -> PeerReply | None:
-        parts = self.engine.cache.export_checkpoint(checkpoint.prefix_hash)
+        parts = self.engine.export_checkpoint(checkpoint.prefix_hash)
         return None if parts is None else self._shipped((parts, checkpoint.shared))
 
     async def adopt(self, reply: PeerReply) -> bool:
@@ -173,7 +157,7 @@ class Replica:
             return False
         try:
             blob = await received_blob(reply)
-            await asyncio.to_thread(self.engine.cache.import_checkpoint, blob)
+            await asyncio.to_thread(self.engine.import_checkpoint, blob)
         except (BlobError, EngineError) as exc:
             logger.warning("refused a handed-off state blob: %s", exc)
             return False
@@ -205,7 +189,7 @@ class Replica:
     async def generate(self, request: ReplicaRequest) -> Completion:
         """Run one request to completion (after pulling a peer's prefix if worth it)."""
         with RequestTelemetry(request, self.replica_id) as telemetry:
-            await self.prepare(request.generation.prompt.tokens, telemetry)
+            await self.puller.prepare(request, telemetry)
             telemetry.submitting()
             handle = await submit(self.off_loop, self.engine, self.publisher, request)
             try:
@@ -226,7 +210,7 @@ class Replica:
         with RequestTelemetry(request, self.replica_id) as telemetry:
             await self.off_loop.run(self.engine.check, request.generation)
             yield Admitted(replica_id=self.replica_id)
-            await self.prepare(request.generation.prompt.tokens, telemetry)
+            await self.puller.prepare(request, telemetry)
             telemetry.submitting()
             handle = await submit(self.off_loop, self.engine, self.publisher, request)
             try:
@@ -239,109 +223,6 @@ class Replica:
                 self.publisher.announced_done(request)
                 if not handle.done:
                     handle.cancel()
-
-    async def prepare(self, tokens: tuple[int, ...], telemetry: RequestTelemetry) -> None:
-        """Pull a longer prefix from a peer when the index says one has it and that is
-        estimated faster than computing it. Never raises; never waits past a deadline."""
-        if self.index is None or self.peers is None:
-            return
-        usable = len(tokens) - MIN_PIECE  # the engine always computes the last piece itself
-        local, local_restore_s, chain = await self.off_loop.run(
-            reuse_and_chain, self.engine, tokens, self.policy.min_gain_tokens
-        )
-        if not chain:
-            return
-        started = time.perf_counter()
-        try:
-            with tracing.span("index.lookup", parent=telemetry.context):
-                matches = await self.index.lookup(chain)
-        except IndexUnavailable:
-            self._index_error()
-            return
-        finally:
-            metrics.INDEX_LOOKUP.observe(time.perf_counter() - started, caller="replica")
-        peers = [m for rid, m in matches.items() if rid != self.replica_id]
-        if not peers:
-            return
-        best = max(peers, key=lambda m: (m.n_tokens, not m.in_flight))
-        gain = min(best.n_tokens, usable) - local
-        prefill_speed = self.engine.stats.prefill_tokens_per_s
-        wait_s = max(0.0, best.ready_at - time.time()) if best.in_flight else 0.0
-        pays = self.policy.should_pull(
-            gain, best.nbytes, prefill_speed, wait_s=wait_s, local_restore_s=local_restore_s
-        )
-        if not pays:
-            if gain > 0:
-                self.stats.pulls_skipped += 1
-                metrics.PULLS.inc(outcome="skipped")
-            return
-        deadline = self.policy.deadline(gain, prefill_speed, wait_s=wait_s)
-        attributes = {
-            "baton.peer": best.replica_id,
-            "baton.pull.gain_tokens": gain,
-            "baton.pull.wait_s": wait_s,
-        }
-        # A state still being computed is waited for whole, not taken in part on the way.
-        floor = local + gain - 1 if best.in_flight else local
-        with tracing.span("pull", parent=telemetry.context, attributes=attributes) as span:
-            outcome = await self._pull(
-                best.replica_id, tokens, local, floor, deadline, span, telemetry.request_id
-            )
-            span.set_attribute("baton.pull.outcome", outcome)
-        metrics.PULLS.inc(outcome=outcome)
-
-    async def _pull(
-        self,
-        peer: str,
-        tokens: tuple[int, ...],
-        local: int,
-        floor: int,
-        deadline: float,
-        span: Span,
-        request_id: str,
-    ) -> str:
-        """Fetch a state giving more than `floor` (≥ `local`, what is here) tokens of `tokens`
-        from the peer (waiting for it up to `deadline`), check it and store it; the outcome:
-        pulled, miss, failed or rejected."""
-        assert self.peers is not None
-        started = time.perf_counter()
-        try:
-            fetch = self.peers.fetch(peer, tokens, floor, wait_s=deadline)
-            blob = await asyncio.wait_for(fetch, deadline)
-        except Exception as exc:  # a dead, slow or unreachable peer only costs a recompute
-            self.stats.pull_failures += 1
-            logger.info(
-                "pull from %s failed (%s); computing instead",
-                peer,
-                type(exc).__name__,
-                extra=request_fields(request_id),
-            )
-            return "failed"
-        if blob is None:
-            self.stats.pull_misses += 1
-            return "miss"
-        fetched_s = time.perf_counter() - started
-        nbytes = shipped_nbytes(blob)
-        if floor <= local:  # nothing was waited for: the time is the transfer's
-            self.policy.record_pull(nbytes, fetched_s)
-        span.set_attributes({"baton.pull.bytes": nbytes, "baton.pull.fetch_ms": 1e3 * fetched_s})
-        try:
-            await asyncio.to_thread(self.engine.cache.import_checkpoint, blob)
-        except (BlobError, EngineError) as exc:
-            self.stats.pulls_rejected += 1
-            reason = exc.reason if isinstance(exc, BlobError) else "over_budget"
-            span.set_attribute("baton.pull.reject_reason", reason)
-            logger.warning(
-                "rejected a state blob from %s: %s",
-                peer,
-                exc,
-                extra=request_fields(request_id),
-            )
-            return "rejected"
-        self.stats.pulls += 1
-        self.stats.pulled_bytes += nbytes
-        metrics.PULLED_BYTES.inc(nbytes)
-        return "pulled"
 
     async def export_when_ready(
         self,
@@ -358,7 +239,7 @@ class Replica:
         deadline = time.monotonic() + wait_s
         while True:
             # A first export seals the whole state: keep the event loop free meanwhile.
-            found = await asyncio.to_thread(self.engine.cache.export_best, tokens, min_tokens)
+            found = await asyncio.to_thread(self.engine.export_best, tokens, min_tokens)
             if found is not None:
                 (head, state), _ = found
                 if await self.streams.send(offer, head, state):
@@ -388,7 +269,7 @@ class Replica:
             load = self.engine.load()
             metrics.QUEUE_LENGTH.set(load.queued)
             metrics.SLOTS_IN_USE.set(load.running)
-            metrics.STORE_BYTES.set(self.engine.cache.store.used_bytes)
+            metrics.STORE_BYTES.set(self.engine.store_figures().used_bytes)
             await asyncio.sleep(GAUGE_PERIOD_S)
 
     def _index_error(self) -> None:

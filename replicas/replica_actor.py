@@ -13,10 +13,9 @@ from collections.abc import Iterator
 import ray
 from ray.exceptions import RayActorError
 
-from baton_serve.cache_store.index_connect import connect_index
+from baton_serve.cache_store.index.index_connect import connect_index
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.engine.protocol import Completion, GenerationRequest, ReplicaRequest
 from baton_serve.replicas.loop_lag import LoopLag
 from baton_serve.replicas.replica import Replica, ReplicaStats
 from baton_serve.replicas.shipping import (
@@ -27,6 +26,7 @@ from baton_serve.replicas.shipping import (
     share_in_object_store,
 )
 from baton_serve.replicas.state_stream import StateReceiver, StreamOffer
+from baton_serve.replicas.wire.protocol import Completion, GenerationRequest, ReplicaRequest
 
 NAMESPACE = "baton"
 
@@ -110,7 +110,7 @@ class ReplicaHost:
         engine = await asyncio.to_thread(Engine, model_path, config, hmac_key=hmac_key)
         index = None
         if self._index_spec:
-            engine.cache.codec.share = share_in_object_store  # peers may pull its states
+            engine.share_states(share_in_object_store)  # peers may pull its states
             index = await connect_index(
                 self._index_spec, engine.fingerprint, **self._index_settings
             )
@@ -125,8 +125,10 @@ class ReplicaHost:
         await self.replica.start()
         return self.replica_id
 
-    async def generate(self, request: GenerationRequest) -> Completion:
-        return await self._replica.generate(ReplicaRequest(generation=request))
+    async def generate(self, request: GenerationRequest | ReplicaRequest) -> Completion:
+        if isinstance(request, GenerationRequest):
+            request = ReplicaRequest(generation=request)
+        return await self._replica.generate(request)
 
     async def export_best(
         self,

@@ -14,18 +14,11 @@ from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from baton_serve.cache_store.cluster_key import read_cluster_key
-from baton_serve.cache_store.index import IndexUnavailable
-from baton_serve.cache_store.index_connect import connect_cluster_index
+from baton_serve.cache_store.checkpoints.cluster_key import read_cluster_key
+from baton_serve.cache_store.index.index import IndexUnavailable
+from baton_serve.cache_store.index.index_connect import connect_cluster_index
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.engine.protocol import (
-    TARGET_REPLICA_KWARG,
-    Admitted,
-    Completion,
-    ReplicaRequest,
-    TokenEvent,
-)
 from baton_serve.replicas.replica import Replica
 from baton_serve.replicas.shipping import (
     PeerReply,
@@ -36,6 +29,13 @@ from baton_serve.replicas.shipping import (
 from baton_serve.replicas.state_stream import StateReceiver, StreamOffer
 from baton_serve.replicas.telemetry.setup import configure_process
 from baton_serve.replicas.telemetry.startup import report_stage
+from baton_serve.replicas.wire.protocol import (
+    TARGET_REPLICA_KWARG,
+    Admitted,
+    Completion,
+    ReplicaRequest,
+    TokenEvent,
+)
 
 
 class ReplicaSettings(BaseModel):
@@ -104,7 +104,7 @@ class ReplicaDeployment:
         peers = None
         if settings.ship and index is not None:
             peers = ServePeers(serve.get_deployment_handle(context.deployment, context.app_name))
-            engine.cache.codec.share = share_in_object_store  # peers may pull its states
+            engine.share_states(share_in_object_store)  # peers may pull its states
         self.replica = Replica(
             self.replica_id, engine, index=index, peers=peers, heartbeat_s=settings.heartbeat_s
         )
@@ -143,7 +143,7 @@ class ReplicaDeployment:
             "queued": load.queued,
             "running": load.running,
             "free_slots": load.free_slots,
-            "cache_bytes": self.replica.engine.cache.store.used_bytes,
+            "cache_bytes": self.replica.engine.store_figures().used_bytes,
             "pulls": self.replica.stats.pulls,
             "pulled_bytes": self.replica.stats.pulled_bytes,
             "streamed_exports": self.replica.stats.streamed_exports,

@@ -1,8 +1,9 @@
-"""Deciding whether to pull a prefix state from a peer, and how peers are reached.
+"""A replica's side of pulling prefix states from peers, and how peers are reached.
 
-Pulling pays a round trip plus the blob's bytes over the wire; recomputing pays prefill
-time; a state on the replica's own disk tier pays a read (measured by the disk tier). Both rates are measured as the replica runs (prefill speed from its own engine,
-bandwidth from its own pulls), starting from conservative guesses.
+Whether a pull pays is `cache_store/pull_cost.pull_pays` (the router's and the simulator's
+rule too). `ShipPolicy` holds what is the replica's own: the rates it measures as it runs
+(prefill speed from its engine, bandwidth from its pulls, starting from `ShipCost`'s
+defaults) and how long it waits for a peer.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
 import ray
 
-from baton_serve.cache_store.checkpoint import Checkpoint
+from baton_serve.cache_store.checkpoints.checkpoint import Checkpoint
+from baton_serve.cache_store.pull_cost import ShipCost, pull_pays
 from baton_serve.replicas.state_stream import STREAMED, StateReceiver, StreamOffer
 
 # A signed state blob as it arrives from a peer: its head (header and token ids) and the
@@ -98,19 +100,18 @@ class PeerDirectory(Protocol):
 
 @dataclass
 class ShipPolicy:
-    """When a pull beats recomputing, and how long a pull may take at most."""
+    """A replica's own side of pulling: the agreed rule's costs (`cost`, its bandwidth
+    replaced by what this replica's pulls measure), how long a pull may take at most, and
+    what its pulls took."""
 
-    min_gain_tokens: int = 64  # below this, recomputing is always cheap enough
-    safety: float = 0.5  # pull only if estimated to take < safety × the recompute time
+    cost: ShipCost = ShipCost()
     deadline_s: float = 2.0  # never wait longer than this for a peer
     prefill_tokens_per_s: float = 200.0  # until the engine has measured its own
-    bandwidth_bytes_per_s: float = 200e6  # until a pull has been measured
-    latency_s: float = 0.01
     smoothing: float = 0.3  # weight of a new bandwidth measurement
     fetch_seconds: float = 0.0  # all measured pulls: asking the peer until its blob is here
     last_pull_started: float = 0.0  # time.perf_counter() when the last measured pull began
 
-    def should_pull(
+    def pays(
         self,
         gain_tokens: int,
         nbytes: int,
@@ -119,17 +120,10 @@ class ShipPolicy:
         wait_s: float = 0.0,
         local_restore_s: float = 0.0,
     ) -> bool:
-        """True when waiting `wait_s` for a peer's state (one it is computing right now),
-        then pulling its `nbytes`, is clearly faster than computing `gain_tokens` after
-        restoring what is local (`local_restore_s`: reading it from this node's disk, which
-        the pull makes unnecessary)."""
-        if gain_tokens < self.min_gain_tokens:
-            return False
-        recompute_s = gain_tokens / (measured_prefill or self.prefill_tokens_per_s)
-        return wait_s + self.pull_seconds(nbytes) < self.safety * recompute_s + local_restore_s
-
-    def pull_seconds(self, nbytes: int) -> float:
-        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+        """`pull_pays` at this replica's measured speeds (its prefill speed, until measured
+        `prefill_tokens_per_s`)."""
+        speed = measured_prefill or self.prefill_tokens_per_s
+        return pull_pays(gain_tokens, nbytes, wait_s, speed, self.cost, local_restore_s)
 
     def deadline(
         self, gain_tokens: int, measured_prefill: float | None, *, wait_s: float = 0.0
@@ -144,5 +138,6 @@ class ShipPolicy:
         self.fetch_seconds += seconds
         self.last_pull_started = time.perf_counter() - seconds
         if seconds > 0 and nbytes > 0:
-            measured = nbytes / seconds
-            self.bandwidth_bytes_per_s += self.smoothing * (measured - self.bandwidth_bytes_per_s)
+            bandwidth = self.cost.bandwidth_bytes_per_s
+            bandwidth += self.smoothing * (nbytes / seconds - bandwidth)
+            self.cost = replace(self.cost, bandwidth_bytes_per_s=bandwidth)

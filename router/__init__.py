@@ -1,1 +1,1 @@
-"""HTTP ingress (OpenAI API) and the prefix-aware Ray Serve request router."""
+"""The front of the house: `gateway/` speaks the OpenAI API, `routing/` picks the replica."""

@@ -1,8 +1,9 @@
 """A local HTTP server that answers like the Hugging Face hub's resolve URLs.
 
 `/ORG/REPO/resolve/REV/PATH` answers 302 to `http://localhost:PORT/cdn/SHA256` — the same
-server under another host name, as the hub sends LFS files to its CDN — with `X-Linked-Etag`
-and `X-Linked-Size`; the CDN path serves the bytes and honours `Range` (206). A private repo
+server under another host name, as the hub sends LFS files to its CDN — with `X-Linked-Etag`,
+`X-Linked-Size` and `X-Repo-Commit` (`COMMIT` when asked for it, else `head`, which changes
+with every `add`, as a push moves `main`); the CDN path serves the bytes and honours `Range` (206). A private repo
 answers 401 without the right bearer token; unknown files 404 (`EntryNotFound`), unknown
 revisions 404 (`RevisionNotFound`). Every request is recorded.
 """
@@ -16,6 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 TOKEN = "hf_test_token"
@@ -26,7 +28,7 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 class Seen:
     method: str
     path: str
-    headers: dict[str, str]
+    headers: Message  # names in any case, as HTTP has them
 
 
 @dataclass
@@ -45,6 +47,12 @@ class FakeHub:
         self.files[name] = content
         return hashlib.sha256(content).hexdigest()
 
+    @property
+    def head(self) -> str:
+        """The commit `main` is at: one per state of the files."""
+        state = sorted((name, hashlib.sha256(c).hexdigest()) for name, c in self.files.items())
+        return hashlib.sha1(repr(state).encode()).hexdigest()
+
     def requests(self, method: str, prefix: str) -> list[Seen]:
         return [s for s in self.seen if s.method == method and s.path.startswith(prefix)]
 
@@ -61,7 +69,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             self._answer(body=True)
 
         def _answer(self, *, body: bool) -> None:
-            hub.seen.append(Seen(self.command, self.path, dict(self.headers.items())))
+            hub.seen.append(Seen(self.command, self.path, self.headers))
             if self.path.startswith("/cdn/"):
                 return self._cdn(self.path[len("/cdn/") :], body=body)
             match = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", self.path)
@@ -81,6 +89,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if hub.etag:
                 self.send_header("X-Linked-Etag", f'"{sha}"')
             self.send_header("X-Linked-Size", str(len(content)))
+            self.send_header("X-Repo-Commit", COMMIT if revision == COMMIT else hub.head)
             self.send_header("ETag", '"0123abcd"')  # a git blob id: not a SHA-256
             self.send_header("Content-Length", "0")
             self.end_headers()

@@ -15,9 +15,9 @@ from fastapi import FastAPI
 
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.engine.protocol import Completion, ReplicaRequest, TokenEvent
 from baton_serve.replicas.replica import Replica
-from baton_serve.router.gateway import GatewaySettings, create_app
+from baton_serve.replicas.wire.protocol import Completion, ReplicaRequest, TokenEvent
+from baton_serve.router.gateway.gateway import GatewaySettings, create_app
 
 
 class StartedReplica:

@@ -15,19 +15,19 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
-from baton_serve.cache_store.index import IndexEntry
-from baton_serve.cache_store.index_connect import connect_index
+from baton_serve.cache_store.index.index import IndexEntry
+from baton_serve.cache_store.index.index_connect import connect_index
+from baton_serve.cache_store.index.redis_follow import read_snapshot
+from baton_serve.cache_store.index.redis_index import key_prefix
 from baton_serve.cache_store.prefix_hash import PrefixHasher
-from baton_serve.cache_store.redis_follow import read_snapshot
-from baton_serve.cache_store.redis_index import key_prefix
 from baton_serve.cache_store.supervised import Backoff, supervised
-from baton_serve.replicas.engine.prompt import Prompt
-from baton_serve.replicas.engine.protocol import GenerationRequest, ReplicaRequest
-from baton_serve.replicas.engine.sampling import SamplingParams
 from baton_serve.replicas.replica import Replica
 from baton_serve.replicas.telemetry import metrics
-from baton_serve.router.request_router import BatonRouter
-from baton_serve.router.routing_metrics import decision_counts, view_figures
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.router.routing.request_router import BatonRouter
+from baton_serve.router.routing.routing_metrics import decision_counts, view_figures
 
 SUPERVISOR = "baton.background"
 SYSTEM = "You are a careful assistant who answers in short sentences. " * 10
@@ -113,7 +113,7 @@ def test_each_replica_loop_is_restarted_after_an_exception(
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello!"}]
     engine.generate(engine.chat_prompt(messages), SamplingParams(max_tokens=4))
     engine.wait_idle()
-    held = engine.cache.store.entries()
+    held = engine.checkpoints(on_disk=True)
     assert held, "the engine kept no checkpoint to publish"
     # The gauges run only where metrics are on; an engine whose load() raises once is a
     # fake fault (a real engine's load() has no failure to cause).
@@ -134,7 +134,7 @@ def test_each_replica_loop_is_restarted_after_an_exception(
         replica = Replica("survivor", engine, index=faulty, heartbeat_s=0.2)
         try:
             await replica.start()
-            chain = engine.cache.hasher.chain(held[0].tokens)
+            chain = engine.hash_chain(held[0].tokens)
             await _until(lambda: len(loads) >= 2, 5.0, "the gauges read again")
             deadline = time.monotonic() + 5.0
             while "survivor" not in (found := await index.lookup(chain)):
@@ -322,8 +322,8 @@ def test_a_backlog_is_published_in_chunks(
     messages = [{"role": "system", "content": SYSTEM * 3}, {"role": "user", "content": "Hi!"}]
     engine.generate(engine.chat_prompt(messages), SamplingParams(max_tokens=4))
     engine.wait_idle()
-    held = max(engine.cache.store.entries(), key=lambda checkpoint: checkpoint.n_tokens)
-    chain = engine.cache.hasher.chain(held.tokens)
+    held = max(engine.checkpoints(on_disk=True), key=lambda checkpoint: checkpoint.n_tokens)
+    chain = engine.hash_chain(held.tokens)
     assert len(chain) >= 4, "too few blocks to need several writes"
 
     async def scenario() -> tuple[list[int], dict]:

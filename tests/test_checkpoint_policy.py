@@ -12,7 +12,7 @@ from baton_serve.replicas.engine.checkpoint_policy import (
     prefill_pieces,
     worth_saving,
 )
-from baton_serve.replicas.engine.prompt import Prompt
+from baton_serve.replicas.wire.prompt_types import Prompt
 
 
 def chat(n_tokens: int, starts: list[int], roles: list[str]) -> Prompt:

@@ -4,7 +4,7 @@ import threading
 import numpy as np
 import pytest
 
-from baton_serve.cache_store.checkpoint_store import Checkpoint, CheckpointStore
+from baton_serve.cache_store.checkpoints.checkpoint_store import Checkpoint, CheckpointStore
 from baton_serve.cache_store.prefix_hash import PrefixHasher
 
 HASHER = PrefixHasher(b"model-a", block_tokens=4)

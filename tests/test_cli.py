@@ -179,9 +179,9 @@ def test_serve_refuses_an_unusable_checkpoint_dir_or_budget_in_one_line(tmp_path
 
 
 def test_a_benchmark_without_its_extra_says_what_to_install(tmp_path: Path) -> None:
-    """httpx made unimportable (as where the bench extra is not installed)."""
+    """httpx-sse made unimportable (as where the bench extra is not installed)."""
     code = (
-        "import sys; sys.modules['httpx'] = None\n"
+        "import sys; sys.modules['httpx_sse'] = None\n"
         "from baton_serve.deploy.cli import main\n"
         "raise SystemExit(main(['bench', 'serve', '--model', 'tiny:llama']))\n"
     )
@@ -190,7 +190,7 @@ def test_a_benchmark_without_its_extra_says_what_to_install(tmp_path: Path) -> N
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "pip install 'baton-serve[bench]'" in done.stderr and "httpx" in done.stderr
+    assert "pip install 'baton-serve[bench]'" in done.stderr and "httpx_sse" in done.stderr
 
 
 def test_version(tmp_path: Path) -> None:

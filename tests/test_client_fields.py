@@ -15,9 +15,10 @@ from gateway_harness import serving
 
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_model import LlamaModel
-from baton_serve.replicas.engine.sampling import SamplingParams, TokenSampler
-from baton_serve.router import api_fields, refused_fields
-from baton_serve.router.gateway import GatewaySettings
+from baton_serve.replicas.engine.sampling import TokenSampler
+from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.router.gateway import api_fields, refused_fields
+from baton_serve.router.gateway.gateway import GatewaySettings
 
 MODEL = "baton-tiny"
 CHAT = "/v1/chat/completions"
@@ -323,7 +324,7 @@ def test_refused_fields_are_named_with_the_reason(
 
 def test_the_field_table_matches_the_models(client: httpx.Client) -> None:
     """docs/api-fields.md is what the models say (regenerate it with
-    `python -m baton_serve.router.api_fields > docs/api-fields.md`), every served field is
+    `python -m baton_serve.router.gateway.api_fields > docs/api-fields.md`), every served field is
     described, and /openapi.json lists the refused ones."""
     assert DOCS.read_text() == api_fields.fields_table()
     assert all(text for _, _, _, text in api_fields.field_rows())

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from ray import cloudpickle
 
-from baton_serve.cache_store.cluster_key import ClusterKeyError, read_cluster_key
+from baton_serve.cache_store.checkpoints.cluster_key import ClusterKeyError, read_cluster_key
 from baton_serve.deploy import app as app_module
 from baton_serve.deploy.app import REPLICA_DEPLOYMENT, build_app, check_cluster_key
 from baton_serve.deploy.config import BatonConfig, ConfigError, load_config

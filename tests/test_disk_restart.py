@@ -23,13 +23,13 @@ import numpy as np
 import pytest
 from fixtures_ray import wait_healthy
 
-from baton_serve.cache_store.index_connect import connect_index
-from baton_serve.cache_store.state_blob import encode_blob
+from baton_serve.cache_store.checkpoints.state_blob import encode_blob
+from baton_serve.cache_store.index.index_connect import connect_index
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.engine.sampling import SamplingParams
 from baton_serve.replicas.replica import Replica
+from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 KEY = b"disk-restart-test-key"
 GREEDY = SamplingParams(max_tokens=8)
@@ -70,7 +70,7 @@ def test_states_kept_only_on_disk_restore_bit_exact(arch, tiny_model, tmp_path) 
         messages = first_turn(disk_only)
         if arch == "llama":  # attention KV is saved when its slot goes to another prompt
             disk_only.generate(disk_only.text_prompt("An unrelated prompt."), GREEDY)
-        assert disk_only.cache.store.used_bytes == 0  # nothing in RAM
+        assert disk_only.store_figures().used_bytes == 0  # nothing in RAM
     assert checkpoint_files(tmp_path)
     with (
         engine(path, tmp_path, store_budget_bytes=0, n_slots=1) as restarted,
@@ -83,7 +83,7 @@ def test_states_kept_only_on_disk_restore_bit_exact(arch, tiny_model, tmp_path) 
         assert restarted.stats.checkpoints_restored == 1
         assert resumed.tokens == fresh.tokens
         assert float(np.abs(resumed.logits - fresh.logits).max()) == 0.0
-        assert restarted.cache.store.disk.used_bytes <= restarted.config.disk_budget_bytes
+        assert restarted.store_figures().disk_used_bytes <= restarted.config.disk_budget_bytes
 
 
 def test_warm_restart_serves_the_next_turn_from_cache(tiny_model, tmp_path) -> None:
@@ -108,29 +108,30 @@ def test_files_of_another_key_or_model_or_a_malformed_state_are_deleted(
     path = tiny_model("qwen35")
     with engine(path, tmp_path) as first:
         messages = first_turn(first)
-        fingerprint, hasher = first.fingerprint, first.cache.hasher
-        fixed, per_token = first.cache.state_size
+        fingerprint, fixed_and_per_token = first.fingerprint, first.state_size
+        # correctly signed, right model, right tokens: only the engine's exact-size check sees it
+        tokens = list(range(100, 164))
+        prefix_hash = first.prefix_hash(tokens)
+    fixed, per_token = fixed_and_per_token
     (model_dir,) = tmp_path.iterdir()
     slot = model_dir / "0"
     good = len(checkpoint_files(tmp_path))
-    # correctly signed, right model, right tokens: only the engine's exact-size check sees it
-    tokens = list(range(100, 164))
     malformed = encode_blob(
         fingerprint=fingerprint,
-        prefix_hash=hasher.prefix_hash(tokens),
+        prefix_hash=prefix_hash,
         tokens=tokens,
         state=bytes(fixed + per_token * len(tokens) - 8),
         key=KEY,
     )
-    (slot / f"{hasher.prefix_hash(tokens).hex()}.ckpt").write_bytes(malformed)
+    (slot / f"{prefix_hash.hex()}.ckpt").write_bytes(malformed)
     with caplog.at_level(logging.WARNING, logger="baton.disk"):
         with engine(path, tmp_path) as same_key:
-            assert len(same_key.cache.store.entries()) == good
-        assert f"{hasher.prefix_hash(tokens).hex()}.ckpt" in caplog.text
+            assert len(same_key.checkpoints(on_disk=True)) == good
+        assert f"{prefix_hash.hex()}.ckpt" in caplog.text
         assert "state of this model is" in caplog.text  # the engine's exact-size check
         caplog.clear()
         with engine(path, tmp_path, key=b"another-cluster-key") as other_key:
-            assert other_key.cache.store.entries() == []
+            assert other_key.checkpoints(on_disk=True) == []
             prompt = other_key.chat_prompt(messages)
             assert other_key.generate(prompt, GREEDY).usage.cached_tokens == 0
         assert caplog.text.count("deleting checkpoint file") == good
@@ -144,7 +145,7 @@ def test_files_of_another_key_or_model_or_a_malformed_state_are_deleted(
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="baton.disk"):
         with engine(other_model, tmp_path, key=b"another-cluster-key") as lfm2:
-            assert lfm2.cache.store.entries() == []
+            assert lfm2.checkpoints(on_disk=True) == []
     assert "different model" in caplog.text
     assert not list(foreign_dir.glob("*.ckpt"))
 
@@ -169,7 +170,7 @@ def test_a_restarted_replica_republishes_its_adopted_checkpoints(
         try:
             await replica.start()
             tokens = e.chat_prompt(messages).tokens
-            chain = e.cache.hasher.chain(tokens[: len(tokens) - MIN_PIECE])
+            chain = e.hash_chain(tokens[: len(tokens) - MIN_PIECE])
             deadline = time.monotonic() + 10
             while "restarted" not in (found := await index.lookup(chain)):
                 assert time.monotonic() < deadline, "the adopted checkpoints were never published"

@@ -13,11 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from baton_serve.cache_store.checkpoint_store import Checkpoint, CheckpointStore
-from baton_serve.cache_store.disk_dir import PROBE_BYTES, DiskTierError
-from baton_serve.cache_store.disk_tier import DiskEntry, DiskTier
+from baton_serve.cache_store.checkpoints.checkpoint_store import Checkpoint, CheckpointStore
+from baton_serve.cache_store.checkpoints.disk_dir import PROBE_BYTES, DiskTierError
+from baton_serve.cache_store.checkpoints.disk_tier import DiskEntry, DiskTier
+from baton_serve.cache_store.checkpoints.state_blob import (
+    BlobHead,
+    decode_blob,
+    decode_head,
+    encode_blob,
+)
 from baton_serve.cache_store.prefix_hash import PrefixHasher
-from baton_serve.cache_store.state_blob import BlobHead, decode_blob, decode_head, encode_blob
 
 MODEL = b"m" * 32
 OTHER_MODEL = b"o" * 32

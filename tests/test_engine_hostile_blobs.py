@@ -15,11 +15,11 @@ import struct
 import numpy as np
 import pytest
 
-from baton_serve.cache_store.state_blob import HEADER_SIZE, BlobError, seal_payload
+from baton_serve.cache_store.checkpoints.state_blob import HEADER_SIZE, BlobError, seal_payload
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.engine.prompt import Prompt
-from baton_serve.replicas.engine.sampling import SamplingParams
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 HMAC_KEY = b"test-cluster-key"
 
@@ -51,8 +51,8 @@ def engines(tmp_path_factory):
 
 
 def _valid_parts(engine: Engine) -> tuple[bytes, memoryview]:
-    checkpoint = max(engine.cache.store.checkpoints(), key=lambda c: c.n_tokens)
-    parts = engine.cache.export_checkpoint(checkpoint.prefix_hash)
+    checkpoint = max(engine.checkpoints(), key=lambda c: c.n_tokens)
+    parts = engine.export_checkpoint(checkpoint.prefix_hash)
     assert parts is not None
     return parts
 
@@ -183,13 +183,13 @@ def test_hostile_blob_is_rejected(name, damage, parts, engines) -> None:
     """Each damaged blob arrives whole, or as the two parts a peer sends (cut where the
     valid blob's state begins)."""
     hybrid, other = engines
-    stored = len(hybrid.cache.store)
+    stored = hybrid.store_figures().checkpoints
     head_size = len(_valid_parts(hybrid)[0])
     bad = damage(_valid_blob(hybrid), _valid_blob(other))
     with pytest.raises(BlobError) as caught:
-        hybrid.cache.import_checkpoint((bad[:head_size], bad[head_size:]) if parts else bad)
+        hybrid.import_checkpoint((bad[:head_size], bad[head_size:]) if parts else bad)
     assert caught.value.reason and str(caught.value)  # a machine code and a clear message
-    assert len(hybrid.cache.store) == stored  # nothing half-imported
+    assert hybrid.store_figures().checkpoints == stored  # nothing half-imported
 
 
 def test_a_writable_blob_is_copied_before_it_is_checked(engines) -> None:
@@ -198,12 +198,12 @@ def test_a_writable_blob_is_copied_before_it_is_checked(engines) -> None:
     hybrid, _ = engines
     head, state = _valid_parts(hybrid)
     writable = bytearray(state)
-    kept = hybrid.cache.import_checkpoint((head, writable))
+    kept = hybrid.import_checkpoint((head, writable))
     writable[:] = bytes(len(writable))
     assert bytes(kept.state) == bytes(state)
     shared = np.frombuffer(bytes(state), dtype=np.uint8)
     assert not shared.flags.writeable
-    kept = hybrid.cache.import_checkpoint((head, shared))
+    kept = hybrid.import_checkpoint((head, shared))
     assert np.shares_memory(np.frombuffer(kept.state, dtype=np.uint8), shared)
 
 
@@ -211,7 +211,7 @@ def test_engine_still_serves_and_restores_after_the_hostile_suite(engines) -> No
     """Runs after the parametrized cases (file order): the process and engine are intact."""
     hybrid, _ = engines
     blob = _valid_blob(hybrid)
-    checkpoint = hybrid.cache.import_checkpoint(blob)
+    checkpoint = hybrid.import_checkpoint(blob)
     prompt = Prompt(
         tokens=tuple(checkpoint.tokens.tolist()) + tuple(hybrid.model.tokenize(" More."))
     )

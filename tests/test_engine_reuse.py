@@ -11,9 +11,9 @@ import pytest
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.llama_model import ModelKind
-from baton_serve.replicas.engine.prompt import Prompt
-from baton_serve.replicas.engine.sampling import SamplingParams
 from baton_serve.replicas.models.tiny_model import ARCHITECTURES
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 KINDS = {
     "llama": ModelKind.ATTENTION,
@@ -73,10 +73,10 @@ def test_checkpoint_exported_to_a_second_engine_is_bit_exact(arch, tiny_model, m
         first.generate(first.text_prompt("An unrelated prompt for the other slot."), GREEDY)
         first.generate(first.text_prompt("Another unrelated prompt evicts the first."), GREEDY)
 
-    best = max(first.cache.store.checkpoints(), key=lambda c: c.n_tokens)
-    blob = first.cache.export_checkpoint(best.prefix_hash)
+    best = max(first.checkpoints(), key=lambda c: c.n_tokens)
+    blob = first.export_checkpoint(best.prefix_hash)
     assert blob is not None
-    assert second.cache.import_checkpoint(blob).n_tokens == best.n_tokens
+    assert second.import_checkpoint(blob).n_tokens == best.n_tokens
 
     follow_up = Prompt(
         tokens=tuple(best.tokens.tolist()) + tuple(second.model.tokenize(" Go on, please."))
@@ -123,7 +123,7 @@ def test_an_evicted_slot_is_saved_when_that_beats_recomputing_its_tail(
     one_token = SamplingParams(max_tokens=1)
 
     def long_states() -> list[int]:
-        return sorted(c.n_tokens for c in engine.cache.store.checkpoints() if c.n_tokens > 64)
+        return sorted(c.n_tokens for c in engine.checkpoints() if c.n_tokens > 64)
 
     def evict(text: str) -> None:
         engine.generate(engine.text_prompt(text), one_token)
@@ -131,7 +131,7 @@ def test_an_evicted_slot_is_saved_when_that_beats_recomputing_its_tail(
     engine.generate(engine.text_prompt("A long document about rivers. " * 30), one_token)
     evict("Something unrelated.")
     [stored] = long_states()
-    state = max(engine.cache.store.checkpoints(), key=lambda c: c.n_tokens)
+    state = max(engine.checkpoints(), key=lambda c: c.n_tokens)
     base = tuple(state.tokens.tolist())
 
     # This tiny model's state saves far faster than its tokens compute: the tail is kept.

@@ -9,9 +9,10 @@ import threading
 
 import pytest
 
-from baton_serve.replicas.engine.prompt import Prompt, PromptError
-from baton_serve.replicas.engine.protocol import EngineClosed, GenerationRequest, PromptTooLong
-from baton_serve.replicas.engine.sampling import SamplingParams
+from baton_serve.replicas.engine.prompt import PromptError
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.protocol import EngineClosed, GenerationRequest, PromptTooLong
+from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 ARCHS = ("llama", "qwen35")
 LONG = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -193,7 +194,7 @@ def test_long_prefill_takes_a_bounded_number_of_checkpoints(tiny_model, make_eng
     assert engine.wait_idle(timeout=30)  # the reply is replayed after the response
     # 3 interval checkpoints + the end of the prompt (less the last piece) + end of generation
     assert engine.stats.checkpoints_saved == 5
-    positions = sorted(c.n_tokens for c in engine.cache.store.checkpoints())
+    positions = sorted(c.n_tokens for c in engine.checkpoints())
     assert positions[-2:] == [len(prompt) - 2, len(prompt) + len(done.tokens)]
     assert all(p % 64 == 0 for p in positions[:-2])
 
@@ -204,8 +205,8 @@ def test_store_budget_is_never_exceeded(tiny_model, make_engine) -> None:
         engine.generate(
             engine.text_prompt(f"Conversation {i}: " + "words " * 40), SamplingParams(max_tokens=3)
         )
-        assert engine.cache.store.used_bytes <= 400_000
-    assert len(engine.cache.store) > 0
+        assert engine.store_figures().used_bytes <= 400_000
+    assert engine.store_figures().checkpoints > 0
 
 
 def test_closed_engine_refuses_work(tiny_model, make_engine) -> None:

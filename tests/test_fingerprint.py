@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from baton_serve.cache_store.checkpoints.state_blob import BlobError, decode_blob, encode_blob
 from baton_serve.cache_store.fingerprint import file_fingerprint
 from baton_serve.cache_store.prefix_hash import PrefixHasher
-from baton_serve.cache_store.state_blob import BlobError, decode_blob, encode_blob
 
 KEY = b"fingerprint-test-key"
 

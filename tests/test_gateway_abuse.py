@@ -17,8 +17,8 @@ from gateway_harness import Served, serving
 
 from baton_serve.loadtests.abuse_bench import abuse_benchmark, abusive_bodies, format_report
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.engine.protocol import Completion, ReplicaRequest
-from baton_serve.router.gateway import GatewaySettings, create_app
+from baton_serve.replicas.wire.protocol import Completion, ReplicaRequest
+from baton_serve.router.gateway.gateway import GatewaySettings, create_app
 
 MODEL = "baton-tiny"
 KEY = "sk-abuse"

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from ray import serve
 
-from baton_serve.cache_store.checkpoint import Checkpoint
+from baton_serve.cache_store.checkpoints.checkpoint import Checkpoint
 from baton_serve.deploy.app import REPLICA_DEPLOYMENT, build_app
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.handoff import handoff_order
-from baton_serve.router.gateway import REPLICA_HEADER
+from baton_serve.router.gateway.gateway import REPLICA_HEADER
 
 CONVERSATIONS = 4
 DOWNSCALE_TIMEOUT_S = 120.0

@@ -30,7 +30,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from baton_serve.cache_store.redis_address import parse_redis_address
+from baton_serve.cache_store.index.redis_address import parse_redis_address
 from baton_serve.deploy.config import BatonConfig, config_from_serve_args, load_config
 from baton_serve.deploy.helm_binary import HELM_SHA256, HELM_VERSION, HelmBinaryError, extract_helm
 from baton_serve.deploy.serve_config import CHART_SERVE_CONFIG, chart_serve_config_text
@@ -960,7 +960,7 @@ def baton_metric_series() -> set[str]:
     """The Prometheus series of Baton's metrics, as Ray exports them: `ray_` first, counters
     with `_total`, histograms as `_bucket`, `_sum` and `_count`."""
     from baton_serve.replicas.telemetry import metrics
-    from baton_serve.router import http_telemetry, routing_metrics
+    from baton_serve.router.gateway import http_telemetry, routing_metrics
 
     series = set()
     for module in (metrics, routing_metrics, http_telemetry):

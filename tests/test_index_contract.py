@@ -12,17 +12,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import ray
 
-from baton_serve.cache_store.embedded_index import ACTOR_NAME, ACTOR_NAMESPACE, EmbeddedIndex
-from baton_serve.cache_store.index import (
+from baton_serve.cache_store.index.embedded_index import ACTOR_NAME, ACTOR_NAMESPACE, EmbeddedIndex
+from baton_serve.cache_store.index.index import (
     CheckpointIndex,
     IndexEntry,
     IndexMatch,
     IndexUnavailable,
 )
-from baton_serve.cache_store.index_connect import connect_index
-from baton_serve.cache_store.index_view import IndexView
-from baton_serve.cache_store.memory_index import MemoryIndex
-from baton_serve.cache_store.redis_index import RedisIndex, key_prefix
+from baton_serve.cache_store.index.index_connect import connect_index
+from baton_serve.cache_store.index.index_view import IndexView
+from baton_serve.cache_store.index.memory_index import MemoryIndex
+from baton_serve.cache_store.index.redis_index import RedisIndex, key_prefix
 from baton_serve.loadtests.redis_server import RedisServer
 
 pytestmark = pytest.mark.anyio

@@ -1,13 +1,14 @@
 """The project's rooms: imports run one way, no cycles, no module much over 400 lines, and
 the `baton_serve` namespace installs beside other distributions' `router` and `deploy`.
 
-The rooms and what each may import are the README's Architecture table.
+The rooms and what each may import are the rooms table of `docs/architecture.md`, read here.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -17,24 +18,32 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "baton_serve"
-# room -> rooms it may import (besides itself); deeper rooms are listed before their parents.
-ALLOWED = {
-    "cache_store": set(),
-    "replicas.telemetry": set(),
-    "replicas.engine": {"replicas.telemetry", "cache_store"},
-    "replicas.models": {"replicas.engine", "replicas.telemetry", "cache_store"},
-    "replicas": {"replicas.models", "replicas.engine", "replicas.telemetry", "cache_store"},
-    "router": {"replicas.engine", "replicas.telemetry", "cache_store"},
-    "deploy": {
-        "router",
-        "replicas",
-        "replicas.models",
-        "replicas.engine",
-        "replicas.telemetry",
-        "cache_store",
-    },
-    "loadtests": set(),  # the top floor: anything below
-}
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+TOP_FOLDERS = ("cache_store", "replicas", "router", "deploy", "loadtests")
+
+
+def _dotted(cell: str) -> str:
+    """`replicas/engine/` → `replicas.engine`."""
+    return cell.strip().strip("`").strip("/").replace("/", ".")
+
+
+def read_rooms(text: str) -> dict[str, set[str] | None]:
+    """Room → the rooms it may import (None: every room), from the rooms table: the
+    first table after the `rooms:` marker, its first and last columns."""
+    lines = text[text.index("<!-- rooms:") :].splitlines()[1:]
+    rooms: dict[str, set[str] | None] = {}
+    for line in lines[2:]:  # after the header and its rule
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        may = cells[-1]
+        found = {_dotted(c) for c in re.findall(r"`([^`]+)`", may)}
+        rooms[_dotted(cells[0])] = None if may == "everything" else found
+    assert rooms, "no rooms table in docs/architecture.md"
+    return rooms
+
+
+ALLOWED = read_rooms(ARCHITECTURE.read_text())
 MAX_LINES = 420
 
 
@@ -49,10 +58,14 @@ def _room(module: str) -> str:
 
 def _modules() -> dict[str, Path]:
     found = {}
-    for room in ("cache_store", "replicas", "router", "deploy", "loadtests"):
+    for room in TOP_FOLDERS:
         for path in (ROOT / room).rglob("*.py"):
             relative = path.relative_to(ROOT).with_suffix("")
             parts = [p for p in relative.parts if p != "__init__"]
+            if path.name == "__init__.py" and ".".join(parts) not in ALLOWED:
+                # a folder split into rooms (`router/`): its package file is a docstring only
+                assert not _imports(path), f"{path} imports code but is in no room"
+                continue
             found[".".join([NAMESPACE, *parts])] = path
     return found
 
@@ -83,7 +96,8 @@ def test_every_import_points_down() -> None:
             if target not in modules:
                 continue
             other = _room(target)
-            if other != room and room != "loadtests" and other not in ALLOWED[room]:
+            allowed = ALLOWED[room]
+            if other != room and allowed is not None and other not in allowed:
                 wrong.append(f"{module} ({room}) imports {target} ({other})")
     assert not wrong, "\n".join(wrong)
 
@@ -147,7 +161,7 @@ def test_installs_beside_other_router_and_deploy_packages(tmp_path: Path) -> Non
     )
     assert installed.returncode == 0, installed.stderr
     check = (
-        "import router, deploy, replicas, baton_serve.router.gateway as g;"
+        "import router, deploy, replicas, baton_serve.router.gateway.gateway as g;"
         "from baton_serve.deploy.cli import main;"
         f"assert g.__file__.startswith({str(site)!r}), g.__file__;"
         "assert router.OWNER == 'another router distribution';"
@@ -165,3 +179,20 @@ def test_installs_beside_other_router_and_deploy_packages(tmp_path: Path) -> Non
     )
     assert done.returncode == 0, done.stderr
     assert "--no-chat-template" in done.stdout
+
+
+def test_every_room_is_a_package_pyproject_ships() -> None:
+    """A folder that holds modules is in pyproject's package list (or its wheel lacks it)
+    and in the rooms table (or its imports go unchecked)."""
+    import tomllib
+
+    packaged = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    folders = {
+        ".".join([NAMESPACE, *path.parent.relative_to(ROOT).parts])
+        for room in TOP_FOLDERS
+        for path in (ROOT / room).rglob("*.py")
+    }
+    assert folders - packaged == set()
+    assert {f.removeprefix(NAMESPACE + ".") for f in folders} - set(ALLOWED) <= set(TOP_FOLDERS)

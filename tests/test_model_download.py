@@ -82,7 +82,7 @@ def test_command_line_hf_reference(
     cache, link = tmp_path / "cache", tmp_path / "models" / "model.gguf"
     args = ["hf://org/repo/model.gguf", "--cache", str(cache), "--link", str(link)]
     assert main([*args, "--revision", "main"]) == 0
-    cached = cache / "hf/org/repo/main/model.gguf"
+    cached = cache / "hf/models--org--repo/snapshots" / hub.head / "model.gguf"
     assert f"{cached}: {len(CONTENT)} bytes, sha256 verified" in capsys.readouterr().out
     assert link.is_symlink() and link.resolve() == cached.resolve()
     assert link.read_bytes() == CONTENT
@@ -98,7 +98,8 @@ def test_command_line_default_cache(
 ) -> None:
     monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path))
     assert main(["hf://org/repo/model.gguf@" + COMMIT]) == 0
-    assert (tmp_path / "models/hf/org/repo" / COMMIT / "model.gguf").read_bytes() == CONTENT
+    cached = tmp_path / "models/hf/models--org--repo/snapshots" / COMMIT / "model.gguf"
+    assert cached.read_bytes() == CONTENT
 
 
 @pytest.mark.parametrize(

@@ -16,9 +16,10 @@ import pytest
 
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.llama_model import LlamaModel
-from baton_serve.replicas.engine.prompt import Prompt, PromptError
-from baton_serve.replicas.engine.sampling import SamplingParams
+from baton_serve.replicas.engine.prompt import PromptError
 from baton_serve.replicas.models.tiny_model import ARCHITECTURES, ModelVariant, write_tiny_model
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 METADATA_VARIANTS = [
     ModelVariant(),

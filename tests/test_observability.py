@@ -21,17 +21,18 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from baton_serve.cache_store.index_connect import connect_index
+from baton_serve.cache_store.index.index_connect import connect_index
+from baton_serve.cache_store.pull_cost import ShipCost
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.engine.prompt import Prompt
-from baton_serve.replicas.engine.protocol import GenerationRequest, ReplicaRequest
-from baton_serve.replicas.engine.sampling import SamplingParams
 from baton_serve.replicas.replica import Replica
 from baton_serve.replicas.shipping import ShippedBlob, ShipPolicy
 from baton_serve.replicas.telemetry import tracing
 from baton_serve.replicas.telemetry.logs import configure_logging
-from baton_serve.router.gateway import GatewaySettings, create_app
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.router.gateway.gateway import GatewaySettings, create_app
 
 MODEL = "baton-tiny"
 KEY = "sk-observability-key"
@@ -191,7 +192,7 @@ def test_a_pull_from_a_peer_is_a_span_with_its_bytes_and_outcome(
     path = str(tiny_model("qwen35"))
     prompt = tuple(int(t) for t in np.random.default_rng(7).integers(1000, 40000, size=400))
     sampling = SamplingParams(max_tokens=2, ignore_eos=True)
-    eager = ShipPolicy(min_gain_tokens=16, prefill_tokens_per_s=50.0, safety=1.0)
+    eager = ShipPolicy(ShipCost(min_gain_tokens=16, safety=1.0), prefill_tokens_per_s=50.0)
 
     async def scenario() -> ReplicaRequest:
         with Engine(path, CONFIG, hmac_key=b"k") as a, Engine(path, CONFIG, hmac_key=b"k") as b:
@@ -215,7 +216,7 @@ def test_a_pull_from_a_peer_is_a_span_with_its_bytes_and_outcome(
             await asyncio.to_thread(a.wait_idle, 10)
             history = prompt + tuple(first.tokens)
             for _ in range(100):  # the holder's checkpoints reach the index
-                if holder.replica_id in await b_index.lookup(b.cache.hasher.chain(history)):
+                if holder.replica_id in await b_index.lookup(b.hash_chain(history)):
                     break
                 await asyncio.sleep(0.05)
             follow_up = ReplicaRequest(

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.models.default_model import default_model_path
-from baton_serve.router.gateway import GatewaySettings
+from baton_serve.router.gateway.gateway import GatewaySettings
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.router.gateway import GatewaySettings
+from baton_serve.router.gateway.gateway import GatewaySettings
 
 MODEL = "baton-tiny"
 EXAMPLES_PER_OPERATION = 40

@@ -111,6 +111,22 @@ def test_prefix_property(hasher: PrefixHasher, tokens: list[int]) -> None:
         assert hasher.chain(tokens[:n]) == hasher.chain(tokens)[: n // BLOCK]
 
 
+def test_a_known_chain_gives_the_same_hashes(hasher: PrefixHasher, tokens: list[int]) -> None:
+    """A prompt's chain (the gateway's) stands for the blocks it covers, whether it is
+    shorter than the tokens (a reply continues the prompt) or longer (a prefix of it)."""
+    positions = range(len(tokens) + 1)
+    expected = hasher.hashes_at(tokens, positions)
+    for cut in (0, 1, 3, 7, 60, len(tokens)):
+        known = hasher.chain(tokens[:cut])
+        assert hasher.hashes_at(tokens, positions, known) == expected
+        assert hasher.chain(tokens, known) == hasher.chain(tokens)
+        for n in (0, 5, 8, 9, 40, 57, len(tokens)):
+            assert hasher.prefix_hash(tokens, n, known) == expected[n]
+            assert hasher.chain(tokens[:n], known) == hasher.chain(tokens[:n])
+    wrong = [b"\0" * HASH_BYTES] * 3
+    assert hasher.prefix_hash(tokens, 20, wrong) != expected[20]  # trusted, not checked
+
+
 def test_no_collisions_between_partial_and_full_blocks() -> None:
     rng = random.Random(3)
     hasher = PrefixHasher(FINGERPRINT, 4)

@@ -13,7 +13,7 @@ from grammar_sampler import GrammarSampler
 from pydantic_corpus import MODELS
 
 from baton_serve.replicas.engine.llama_model import LlamaModel
-from baton_serve.router.structured_output import grammar_parses, schema_grammar
+from baton_serve.router.gateway.structured_output import grammar_parses, schema_grammar
 
 SEEDS = 2
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-from baton_serve.router import ray_contract
-from baton_serve.router.ray_contract import METHODS, RayContractError, problems
-from baton_serve.router.request_router import BatonRouter
+from baton_serve.router.routing import ray_contract
+from baton_serve.router.routing.ray_contract import METHODS, RayContractError, problems
+from baton_serve.router.routing.request_router import BatonRouter
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)

@@ -13,11 +13,11 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from baton_serve.cache_store.index import IndexEntry, IndexUnavailable
-from baton_serve.cache_store.index_connect import connect_cluster_index, connect_index
-from baton_serve.cache_store.index_view import IndexView
-from baton_serve.cache_store.redis_address import RedisAddress, parse_redis_address
-from baton_serve.cache_store.redis_index import RedisIndex, key_prefix
+from baton_serve.cache_store.index.index import IndexEntry, IndexUnavailable
+from baton_serve.cache_store.index.index_connect import connect_cluster_index, connect_index
+from baton_serve.cache_store.index.index_view import IndexView
+from baton_serve.cache_store.index.redis_address import RedisAddress, parse_redis_address
+from baton_serve.cache_store.index.redis_index import RedisIndex, key_prefix
 from baton_serve.deploy.config import ConfigError, load_config
 from baton_serve.loadtests.redis_ha import MASTER_NAME, LocalRedisCluster, LocalSentinel
 

@@ -19,15 +19,15 @@ from ray.serve.handle import DeploymentHandle
 from baton_serve.deploy.app import build_app
 from baton_serve.deploy.config import BatonConfig, RouterPolicy
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.engine.prompt import Prompt
-from baton_serve.replicas.engine.protocol import GenerationRequest, ReplicaRequest
-from baton_serve.router.routing_metrics import decision_counts
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.router.routing.routing_metrics import decision_counts
 
 # Serve's workers cannot import this test module: ship its deployment classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 ROUTER = RequestRouterConfig(
-    request_router_class="baton_serve.router.request_router:BatonRouter",
+    request_router_class="baton_serve.router.routing.request_router:BatonRouter",
     request_router_kwargs={"index": "embedded", "fingerprint_hex": "ab" * 32},
 )
 
@@ -73,6 +73,44 @@ class Caller:
 
     async def malformed(self) -> str:
         return await self.worker.work.remote(_request(hashes=(b"\x01\x02\x03",)))
+
+
+@serve.deployment(
+    num_replicas=2,
+    max_ongoing_requests=1,
+    request_router_config=ROUTER,
+    ray_actor_options={"num_cpus": 0},
+)
+class Planned:
+    async def planned(self, request: ReplicaRequest) -> tuple[str, dict | None]:
+        """Which replica got `request`, and the plan it came with."""
+        await asyncio.sleep(0.05)
+        plan = request.plan.model_dump() if request.plan else None
+        return serve.get_replica_context().replica_id.unique_id, plan
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class PlanCaller:
+    def __init__(self, planned: DeploymentHandle) -> None:
+        self.planned = planned
+
+    async def burst(self, n: int) -> list[tuple[str, dict | None]]:
+        return list(
+            await asyncio.gather(*(self.planned.planned.remote(_request()) for _ in range(n)))
+        )
+
+
+def test_the_plan_reaches_the_replica_that_serves_the_request(serve_port) -> None:
+    """Baton's router puts its plan on the request before Ray sends it, for the replica Ray
+    picked — whichever rank that was (one slot each: a burst spills over)."""
+    handle = serve.run(PlanCaller.bind(Planned.bind()), name="router-plans", route_prefix=None)
+    try:
+        served = handle.burst.remote(8).result(timeout_s=60)
+    finally:
+        serve.delete("router-plans")
+    assert len({rid for rid, _ in served}) == 2
+    for rid, plan in served:
+        assert plan is not None and plan["replica_id"] == rid and plan["kind"] == "compute"
 
 
 @pytest.fixture(scope="module")

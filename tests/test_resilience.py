@@ -20,7 +20,7 @@ from fixtures_redis import NO_REDIS
 from ray import serve
 
 from baton_serve.cache_store.fingerprint import file_fingerprint
-from baton_serve.cache_store.index_connect import connect_index
+from baton_serve.cache_store.index.index_connect import connect_index
 from baton_serve.deploy.app import REPLICA_DEPLOYMENT, build_app
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.loadtests.redis_server import RedisServer, redis_server_path

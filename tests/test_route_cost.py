@@ -17,10 +17,15 @@ from ray.serve._private.common import (
 from ray.serve.request_router import PendingRequest
 
 from baton_serve.cache_store.prefix_hash import PrefixHasher
-from baton_serve.replicas.engine.prompt import Prompt
-from baton_serve.replicas.engine.protocol import GenerationRequest, ReplicaRequest
-from baton_serve.router.request_router import BatonRouter
-from baton_serve.router.route_cost import (
+from baton_serve.cache_store.pull_cost import ShipCost, pull_pays
+from baton_serve.loadtests import sim_replica
+from baton_serve.replicas import shipping
+from baton_serve.replicas.shipping import ShipPolicy
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.router.routing import route_cost
+from baton_serve.router.routing.request_router import BatonRouter
+from baton_serve.router.routing.route_cost import (
     CACHED,
     COMPUTE,
     IN_FLIGHT,
@@ -28,9 +33,11 @@ from baton_serve.router.route_cost import (
     CostSettings,
     Holding,
     ReplicaState,
+    estimate,
     rank,
 )
-from baton_serve.router.routing_ledger import RoutingLedger
+from baton_serve.router.routing.route_decision import plan_of
+from baton_serve.router.routing.routing_ledger import RoutingLedger
 
 SETTINGS = CostSettings()
 NOW = 1_000_000.0
@@ -116,7 +123,7 @@ def test_a_pull_takes_the_cheapest_donor_whatever_the_order() -> None:
         }
         best = rank(list(replicas.values()), 1900, NOW, SETTINGS)[0]
         assert (best.replica_id, best.plan) == ("r2", PULL)
-        assert best.seconds < SETTINGS.ship_latency_s + 0.02 + 100 / 100.0
+        assert best.seconds < SETTINGS.ship.latency_s + 0.02 + 100 / 100.0
 
 
 def test_many_replicas_holding_one_prefix_rank_as_one_donor() -> None:
@@ -204,3 +211,45 @@ def test_a_burst_ranked_before_any_request_is_sent_still_spreads() -> None:
         return firsts
 
     assert sorted(asyncio.run(burst())) == ["a", "a", "b", "b"]
+
+
+# (gain tokens, state bytes, wait s, prefill tok/s): cheap, a gain too short to bother,
+# a big state on a fast prefill, a long wait, and close to the line on either side of it
+PULL_CASES = [
+    (1000, 20_000_000, 0.0, 100.0),
+    (63, 1_000, 0.0, 10.0),
+    (2000, 4_000_000_000, 0.0, 10_000.0),
+    (500, 10_000_000, 6.0, 100.0),
+    (500, 10_000_000, 4.97, 100.0),
+    (500, 10_000_000, 4.94, 100.0),
+]
+
+
+def test_router_replica_and_simulator_decide_a_pull_with_one_rule() -> None:
+    """The router plans a pull exactly when `pull_pays` says it pays, as a replica without
+    a plan decides it (and the simulator calls the very same function)."""
+    cost = ShipCost()
+    settings = CostSettings(ship=cost)
+    decided = []
+    for gain, nbytes, wait_s, speed in PULL_CASES:
+        pays = pull_pays(gain, nbytes, wait_s, speed, cost)
+        donor = Holding(gain, nbytes, ready_at=NOW + wait_s if wait_s else 0.0, holder="d")
+        idle = ReplicaState("r", 0, 0, speed, None)
+        router = estimate(idle, gain + 100, [donor], NOW, settings).plan == PULL
+        replica = ShipPolicy(cost=cost).pays(gain, nbytes, speed, wait_s=wait_s)
+        assert router == replica == pays, (gain, nbytes, wait_s, speed)
+        decided.append(pays)
+    assert True in decided and False in decided
+    assert route_cost.pull_pays is shipping.pull_pays is sim_replica.pull_pays is pull_pays
+
+
+def test_a_pull_plan_names_its_donor_and_what_it_gives() -> None:
+    held = Holding(1800, 40_000_000, ready_at=NOW + 1, holder="r0")
+    replicas = [ReplicaState("r0", 3, 6000, 100.0, held), ReplicaState("r1", 0, 0, 100.0)]
+    best = rank(replicas, 1900, NOW, SETTINGS)[0]
+    plan = plan_of(best)
+    assert (plan.replica_id, plan.kind, plan.donor_id) == ("r1", PULL, "r0")
+    assert (plan.donor_tokens, plan.nbytes, plan.ready_at) == (1800, 40_000_000, NOW + 1)
+    assert plan.reused_tokens == 1800
+    own = plan_of(next(e for e in rank(replicas, 1900, NOW, SETTINGS) if e.replica_id == "r0"))
+    assert (own.kind, own.donor_id, own.reused_tokens) == (IN_FLIGHT, None, 1800)

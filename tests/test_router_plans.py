@@ -10,10 +10,10 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Requ
 from ray.serve.request_router import PendingRequest, ReplicaID
 
 from baton_serve.cache_store.prefix_hash import PrefixHasher
-from baton_serve.replicas.engine.prompt import Prompt
-from baton_serve.replicas.engine.protocol import GenerationRequest, ReplicaRequest
-from baton_serve.router.by_identity import ByIdentity
-from baton_serve.router.request_router import BatonRouter
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.router.routing.by_identity import ByIdentity
+from baton_serve.router.routing.request_router import BatonRouter
 
 DEPLOYMENT = DeploymentID(name="Replica", app_name="plans")
 
@@ -93,3 +93,34 @@ def test_an_entry_goes_when_its_object_is_freed() -> None:
     assert len(by_identity) == 1 and by_identity.get(kept) == "kept"
     assert by_identity.get(Key()) is None
     assert by_identity.pop(kept) == "kept" and len(by_identity) == 0
+
+
+def test_the_plan_is_set_for_the_replica_ray_picked() -> None:
+    """Ray may send a request to a replica of a later rank (the first was full): the plan
+    on the request it sends is that replica's, and the ledger counts it there."""
+    replicas = [_Replica("a"), _Replica("b")]
+    tokens = tuple(range(640))
+    request = ReplicaRequest(
+        generation=GenerationRequest(prompt=Prompt(tokens=tokens)),
+        prefix_hashes=tuple(PrefixHasher(b"fp", 64).chain(tokens)),
+    )
+
+    async def scenario() -> tuple[str, PendingRequest]:
+        router = BatonRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(
+            index="redis://127.0.0.1:1", fingerprint_hex="ab" * 32, follow_index=False
+        )
+        metadata = RequestMetadata(request_id="A", internal_request_id="A")
+        pending = PendingRequest(args=[request], kwargs={}, metadata=metadata)
+        ranks = await router.choose_replicas(replicas, pending)
+        second = ranks[1][0]
+        router.request_routed(pending, second)
+        assert router._ledger.load(second.replica_id.unique_id) == 1
+        assert router._ledger.load(ranks[0][0].replica_id.unique_id) == 0
+        return second.replica_id.unique_id, pending
+
+    picked, pending = asyncio.run(scenario())
+    sent = pending.args[0]
+    assert sent.plan is not None and sent.plan.replica_id == picked
+    assert sent.plan.kind == "compute" and sent.generation == request.generation
+    assert request.plan is None  # the gateway's request itself is left as it was

@@ -12,8 +12,9 @@ import pytest
 from pydantic import ValidationError
 
 from baton_serve.replicas.engine.llama_model import LlamaModel
-from baton_serve.replicas.engine.protocol import GenerationRequest, InvalidGeneration
-from baton_serve.replicas.engine.sampling import SamplingParams, TokenSampler, token_logprob
+from baton_serve.replicas.engine.sampling import TokenSampler, token_logprob
+from baton_serve.replicas.wire.protocol import GenerationRequest, InvalidGeneration
+from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 VOCAB = 8
 

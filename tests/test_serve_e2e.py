@@ -20,7 +20,7 @@ from baton_serve.deploy.config import BatonConfig
 from baton_serve.loadtests.serve_app import replica_stats
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.engine.sampling import SamplingParams
+from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 ENGINE = EngineConfig(n_ctx=2048, n_slots=1, n_threads=1, prefill_chunk=128)
 SYSTEM = "You answer in short sentences about routing, caches and state. " * 20

@@ -21,9 +21,9 @@ from baton_serve.deploy.app import APP_NAME, build_app
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.engine.prompt import Prompt
-from baton_serve.replicas.engine.sampling import SamplingParams
 from baton_serve.replicas.models.tiny_model import ModelVariant, write_tiny_model
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 MAX_TOKENS = 6
 VARIANTS = {

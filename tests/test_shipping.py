@@ -16,14 +16,12 @@ import numpy as np
 import pytest
 import ray
 
-from baton_serve.cache_store.checkpoint import Checkpoint
-from baton_serve.cache_store.index_connect import connect_index
-from baton_serve.cache_store.state_blob import encode_parts
+from baton_serve.cache_store.checkpoints.checkpoint import Checkpoint
+from baton_serve.cache_store.checkpoints.state_blob import encode_parts
+from baton_serve.cache_store.index.index_connect import connect_index
+from baton_serve.cache_store.pull_cost import ShipCost
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.engine.prompt import Prompt
-from baton_serve.replicas.engine.protocol import GenerationRequest, ReplicaRequest
-from baton_serve.replicas.engine.sampling import SamplingParams
 from baton_serve.replicas.replica import Replica
 from baton_serve.replicas.replica_actor import spawn_replica
 from baton_serve.replicas.shipping import (
@@ -32,11 +30,15 @@ from baton_serve.replicas.shipping import (
     share_in_object_store,
     shipped_blob,
 )
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.replicas.wire.route_plan import RoutePlan
+from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 KEY = secrets.token_bytes(32)
 CONFIG = EngineConfig(n_ctx=2048, n_slots=2, n_threads=1)
 # The tiny models prefill thousands of tokens a second: tell the policy so, and ship any gain.
-EAGER = ShipPolicy(min_gain_tokens=16, prefill_tokens_per_s=50.0, safety=1.0)
+EAGER = ShipPolicy(ShipCost(min_gain_tokens=16, safety=1.0), prefill_tokens_per_s=50.0)
 FOUR = SamplingParams(max_tokens=4, ignore_eos=True)
 
 
@@ -96,7 +98,7 @@ def test_pull_through_index_and_object_store_is_exact(index_spec, tiny_model) ->
         history = prefix + tuple(first.tokens)
 
         with Engine(path, EngineConfig(n_ctx=256, n_slots=1, n_threads=1), hmac_key=KEY) as local:
-            chain = local.cache.hasher.chain(history)
+            chain = local.hash_chain(history)
             fingerprint = local.fingerprint
         asyncio.run(_wait_for_entries(index_spec, fingerprint, chain, "a" + suffix))
 
@@ -130,7 +132,7 @@ def test_dead_peer_costs_a_recompute_not_a_failure(redis_server, ray_cluster, ti
         ray.get(holder.wait_idle.remote())
         history = prefix + tuple(first.tokens)
         with Engine(path, EngineConfig(n_ctx=256, n_slots=1, n_threads=1), hmac_key=KEY) as local:
-            chain, fingerprint = local.cache.hasher.chain(history), local.fingerprint
+            chain, fingerprint = local.hash_chain(history), local.fingerprint
         asyncio.run(_wait_for_entries(redis_server.url, fingerprint, chain, "dead-a"))
         ray.kill(holder)  # its index entries outlive it until its liveness expires
 
@@ -178,7 +180,7 @@ class _TamperingPeers:
             state = state[: state.size // 2]
         if self.forge:  # intact contents, signed with a key that is not the cluster's
             engine = self.peer.engine
-            checkpoint = engine.cache.store.longest_match(engine.cache.hasher, tokens, len(tokens))
+            checkpoint = engine.checkpoint_prefixing(tokens)
             head, state = shipped_blob(
                 *encode_parts(
                     fingerprint=engine.fingerprint,
@@ -207,7 +209,7 @@ def test_bad_transfer_is_rejected_and_recomputed(fault, expected, redis_server, 
 
     async def scenario() -> None:
         policy = ShipPolicy(
-            min_gain_tokens=16, prefill_tokens_per_s=50.0, safety=1.0, deadline_s=0.3
+            ShipCost(min_gain_tokens=16, safety=1.0), prefill_tokens_per_s=50.0, deadline_s=0.3
         )
         with (
             Engine(path, CONFIG, hmac_key=KEY) as a_engine,
@@ -234,7 +236,7 @@ def test_bad_transfer_is_rejected_and_recomputed(fault, expected, redis_server, 
             await _wait_for_entries(
                 redis_server.url,
                 a_engine.fingerprint,
-                a_engine.cache.hasher.chain(history),
+                a_engine.hash_chain(history),
                 holder.replica_id,
             )
             started = time.perf_counter()
@@ -266,7 +268,7 @@ def test_redis_outage_never_fails_a_request_and_the_index_repopulates(
             first = await replica.generate(ReplicaRequest(generation=_request(prefix)))
             await asyncio.to_thread(engine.wait_idle, 10)
             history = prefix + tuple(first.tokens)
-            chain = engine.cache.hasher.chain(history)
+            chain = engine.hash_chain(history)
             await _wait_for_entries(server.url, engine.fingerprint, chain, "outage")
 
             server.stop()
@@ -322,7 +324,7 @@ def test_a_partial_prefix_of_an_attention_state_is_found_and_pulled(
         assert ray.get(holder.wait_idle.remote())
         other = prompt[:512] + tuple(range(3000, 3200))
         with Engine(path, EngineConfig(n_ctx=256, n_slots=1, n_threads=1), hmac_key=KEY) as local:
-            chain, fingerprint = local.cache.hasher.chain(other), local.fingerprint
+            chain, fingerprint = local.hash_chain(other), local.fingerprint
         asyncio.run(_wait_for_entries(spec, fingerprint, chain, "part-a"))
         assert _index_state(spec, fingerprint, chain)["part-a"].n_tokens == 512
 
@@ -359,7 +361,7 @@ def test_a_prefix_being_computed_is_waited_for_and_pulled(
         ray.get([holder.start.remote(), puller.start.remote(), cold.start.remote()])
         prompt = _long_prompt(seed=4) + _long_prompt(seed=5)[:500]  # 1,200 tokens
         with Engine(path, EngineConfig(n_ctx=256, n_slots=1, n_threads=1), hmac_key=KEY) as local:
-            chain, fingerprint = local.cache.hasher.chain(prompt), local.fingerprint
+            chain, fingerprint = local.hash_chain(prompt), local.fingerprint
         # The holder measures its own prefill speed (its estimate of when the prefix is
         # ready); the puller, fresh, assumes EAGER's slow one, so waiting pays.
         ray.get(holder.generate.remote(_request(tuple(range(100, 400)))))
@@ -412,3 +414,74 @@ def test_a_shared_state_leaves_as_an_object_ref_and_arrives_as_its_bytes(ray_clu
     _, itself = asyncio.run(received_blob(shipped_blob(b"h", state.data)))
     assert np.array_equal(itself, state)
     assert asyncio.run(received_blob(None)) is None
+
+
+def _pull_plan(puller: str, donor: str, donor_tokens: int) -> RoutePlan:
+    return RoutePlan(
+        replica_id=puller,
+        kind="pull",
+        reused_tokens=donor_tokens,
+        donor_id=donor,
+        donor_tokens=donor_tokens,
+    )
+
+
+def test_a_pull_plan_is_executed_without_an_index_lookup(
+    redis_server, ray_cluster, tiny_model
+) -> None:
+    """The router's plan names the donor: the replica pulls from it straight away (the
+    index is never asked) — exact."""
+    path = str(tiny_model("qwen35"))
+    spec = redis_server.url
+    holder = spawn_replica("plan-a", path, CONFIG, hmac_key=KEY, index=spec, heartbeat_s=0.2)
+    puller = spawn_replica("plan-b", path, CONFIG, hmac_key=KEY, index=spec, heartbeat_s=0.2)
+    try:
+        ray.get([holder.start.remote(), puller.start.remote()])
+        prefix = _long_prompt(seed=6)
+        first = ray.get(holder.generate.remote(_request(prefix)))
+        assert ray.get(holder.wait_idle.remote())
+        history = prefix + tuple(first.tokens)
+        follow_up = history + tuple(range(2000, 2040))
+        planned = ReplicaRequest(
+            generation=_request(follow_up), plan=_pull_plan("plan-b", "plan-a", len(history))
+        )
+        done = ray.get(puller.generate.remote(planned))
+        stats, _ = ray.get(puller.stats.remote())
+        assert stats.pulls == 1 and stats.index_lookups == 0 and stats.replans == {}
+        assert done.usage.cached_tokens == len(history)
+    finally:
+        for actor in (holder, puller):
+            ray.kill(actor)
+
+
+def test_a_dead_donor_in_the_plan_is_decided_again_and_counted(
+    redis_server, ray_cluster, tiny_model
+) -> None:
+    """The planned donor died after the router decided: the replica decides again (one
+    index lookup, the dead donor left out), counts why, and computes the prompt."""
+    path = str(tiny_model("qwen35"))
+    spec = redis_server.url
+    holder = spawn_replica("gone-a", path, CONFIG, hmac_key=KEY, index=spec, heartbeat_s=0.2)
+    puller = spawn_replica("gone-b", path, CONFIG, hmac_key=KEY, index=spec, heartbeat_s=0.2)
+    try:
+        ray.get([holder.start.remote(), puller.start.remote()])
+        prefix = _long_prompt(seed=7)
+        first = ray.get(holder.generate.remote(_request(prefix)))
+        ray.get(holder.wait_idle.remote())
+        history = prefix + tuple(first.tokens)
+        with Engine(path, EngineConfig(n_ctx=256, n_slots=1, n_threads=1), hmac_key=KEY) as local:
+            chain, fingerprint = local.hash_chain(history), local.fingerprint
+        asyncio.run(_wait_for_entries(spec, fingerprint, chain, "gone-a"))
+        ray.kill(holder)  # its index entries outlive it until its liveness expires
+
+        planned = ReplicaRequest(
+            generation=_request(history + (5, 6, 7)),
+            plan=_pull_plan("gone-b", "gone-a", len(history)),
+        )
+        done = ray.get(puller.generate.remote(planned))
+        stats, _ = ray.get(puller.stats.remote())
+        assert stats.replans == {"donor_failed": 1} and stats.pull_failures == 1
+        assert stats.index_lookups == 1 and stats.pulls == 0
+        assert done.usage.cached_tokens == 0 and len(done.tokens) == 4
+    finally:
+        ray.kill(puller)

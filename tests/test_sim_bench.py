@@ -32,7 +32,7 @@ from baton_serve.loadtests.sim_workload import (
     block_chain,
     cluster_workload,
 )
-from baton_serve.router.route_decision import REASONS
+from baton_serve.router.routing.route_decision import REASONS
 
 CPU = PROFILES["cpu"]
 SMALL = ClusterWorkload(sessions_per_replica=3)

@@ -1,12 +1,23 @@
-"""The one SSE parser (`loadtests/sse.py`): OpenAI streams in, checked events out."""
+"""OpenAI's SSE contract (`loadtests/sse.py`): streams in — lines, or httpx responses framed
+by httpx-sse — checked events out."""
 
 from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
 
-from baton_serve.loadtests.sse import EventStream, StreamError, aevents, events
+from baton_serve.loadtests.sse import (
+    EventStream,
+    StreamError,
+    aresponse_events,
+    events,
+    response_events,
+)
 
 CHUNK = '{"choices":[{"index":0,"delta":{"content":"%s"}}]}'
 
@@ -51,13 +62,40 @@ def test_an_error_event_carries_the_error() -> None:
     assert caught.value.error == {"type": "server_error", "message": "boom"}
 
 
+def _body(lines: list[bytes]) -> bytes:
+    return b"".join(line + b"\n\n" for line in lines)  # one event a line, as servers send
+
+
+def test_an_httpx_response_is_framed_by_httpx_sse() -> None:
+    def response(lines: list[bytes]) -> httpx.Response:
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, content=_body(lines)
+        )
+
+    lines = [b": ping", *_lines(CHUNK % "Hel", CHUNK % "lo", "[DONE]")]
+    texts = [e["choices"][0]["delta"]["content"] for e in response_events(response(lines))]
+    assert texts == ["Hel", "lo"]
+    for broken in ([b"event: nope", b"data: [DONE]"], _lines(CHUNK % "x")):
+        with pytest.raises(StreamError):
+            list(response_events(response(broken)))
+
+
 def test_the_async_form_checks_the_same_contract() -> None:
-    async def source(lines: list[bytes]):
-        for line in lines:
-            yield line
+    """Over a real ASGI stream, chunked as it is written."""
+
+    async def stream(request: object) -> StreamingResponse:
+        lines = request.query_params.getlist("line")  # type: ignore[attr-defined]
+        chunks = (_body([line.encode()]) for line in lines)
+        return StreamingResponse(chunks, media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/", stream)])
 
     async def collect(lines: list[bytes]) -> list[dict]:
-        return [event async for event in aevents(source(lines))]
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://sse") as client:
+            params = [("line", line.decode()) for line in lines]
+            async with client.stream("GET", "/", params=params) as response:
+                return [event async for event in aresponse_events(response)]
 
     assert len(asyncio.run(collect(_lines(CHUNK % "a", "[DONE]")))) == 1
     with pytest.raises(StreamError):

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from baton_serve.cache_store.prefix_hash import PrefixHasher
-from baton_serve.cache_store.state_blob import (
+from baton_serve.cache_store.checkpoints.state_blob import (
     FORMAT_VERSION,
     HEADER_SIZE,
     MAGIC,
@@ -20,6 +19,7 @@ from baton_serve.cache_store.state_blob import (
     encode_parts,
     seal_payload,
 )
+from baton_serve.cache_store.prefix_hash import PrefixHasher
 
 # The wire format, spelled out independently of the implementation: the state is cut into
 # `lanes` equal lanes, each GMAC'd (AES-256-GCM, no plaintext) under a key derived from the

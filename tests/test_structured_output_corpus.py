@@ -22,7 +22,7 @@ from llama_cpp.llama_grammar import JSON_GBNF
 from pydantic import TypeAdapter, ValidationError
 
 from baton_serve.replicas.engine.llama_model import LlamaModel
-from baton_serve.router.structured_output import (
+from baton_serve.router.gateway.structured_output import (
     JsonSchemaFormat,
     ResponseFormat,
     SchemaNotEnforceable,

@@ -17,13 +17,13 @@ from gateway_harness import Served, serving
 
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.prompt import ChatTemplate
-from baton_serve.replicas.engine.sampling import SamplingParams
-from baton_serve.router.chat_plan import TemplateTools
-from baton_serve.router.gateway import GatewaySettings
-from baton_serve.router.openai_tools import Tool
-from baton_serve.router.reply_parser import ReplyParser
-from baton_serve.router.structured_output import schema_grammar
-from baton_serve.router.tool_calls import (
+from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.router.gateway.chat_plan import TemplateTools
+from baton_serve.router.gateway.gateway import GatewaySettings
+from baton_serve.router.gateway.openai_tools import Tool
+from baton_serve.router.gateway.reply_parser import ReplyParser
+from baton_serve.router.gateway.structured_output import schema_grammar
+from baton_serve.router.gateway.tool_calls import (
     ToolFormat,
     call_schema,
     parse_tool_calls,

@@ -14,9 +14,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from baton_serve.cache_store.checkpoint import Checkpoint
-from baton_serve.cache_store.prefix_hash import PrefixHasher
-from baton_serve.cache_store.state_blob import (
+from baton_serve.cache_store.checkpoints.checkpoint import Checkpoint
+from baton_serve.cache_store.checkpoints.state_blob import (
     ALL_CORES,
     BlobError,
     BlobHead,
@@ -29,6 +28,7 @@ from baton_serve.cache_store.state_blob import (
     encode_parts,
     seal_payload,
 )
+from baton_serve.cache_store.prefix_hash import PrefixHasher
 from baton_serve.replicas.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)

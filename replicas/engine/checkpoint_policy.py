@@ -8,7 +8,7 @@ pieces), and checkpoints sit only at piece boundaries.
 
 from __future__ import annotations
 
-from baton_serve.replicas.engine.prompt import Prompt
+from baton_serve.replicas.wire.prompt_types import Prompt
 
 MIN_PIECE = 2
 

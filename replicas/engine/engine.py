@@ -7,12 +7,12 @@ wait, steps alternate, so a long prompt never stalls running streams for more th
 piece. (Mixing both in one call buys nothing here: with one KV stream per sequence and
 with recurrent memory, llama.cpp splits a batch into equal-length sub-batches anyway.)
 
-Of several prompts, the one with the least left to compute goes first (aged: none
-starves). Which cached state serves a prompt is `prefix_cache`'s job. The loop keeps those
-states exact: prompts are computed in pieces of two or more tokens, and after a reply is
-sent it is recomputed as a prefill (a *replay*) instead of keeping the state built one
-token at a time, whose kernels round differently. A resumed conversation thus gives the
-same logits as a cold one.
+`step_plan.plan_step` decides each step over plain data (of several prompts, the one with
+the least left goes first, aged); the loop executes it. Which cached state serves a prompt
+is `prefix_cache`'s job. The loop keeps those states exact: prompts are computed in pieces
+of two or more tokens, and after a reply is sent it is recomputed as a prefill (a *replay*)
+instead of keeping the state built one token at a time, whose kernels round differently.
+A resumed conversation thus gives the same logits as a cold one.
 """
 
 from __future__ import annotations
@@ -20,25 +20,34 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE, prefill_pieces
 from baton_serve.replicas.engine.engine_config import EngineConfig, context_size
+from baton_serve.replicas.engine.engine_face import EngineFace
 from baton_serve.replicas.engine.liveness import IDLE_BEAT_S, Heartbeat, request_deadline_s
 from baton_serve.replicas.engine.llama_context import BatchEntry, ContextParams, LlamaContext
 from baton_serve.replicas.engine.llama_model import LlamaModel
-from baton_serve.replicas.engine.prefix_cache import CheckpointListener, PrefixCache
+from baton_serve.replicas.engine.prefix_cache import PrefixCache
+from baton_serve.replicas.engine.prefix_states import CheckpointListener, PrefixStates
 from baton_serve.replicas.engine.prompt import (
-    ChatMessage,
-    Prompt,
     PromptError,
     chat_prompt,
     model_chat_template,
     no_chat_template_message,
     text_prompt,
 )
-from baton_serve.replicas.engine.protocol import (
+from baton_serve.replicas.engine.request_handle import RequestHandle
+from baton_serve.replicas.engine.sampling import sampling_problem
+from baton_serve.replicas.engine.slots import Phase, Running, Slot, start_request
+from baton_serve.replicas.engine.stats import EngineLoad, EngineStats
+from baton_serve.replicas.engine.step_guard import StepGuard
+from baton_serve.replicas.engine.step_plan import Piece, Queued, StepPlan, StepView, plan_step
+from baton_serve.replicas.telemetry import metrics
+from baton_serve.replicas.wire.prompt_types import ChatMessage, Prompt
+from baton_serve.replicas.wire.protocol import (
     Completion,
     EngineClosed,
     EngineError,
@@ -47,17 +56,12 @@ from baton_serve.replicas.engine.protocol import (
     InvalidGeneration,
     PromptTooLong,
 )
-from baton_serve.replicas.engine.request_handle import RequestHandle
-from baton_serve.replicas.engine.sampling import SamplingParams, sampling_problem
-from baton_serve.replicas.engine.slots import Phase, Running, Slot, first_admissible, start_request
-from baton_serve.replicas.engine.stats import EngineLoad, EngineStats
-from baton_serve.replicas.engine.step_guard import StepGuard
-from baton_serve.replicas.telemetry import metrics
+from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger("baton.engine")
 
 
-class Engine:
+class Engine(EngineFace):
     """Serves generation requests for one model from one llama.cpp context."""
 
     def __init__(
@@ -88,10 +92,10 @@ class Engine:
             ),
         )
         self.n_ctx = self._context.n_ctx_per_seq
-        self.cache = PrefixCache(
-            self.model, self._context, self.config, self.stats, hmac_key=hmac_key
-        )
-        self.cache.listener = listener  # may be set later, before requests arrive
+        states = PrefixStates(self.model, self._context, self.config, self.stats, hmac_key=hmac_key)
+        self._cache = PrefixCache(states, self.config, self.stats)  # `EngineFace` shows it
+        if listener is not None:  # others may be added later, before requests arrive
+            self.add_checkpoint_listener(listener)
         self._chat_template = model_chat_template(self.model, self.config.chat_template)
         self._slots = [Slot(seq_id=i) for i in range(self.config.n_slots)]
         self._waiting: list[RequestHandle] = []
@@ -135,10 +139,14 @@ class Engine:
             message = f"n is {request.n}; this replica serves n <= {len(self._slots)}"
             raise InvalidGeneration(message, param="n")
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Queue a request; raises `PromptError`, `PromptTooLong` or `EngineClosed` at once."""
+    def submit(
+        self, request: GenerationRequest, prefix_hashes: Sequence[bytes] = ()
+    ) -> RequestHandle:
+        """Queue a request; raises `PromptError`, `PromptTooLong` or `EngineClosed` at once.
+        `prefix_hashes`: its prompt's block hash chain (the gateway's), kept if it fits."""
         self.check(request)
-        handle = RequestHandle(request, request_deadline_s(request, self.n_ctx, self.config))
+        chain = self.carried_chain(request.prompt.tokens, prefix_hashes)
+        handle = RequestHandle(request, request_deadline_s(request, self.n_ctx, self.config), chain)
         with self._wakeup:
             if self._closed:
                 raise EngineClosed("the engine is shut down")
@@ -154,11 +162,6 @@ class Engine:
         sampling = sampling or SamplingParams()
         request = GenerationRequest(prompt=prompt, sampling=sampling, return_logits=return_logits)
         return self.submit(request).result()
-
-    def local_reuse(self, tokens: tuple[int, ...]) -> tuple[int, float]:
-        """About how many tokens of `tokens` this engine could reuse right now, and the
-        estimated seconds to read that state from its disk tier first (0 if in RAM)."""
-        return self.cache.local_reuse(tokens, self._slots)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -195,12 +198,12 @@ class Engine:
             self._wakeup.notify()
         self._thread.join()
         if stopping:
-            self.cache.keep_slots(self._slots)
+            self._cache.keep_slots(self._slots)
 
     def close(self) -> None:
         """Stop, write what RAM holds to the disk tier (if any) and free llama.cpp's memory."""
         self.stop()
-        self.cache.close()
+        self._cache.states.close()
         self._context.close()
         self.model.close()
 
@@ -238,59 +241,64 @@ class Engine:
         return [s.running for s in self._slots if s.running is not None]
 
     def _step(self) -> None:
+        """Execute `plan_step`'s plan: its admissions, then one decode or prefill step."""
         self._drop_cancelled()
-        self._admit()
-        running = self._running()
-        decoding = [r for r in running if r.phase is Phase.DECODE]
-        prefilling = [r for r in running if r.phase in (Phase.PREFILL, Phase.REPLAY)]
-        if decoding and not (prefilling and not self._last_step_was_prefill):
-            self._decode_step(decoding)
+        plan = self._plan()
+        while (handle := plan.admit) is not None:
+            free = [s for s in self._slots if s.running is None]
+            with self._wakeup:
+                self._waiting.remove(handle)  # only this thread removes from the queue
+            self._guard.start(handle, free, self._start, handle, free)
+            plan = self._plan()
+        if plan.decode:
+            self._decode_step(list(plan.decode))
             self._last_step_was_prefill = False
-        elif prefilling:
-            speed = self.stats.prefill_speed
-            self._prefill_step(min(prefilling, key=lambda r: r.prefill_priority(speed)))
+        elif plan.prefill is not None:
+            self._prefill_step(plan.prefill)
             self._last_step_was_prefill = True
+
+    def _plan(self) -> StepPlan[RequestHandle, Running]:
+        with self._wakeup:
+            queue = tuple(Queued(h, h.request.n) for h in self._waiting)
+        view = StepView(
+            queue=queue,
+            free_slots=sum(s.running is None for s in self._slots),
+            runs=tuple(r.view() for r in self._running()),
+            last_was_prefill=self._last_step_was_prefill,
+            prefill_speed=self.stats.prefill_speed,
+            max_piece=self.config.prefill_chunk,
+            now=time.perf_counter(),
+        )
+        return plan_step(view, self._must_wait)
 
     def _drop_cancelled(self) -> None:
         for run in self._running():
             if run.handle.cancelled and run.phase is not Phase.REPLAY:
                 self._complete(run, "cancelled")
                 if run.phase is Phase.DECODE:
-                    self._guard.run("freeing its slot", run, self.cache.rewind_to_prompt, run)
+                    self._guard.run("freeing its slot", run, self._cache.rewind_to_prompt, run)
                 run.slot.release()
         with self._wakeup:
             cancelled = [h for h in self._waiting if h.cancelled]
             self._waiting = [h for h in self._waiting if not h.cancelled]
         for handle in cancelled:
-            self.cache.stop_waiting(handle)
+            self._cache.stop_waiting(handle)
             handle.finish(handle.empty_completion("cancelled"))
 
     # ---- admission -----------------------------------------------------------------------
 
-    def _admit(self) -> None:
-        while True:
-            free = [s for s in self._slots if s.running is None]
-            with self._wakeup:
-                waiting = list(self._waiting)  # only this thread removes from the queue
-            handle = first_admissible(waiting, len(free), self._must_wait)
-            if handle is None:
-                return
-            with self._wakeup:
-                self._waiting.remove(handle)
-            self._guard.start(handle, free, self._start, handle, free)
-
     def _must_wait(self, handle: RequestHandle) -> bool:
         prompt = handle.request.prompt.tokens
         try:
-            return self.cache.should_wait(handle, prompt, self._running(), self._slots)
+            return self._cache.should_wait(handle, prompt, self._running(), self._slots)
         except Exception as exc:
             self._guard.refuse(handle, "being admitted", exc)  # leaves the queue next step
             return True
 
     def _start(self, handle: RequestHandle, free: list[Slot]) -> None:
         prompt, admitted_at = handle.request.prompt, time.perf_counter()
-        slot, cached = self.cache.place(prompt.tokens, free)
-        cuts = self.cache.checkpoints_for(prompt, cached)
+        slot, cached = self._cache.place(prompt.tokens, free, handle.prefix_hashes)
+        cuts = self._cache.checkpoints_for(prompt, cached)
         pieces = prefill_pieces(cached, len(prompt), cuts, self.config.prefill_chunk)
         checkpoints = set(cuts) & set(pieces)
         start_request(handle, self.model, slot, free, cached, pieces, checkpoints, admitted_at)
@@ -298,7 +306,6 @@ class Engine:
     # ---- steps ---------------------------------------------------------------------------
 
     def _decode_step(self, runs: list[Running]) -> None:
-        runs = sorted(runs, key=lambda r: r.slot.seq_id)
         entries = [
             BatchEntry(r.slot.seq_id, r.pending_token, len(r.slot.tokens), True) for r in runs
         ]
@@ -307,12 +314,13 @@ class Engine:
             return
         self.stats.decode_steps += 1
         for i, run in enumerate(runs):
-            run.slot.tokens.append(entries[i].token)
+            run.slot.computed((entries[i].token,))
             self._guard.run("sampling a token", run, self._sampled, run, logits[i])
 
-    def _prefill_step(self, run: Running) -> None:
+    def _prefill_step(self, piece: Piece[Running]) -> None:
+        run, start, end = piece.key, piece.start, piece.end
         slot = run.slot
-        start, end = len(slot.tokens), run.pieces.pop(0)
+        run.pieces = [p for p in run.pieces if p > end]
         wants_logits = run.phase is Phase.PREFILL and end == len(run.feed)
         entries = [
             BatchEntry(slot.seq_id, run.feed[p], p, wants_logits and p == end - 1)
@@ -324,13 +332,13 @@ class Engine:
             return
         self.stats.prefill_seconds += time.perf_counter() - started
         self.stats.prefill_steps += 1
-        slot.tokens.extend(run.feed[start:end])
+        slot.computed(run.feed[start:end])
         if run.phase is Phase.PREFILL:
             self.stats.prompt_tokens_computed += end - start
         else:
             self.stats.replayed_tokens += end - start
         if end in run.checkpoints:
-            if not self._guard.run("saving a checkpoint", run, self.cache.save_checkpoint, slot):
+            if not self._guard.run("saving a checkpoint", run, self._cache.states.save, slot):
                 return
         if wants_logits:
             row = logits[len(entries) - 1]
@@ -344,8 +352,7 @@ class Engine:
             slot.release()
 
     def _fork(self, run: Running, fork: Running) -> None:
-        self._context.copy_sequence(run.slot.seq_id, fork.slot.seq_id)
-        fork.slot.tokens = list(run.slot.tokens)
+        self._cache.states.copy(run.slot, fork.slot)
 
     def _sampled(self, run: Running, logits: np.ndarray) -> None:
         """Pick the next token from `logits`; stream it; finish when a stop rule fires."""
@@ -386,13 +393,13 @@ class Engine:
             run.handle.emit(run.event(run.generated[-1], rest))
         self._complete(run, reason)
         if run.index:  # a later choice of an n > 1 request: only the first one is replayed
-            self.cache.rewind_to_prompt(run)
+            self._cache.rewind_to_prompt(run)
         if run.index or not self.config.prefix_cache:
             run.slot.release()
             return
         ending = (end_token,) if end_token is not None else ()
         history = (run.prompt + tuple(run.generated) + ending)[: self.n_ctx]
-        self.cache.rewind_to_prompt(run)
+        self._cache.rewind_to_prompt(run)
         start = len(run.slot.tokens)
         if not start or len(history) - start < MIN_PIECE:
             run.slot.release()

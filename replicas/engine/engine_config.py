@@ -21,44 +21,71 @@ class EngineConfig(BaseModel):
     n_ctx: int = Field(
         default=4096,
         ge=0,
-        description="context window per sequence, in tokens (0: the model's training context; "
-        "larger values are clamped to it)",
+        description="context window per sequence, in tokens (each slot has its own KV stream); "
+        "0: the model's training context; a larger value is clamped to it, with a warning",
     )
     n_slots: int = Field(default=4, ge=1, le=256, description="sequences decoded concurrently")
     n_batch: int = Field(default=512, ge=2, description="most tokens in one llama_decode")
     prefill_chunk: int = Field(
         default=256, ge=4, description="most prompt tokens of one sequence per decode step"
     )
-    n_threads: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
-    n_gpu_layers: int = Field(default=0, ge=-1, description="-1 offloads every layer")
+    n_threads: int = Field(
+        default_factory=lambda: os.cpu_count() or 1,
+        ge=1,
+        description="llama.cpp threads; default: the CPU count where the replica runs (Ray "
+        "sets OMP_NUM_THREADS=1, so this is explicit)",
+    )
+    n_gpu_layers: int = Field(
+        default=0, ge=-1, description="layers offloaded to the GPU (-1: every layer)"
+    )
     cpu_repack: bool | None = Field(
         default=None,
-        description="repack weights for the CPU's matrix kernels (AMX, interleaved AVX); "
-        "unset: on where this machine's backend test showed it runs",
+        description="repack weights for the CPU's matrix kernels (llama.cpp's use_extra_bufts: "
+        "AMX, interleaved AVX2/AVX-512 rows); unset: on where this machine's backend test "
+        "showed it runs",
     )
     chat_template: str | None = Field(
         default=None,
-        description="a Jinja chat template used instead of the model's own",
+        description="a Jinja chat template used instead of the GGUF's tokenizer.chat_template; "
+        "a model with neither answers chat requests with a 400 naming both fixes, and "
+        "completions keep working",
     )
     flash_attn: bool = Field(
         default=False,
-        description="flash attention; off keeps CPU results independent of how a prompt is split",
+        description="flash attention: on changes results with how a prompt is split; off keeps "
+        "reuse bit-exact on CPU",
     )
     prefix_cache: bool = Field(default=True, description="reuse cached prefixes at all")
     block_tokens: int = Field(default=64, ge=1, description="tokens per prefix-hash block")
     checkpoint_interval: int = Field(
-        default=1024, ge=0, description="checkpoint every N tokens of long prefills (0: never)"
+        default=1024,
+        ge=0,
+        description="hybrid and recurrent models: checkpoint every N tokens of a long prefill "
+        "(0: never)",
     )
-    max_interval_checkpoints: int = Field(default=4, ge=0, description="per request")
-    store_budget_bytes: int = Field(default=2 << 30, ge=0, description="local checkpoint store")
+    max_interval_checkpoints: int = Field(
+        default=4, ge=0, description="at most this many interval checkpoints per request"
+    )
+    store_budget_bytes: int = Field(
+        default=2 << 30,
+        ge=0,
+        description="bytes of the local checkpoint store (RAM, in Ray's object store when "
+        "shipping); least recently used checkpoints are evicted (to disk with checkpoint_dir); "
+        "the default is lowered to fit each node's object store, a chosen value that cannot "
+        "fit is refused",
+    )
     checkpoint_dir: str | None = Field(
         default=None,
         min_length=1,
-        description="disk tier: checkpoints evicted from RAM are kept in this directory (a "
-        "node's NVMe), and a restart with the same model and HMAC key adopts them (None: off)",
+        description="the disk tier: checkpoints evicted from RAM are kept in this directory (a "
+        "node's NVMe) as signed files, and a restart with the same model and HMAC key adopts "
+        "them; unset: RAM only",
     )
     disk_budget_bytes: int = Field(
-        default=16 << 30, ge=0, description="bytes of checkpoint files in checkpoint_dir"
+        default=16 << 30,
+        ge=0,
+        description="bytes of checkpoint files per replica in checkpoint_dir; least recently "
+        "used deleted first",
     )
     floor_tokens_per_s: float = Field(
         default=2.0,
@@ -66,7 +93,8 @@ class EngineConfig(BaseModel):
         allow_inf_nan=False,
         description="the slowest pace a working engine is assumed to keep for one request "
         "(prompt plus generated tokens per second): a request not done within max_queue_s "
-        "plus its tokens at this pace is cancelled with a timeout error",
+        "plus its prompt and n × max_tokens at this pace is cancelled and answered 504 (a "
+        "backstop against a stuck engine)",
     )
     max_queue_s: float = Field(
         default=600.0,

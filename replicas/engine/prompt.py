@@ -16,11 +16,9 @@ from typing import Any, Protocol
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from pydantic import BaseModel, Field
 
 from baton_serve.replicas.engine.chat_segments import ChatText, segment_chat
-
-SYSTEM_ROLES = frozenset({"system", "developer"})
+from baton_serve.replicas.wire.prompt_types import ChatMessage, Prompt
 
 
 class PromptError(ValueError):
@@ -34,53 +32,6 @@ class RenderedTooLarge(PromptError):
         super().__init__(f"the rendered chat is {size} bytes, over the limit of {limit}")
         self.size = size
         self.limit = limit
-
-
-class ChatMessage(BaseModel):
-    """One message as a chat template sees it (OpenAI's fields; tool call arguments as
-    objects, which is what templates that print them with `tojson` expect)."""
-
-    role: str = Field(min_length=1)
-    content: str | None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-    name: str | None = None
-    reasoning_content: str | None = None
-
-    def template_view(self) -> dict[str, Any]:
-        """The message for a template: `content` always, other fields only when set
-        (templates test `message.tool_calls is defined`)."""
-        return {"content": self.content, **self.model_dump(exclude_none=True)}
-
-
-class Prompt(BaseModel):
-    """Token ids to prefill, and where each chat message starts (empty for raw prompts)."""
-
-    model_config = {"frozen": True}
-
-    tokens: tuple[int, ...]
-    message_starts: tuple[int, ...] = ()
-    message_roles: tuple[str, ...] = ()
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def system_end(self) -> int | None:
-        """Token offset where the leading system (or developer) messages end, if the prompt
-        opens with any and goes on after them: the prefix sessions most often share."""
-        for i, role in enumerate(self.message_roles):
-            if role not in SYSTEM_ROLES:
-                return self.message_starts[i] if i else None
-        return None
-
-    @property
-    def last_user_start(self) -> int | None:
-        """Token offset of the last user message, if any."""
-        for start, role in zip(reversed(self.message_starts), reversed(self.message_roles)):
-            if role == "user":
-                return start
-        return None
 
 
 class Tokenizer(Protocol):

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from baton_serve.replicas.engine.protocol import (
+from baton_serve.replicas.wire.protocol import (
     Completion,
     EngineTimeout,
     GenerationRequest,
@@ -30,8 +30,14 @@ class RequestHandle:
     Thread-safe: the engine loop feeds it, any thread may read it or cancel it.
     """
 
-    def __init__(self, request: GenerationRequest, deadline_s: float | None = None) -> None:
+    def __init__(
+        self,
+        request: GenerationRequest,
+        deadline_s: float | None = None,
+        prefix_hashes: tuple[bytes, ...] = (),
+    ) -> None:
         self.request = request
+        self.prefix_hashes = prefix_hashes  # its prompt's block hash chain, if known
         self.submitted_at = time.perf_counter()
         self.deadline_s = deadline_s  # from submission; None: no deadline
         self._deadline = None if deadline_s is None else time.monotonic() + deadline_s

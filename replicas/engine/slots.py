@@ -5,22 +5,19 @@ from __future__ import annotations
 import enum
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE, prefill_pieces
 from baton_serve.replicas.engine.llama_model import LlamaModel
-from baton_serve.replicas.engine.protocol import Completion, Timings, TokenEvent, Usage
 from baton_serve.replicas.engine.request_handle import RequestHandle
-from baton_serve.replicas.engine.sampling import (
-    SamplingParams,
-    TokenLogprob,
-    TokenSampler,
-    token_logprob,
-)
+from baton_serve.replicas.engine.sampling import TokenSampler, token_logprob
+from baton_serve.replicas.engine.step_plan import RunView
 from baton_serve.replicas.engine.text_stream import TextStream
+from baton_serve.replicas.wire.protocol import Completion, Timings, TokenEvent, Usage
+from baton_serve.replicas.wire.sampling_params import SamplingParams, TokenLogprob
 
 
 class Phase(enum.Enum):
@@ -32,12 +29,49 @@ class Phase(enum.Enum):
 
 @dataclass
 class Slot:
-    """One llama.cpp sequence and the tokens whose state it holds."""
+    """One llama.cpp sequence and the tokens whose state it holds.
+
+    Only its own methods change `tokens` (`prefix_states` calls them with the llama.cpp
+    operation that changes the state, the engine loop as it computes tokens), so what it
+    holds and `chain`, the block hashes known for those tokens, always agree.
+    """
 
     seq_id: int
-    tokens: list[int] = field(default_factory=list)
     running: Running | None = None
     last_used: float = 0.0
+    _tokens: list[int] = field(default_factory=list, repr=False)
+    # The block hash chain of a token sequence that `tokens` begins (a prompt's, from the
+    # gateway), so its checkpoints are not hashed again; may be shorter or empty.
+    _chain: tuple[bytes, ...] = field(default=(), repr=False)
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        """The tokens whose state the slot holds (read-only: change it by the methods)."""
+        return self._tokens
+
+    @property
+    def chain(self) -> tuple[bytes, ...]:
+        return self._chain
+
+    def holds(self, tokens: Iterable[int], chain: Sequence[bytes] = ()) -> None:
+        """Its state is now that of `tokens` (restored, copied) whose chain begins `chain`."""
+        self._tokens, self._chain = list(tokens), tuple(chain)
+
+    def computed(self, tokens: Iterable[int]) -> None:
+        """Its state now also holds `tokens`, which continue the sequence `chain` hashes."""
+        self._tokens.extend(tokens)
+
+    def follows(self, chain: Sequence[bytes]) -> None:
+        """`tokens` begin the token sequence that `chain` hashes (a request's prompt)."""
+        self._chain = tuple(chain)
+
+    def cut(self, n_tokens: int) -> None:
+        """Its state now holds only the first `n_tokens`."""
+        del self._tokens[n_tokens:]
+
+    def empty(self) -> None:
+        """Its state now holds nothing."""
+        self._tokens, self._chain = [], ()
 
     def release(self) -> None:
         """No request runs here any more (what the slot holds stays, for reuse)."""
@@ -69,11 +103,14 @@ class Running:
     index: int = 0  # which choice of the request
     forks: list[Running] = field(default_factory=list)  # choices that start from this prompt
 
-    def prefill_priority(self, tokens_per_s: float) -> tuple[float, float]:
-        """Lowest first: the tokens left to compute, less those computable in the time it
-        has waited (so a long prompt is not starved by short ones), then age."""
-        waited = time.perf_counter() - self.submitted_at
-        return len(self.feed) - len(self.slot.tokens) - tokens_per_s * waited, self.submitted_at
+    def view(self) -> RunView[Running]:
+        """What `plan_step` reads of it: a prompt or replay being computed (in the pieces
+        `prefill_pieces` cut), a reply decoding, or a choice waiting to fork."""
+        seq_id = self.slot.seq_id
+        if self.phase in (Phase.PREFILL, Phase.REPLAY):
+            done, end, pieces = len(self.slot.tokens), len(self.feed), tuple(self.pieces)
+            return RunView(self, seq_id, False, done, end, pieces, self.submitted_at)
+        return RunView(self, seq_id, decoding=self.phase is Phase.DECODE)
 
     def checkpoint_at(self, position: int, max_piece: int) -> bool:
         """Also save the state after `position` of a prefill still short of it, if a piece
@@ -152,20 +189,6 @@ class Running:
             logits=self.last_logits,
             logprobs=None if self.params.logprobs is None else list(self.logprobs),
         )
-
-
-def first_admissible(
-    waiting: Sequence[RequestHandle], n_free: int, must_wait: Callable[[RequestHandle], bool]
-) -> RequestHandle | None:
-    """The first queued request that can start with `n_free` slots. One that needs more
-    stops the queue (nothing overtakes it); one that `must_wait` (its prefix is being
-    computed in another slot) lets the others pass."""
-    for handle in waiting:
-        if n_free < handle.request.n:
-            return None
-        if not must_wait(handle):
-            return handle
-    return None
 
 
 def start_request(

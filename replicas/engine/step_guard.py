@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 
 from baton_serve.replicas.engine.llama_context import BatchEntry, DecodeError, LlamaContext
-from baton_serve.replicas.engine.protocol import EngineError
 from baton_serve.replicas.engine.request_handle import RequestHandle
 from baton_serve.replicas.engine.slots import Running, Slot
 from baton_serve.replicas.engine.stats import EngineStats
 from baton_serve.replicas.telemetry.logs import request_fields
+from baton_serve.replicas.wire.protocol import EngineError
 
 logger = logging.getLogger("baton.engine")
 
@@ -97,7 +97,7 @@ class StepGuard:
 
     def _empty(self, slot: Slot) -> None:
         self._context.clear(slot.seq_id)
-        slot.tokens = []
+        slot.empty()
         slot.release()
 
     def _fault(self, what: str, handle: RequestHandle, exc: Exception) -> EngineError:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.engine.protocol import GenerationRequest
-from baton_serve.replicas.engine.sampling import SamplingParams
+from baton_serve.replicas.wire.protocol import GenerationRequest
+from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 _QUESTIONS = (
     "What is the capital of France?",

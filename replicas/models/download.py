@@ -1,11 +1,12 @@
-"""Download a file once, resumably, and verified: under `hf://` models and the chart's model
-init container.
+"""Download a file once, resumably, and verified: the chart's model init container for a URL.
 
-`fetch` streams a URL into `DEST.partial` — resuming a partial file an interrupted run left,
-with an HTTP `Range` request — checks its SHA-256 and renames it to DEST. `DEST.sha256` (the
-`sha256sum` format) records the verified digest, so a later run trusts DEST without hashing it
-again (unless DEST is newer than the record). `file_lock` keeps the processes and pods sharing
-one directory from downloading the same file at once (`fcntl.flock` on `DEST.lock`).
+`fetch` streams a URL (http(s) or file) into `DEST.partial` — resuming a partial file an
+interrupted run left, with an HTTP `Range` request — checks its SHA-256 and renames it to
+DEST. `DEST.sha256` (the `sha256sum` format) records the verified digest, so a later run trusts
+DEST without hashing it again (unless DEST is newer than the record). `file_lock` keeps the
+processes and pods sharing one directory from downloading the same file at once
+(`fcntl.flock` on `DEST.lock`). Hugging Face files go through `huggingface_hub` instead
+(`hf_hub`), which reuses `verified_sha256` and `record_sha256` for its blobs.
 """
 
 from __future__ import annotations
@@ -18,19 +19,14 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from email.message import Message
 from pathlib import Path
-from urllib.parse import urljoin, urlsplit
 
 CHUNK_BYTES = 1 << 20
 TIMEOUT_S = 60.0
 ATTEMPTS = 3  # requests per fetch: a dropped connection is resumed up to twice
 RETRY_DELAY_S = 2.0  # times the attempt number
-MAX_REDIRECTS = 10
-REDIRECTS = frozenset({301, 302, 303, 307, 308})
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 log = logging.getLogger(__name__)
@@ -43,83 +39,9 @@ class ModelDownloadError(ValueError):
 class HTTPStatusError(ModelDownloadError):
     """The server answered an error status."""
 
-    def __init__(self, url: str, status: int, reason: str, headers: Message) -> None:
+    def __init__(self, url: str, status: int, reason: str) -> None:
         super().__init__(f"{url}: HTTP {status} {reason}")
-        self.url = url
         self.status = status
-        self.headers = headers
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where a file comes from. `token` goes as a bearer token to `url`'s own host only, never
-    to another host a redirect leads to; with `etag_sha256`, the first answer's `X-Linked-Etag`
-    (else `ETag`), when it is 64 hex digits, is the content's SHA-256 (the Hugging Face hub's
-    LFS files)."""
-
-    url: str
-    token: str | None = None
-    etag_sha256: bool = False
-
-    def server_sha256(self, headers: Message) -> str | None:
-        if not self.etag_sha256:
-            return None
-        etag = headers.get("X-Linked-Etag") or headers.get("ETag") or ""
-        etag = etag.removeprefix("W/").strip('"').lower()
-        return etag if SHA256_HEX.fullmatch(etag) else None
-
-
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args: object, **kwargs: object) -> None:
-        return None  # a redirect is an HTTPError: `open_url` follows it itself
-
-
-_OPENER = urllib.request.build_opener(_NoRedirects)
-
-
-def _origin(url: str) -> tuple[str, str]:
-    parts = urlsplit(url)
-    return parts.scheme, parts.netloc.lower()
-
-
-def open_url(
-    source: Source,
-    *,
-    method: str = "GET",
-    headers: Mapping[str, str] | None = None,
-    follow: bool = True,
-    timeout_s: float = TIMEOUT_S,
-) -> tuple[Message, http.client.HTTPResponse]:
-    """Open `source`, following redirects if `follow`; return the first answer's headers and
-    the last answer. An error status raises `HTTPStatusError`; no answer, an `OSError`."""
-    url, first = source.url, None
-    for _ in range(MAX_REDIRECTS + 1):
-        request = urllib.request.Request(url, method=method, headers=dict(headers or {}))
-        if source.token and _origin(url) == _origin(source.url):
-            request.add_unredirected_header("Authorization", f"Bearer {source.token}")
-        try:
-            response = _OPENER.open(request, timeout=timeout_s)
-        except urllib.error.HTTPError as exc:
-            with exc:
-                if exc.code not in REDIRECTS or not exc.headers.get("Location"):
-                    raise HTTPStatusError(url, exc.code, exc.reason, exc.headers) from None
-                first = first or exc.headers
-                if not follow:
-                    return first, exc
-                url = urljoin(url, exc.headers["Location"])
-            continue
-        return first or response.headers, response
-    raise ModelDownloadError(f"{source.url}: more than {MAX_REDIRECTS} redirects")
-
-
-def head(source: Source, *, timeout_s: float = TIMEOUT_S) -> Message:
-    """The headers of a HEAD request's first answer (no redirect followed)."""
-    try:
-        headers, response = open_url(source, method="HEAD", follow=False, timeout_s=timeout_s)
-    except (OSError, http.client.HTTPException) as exc:
-        raise ModelDownloadError(f"cannot reach {source.url}: {_reason(exc)}") from None
-    response.close()
-    return headers
 
 
 def file_sha256(path: Path, digest: hashlib._Hash | None = None) -> hashlib._Hash:
@@ -164,20 +86,23 @@ def file_lock(dest: Path) -> Iterator[None]:
         yield  # closing the file releases the lock
 
 
-def fetch(
-    source: Source, dest: Path, sha256: str | None = None, *, timeout_s: float = TIMEOUT_S
-) -> str:
-    """Download `source` into `dest` through `dest.partial` (resumed if there is one), verify
-    its SHA-256 — `sha256` if given, else the server's — and record it; return the digest.
-    The caller holds `file_lock(dest)`."""
+def record_sha256(path: Path, digest: str) -> None:
+    """Record `digest` as the verified SHA-256 of `path` (see `verified_sha256`)."""
+    _sibling(path, ".sha256").write_text(f"{digest}  {path.name}\n")
+
+
+def fetch(url: str, dest: Path, sha256: str, *, timeout_s: float = TIMEOUT_S) -> str:
+    """Download `url` into `dest` through `dest.partial` (resumed if there is one), verify
+    its SHA-256 is `sha256` and record it; return the digest. The caller holds
+    `file_lock(dest)`."""
     partial = _sibling(dest, ".partial")
-    sha256 = sha256.lower() if sha256 else None
+    sha256 = sha256.lower()
     failure = "no attempt"
     for attempt in range(ATTEMPTS):
         if attempt:
             time.sleep(RETRY_DELAY_S * attempt)
         try:
-            digest, expected, resumed = _fetch_once(source, partial, sha256, timeout_s)
+            digest, resumed = _fetch_once(url, partial, timeout_s)
         except HTTPStatusError as exc:
             if exc.status < 500 and exc.status not in (408, 416, 429):
                 raise
@@ -186,41 +111,34 @@ def fetch(
             failure = str(exc)
             continue
         except (OSError, http.client.HTTPException) as exc:  # the partial file is kept
-            failure = _reason(exc)
-            log.warning("download of %s interrupted: %s", source.url, failure)
+            failure = reason(exc)
+            log.warning("download of %s interrupted: %s", url, failure)
             continue
-        if digest == expected:
+        if digest == sha256:
             partial.replace(dest)
-            _sibling(dest, ".sha256").write_text(f"{digest}  {dest.name}\n")
+            record_sha256(dest, digest)
             return digest
         partial.unlink()
-        mismatch = f"{source.url}: sha256 {digest} != expected {expected}"
+        mismatch = f"{url}: sha256 {digest} != expected {sha256}"
         if not resumed:
             raise ModelDownloadError(mismatch)
         failure = mismatch + " (after resuming a partial file)"  # stale: start again
-    raise ModelDownloadError(f"cannot download {source.url}: {failure}")
+    raise ModelDownloadError(f"cannot download {url}: {failure}")
 
 
-def _fetch_once(
-    source: Source, partial: Path, sha256: str | None, timeout_s: float
-) -> tuple[str, str, bool]:
+def _fetch_once(url: str, partial: Path, timeout_s: float) -> tuple[str, bool]:
     """One request: append to `partial` (or rewrite it); return (digest of the whole partial
-    file, the expected digest, whether it was resumed)."""
+    file, whether it was resumed)."""
     offset = partial.stat().st_size if partial.is_file() else 0
     headers = {"Range": f"bytes={offset}-"} if offset else {}
-    first, response = open_url(source, headers=headers, timeout_s=timeout_s)
+    try:
+        response = urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers), timeout=timeout_s
+        )
+    except urllib.error.HTTPError as exc:
+        with exc:
+            raise HTTPStatusError(url, exc.code, exc.reason) from None
     with response:
-        server = source.server_sha256(first)
-        if sha256 and server and server != sha256:
-            raise ModelDownloadError(
-                f"{source.url}: the server's sha256 {server} != expected {sha256}"
-            )
-        expected = sha256 or server
-        if not expected:
-            raise ModelDownloadError(
-                f"{source.url}: the server gives no SHA-256 of the file (X-Linked-Etag/ETag); "
-                "pass the expected one (--sha256)"
-            )
         start = _range_start(response)
         if start is not None and start != offset:
             partial.unlink()
@@ -231,7 +149,7 @@ def _fetch_once(
         total = _total_bytes(response, offset)
         digest = file_sha256(partial) if resumed else hashlib.sha256()
         if not resumed:
-            log.info("downloading %s (%s bytes)", source.url, total)
+            log.info("downloading %s (%s bytes)", url, total)
         with partial.open("ab" if resumed else "wb") as out:
             while chunk := response.read(CHUNK_BYTES):
                 digest.update(chunk)
@@ -239,7 +157,7 @@ def _fetch_once(
                 offset += len(chunk)
     if total is not None and offset < total:
         raise ConnectionError(f"connection closed after {offset} of {total} bytes")
-    return digest.hexdigest(), expected, resumed
+    return digest.hexdigest(), resumed
 
 
 def _range_start(response: http.client.HTTPResponse) -> int | None:
@@ -253,7 +171,8 @@ def _total_bytes(response: http.client.HTTPResponse, offset: int) -> int | None:
     return offset + int(length) if length and length.isdigit() else None
 
 
-def _reason(exc: BaseException) -> str:
+def reason(exc: BaseException) -> str:
+    """What went wrong, in a few words."""
     if isinstance(exc, urllib.error.URLError):
         return str(exc.reason)
     return str(exc) or type(exc).__name__

@@ -135,6 +135,12 @@ PULLS = Counter(
     ("outcome",),
 )
 PULLED_BYTES = Counter("baton_pulled_bytes", "Bytes of state blobs pulled from peers")
+REPLANS = Counter(
+    "baton_replans",
+    "Router plans a replica decided again, on evidence the router lacked, by reason "
+    "(state_gone, held_here, donor_failed, donor_miss, donor_rejected)",
+    ("reason",),
+)
 BLOBS_REJECTED = Counter(
     "baton_state_blobs_rejected",
     "State blobs refused on import, by reason (bad_hmac, bad_checksum, wrong_model, ...)",

@@ -3,7 +3,7 @@
 {{/* BATON_* settings from Secrets: baton_serve.deploy.app.app_builder reads them (load_config)
 under the Serve config's args, wherever Serve builds the app. Each replica reads BATON_HMAC_KEY
 from its own pod's environment: the cluster key is never in the Serve config or a deployment's
-arguments (cache_store/cluster_key.py). The index's password is not in REDIS_PASSWORD: KubeRay
+arguments (cache_store/checkpoints/cluster_key.py). The index's password is not in REDIS_PASSWORD: KubeRay
 sets that one for GCS fault tolerance, and refuses a head that has it. */}}
 {{- define "baton.rayEnv" -}}
 - name: BATON_HMAC_KEY

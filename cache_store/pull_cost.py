@@ -1,0 +1,59 @@
+"""Whether pulling a prefix state from a peer pays: the one rule the router (`route_cost`),
+the replica (`Replica.prepare`, for a request without a plan) and the simulator
+(`loadtests/sim_replica.py`) all decide with.
+
+A pull pays a round trip plus the state's bytes over the wire, after waiting for the state
+if the peer is still computing it; not pulling pays the prefill of the tokens it would have
+given, plus reading what is held locally from disk (which the pull makes unnecessary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ShipCost:
+    """What a pull costs, and how much it must save.
+
+    - `bandwidth_bytes_per_s`: the slowest path measured between replicas (`baton bench
+      ship --cross-node`: 0.53 GB/s through Ray's object managers between nodes, what a peer
+      that cannot open a stream falls back to; the stream gives 1.21 GB/s, one node 2.44).
+      A replica replaces it with what its own pulls measure (`ShipPolicy`).
+    - `latency_s`: a pull's fixed cost beyond the bytes (the peer call, the index lookup;
+      `bench ship`: ship s - move s ≈ 0.02 s more per pull).
+    - `safety`: a pull must take under this share of the recompute it saves. 1: the
+      router ranks pulls against its other plans by the same time-to-first-token estimate
+      (a margin on pulls alone would keep a hot prefix on its busy holder instead of
+      spreading it), and a lost bet is bounded already — a pull never waits past the
+      recompute estimate (`ShipPolicy.deadline`). Measured pulls cost 0.7-5% of the
+      recompute (`bench ship`), so the margin decides only near the line.
+    - `min_gain_tokens`: below this, recomputing is always cheap enough.
+    """
+
+    min_gain_tokens: int = 64
+    bandwidth_bytes_per_s: float = 500e6
+    latency_s: float = 0.02
+    safety: float = 1.0
+
+
+def pull_seconds(nbytes: int, cost: ShipCost) -> float:
+    """Seconds to move a state of `nbytes` from a peer."""
+    return cost.latency_s + nbytes / cost.bandwidth_bytes_per_s
+
+
+def pull_pays(
+    gain_tokens: int,
+    nbytes: int,
+    wait_s: float,
+    prefill_tokens_per_s: float,
+    cost: ShipCost,
+    local_restore_s: float = 0.0,
+) -> bool:
+    """True when waiting `wait_s` for a peer's state, then pulling its `nbytes`, takes
+    under `cost.safety` × computing the `gain_tokens` it gives beyond what is held here,
+    plus `local_restore_s` (reading what is held here from disk, which the pull saves)."""
+    if gain_tokens < cost.min_gain_tokens:
+        return False
+    recompute_s = gain_tokens / max(prefill_tokens_per_s, 1e-6)
+    return wait_s + pull_seconds(nbytes, cost) < cost.safety * recompute_s + local_restore_s

@@ -1,0 +1,133 @@
+"""The engine's face towards its replica, the index publisher, peers and tests: its
+checkpoints, their blobs, the hash chain and the store's figures.
+
+Nothing outside `replicas/engine/` touches the prefix cache, its store, codec or hasher
+(`tests/test_layout.py` checks that); they call these methods of `Engine` instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from baton_serve.cache_store.checkpoints.checkpoint_store import Checkpoint, Stored
+from baton_serve.cache_store.checkpoints.state_blob import BlobParts, Buffer
+from baton_serve.replicas.engine.prefix_cache import PrefixCache
+from baton_serve.replicas.engine.prefix_states import CheckpointListener
+from baton_serve.replicas.engine.slots import Slot
+from baton_serve.replicas.wire.prompt_types import Prompt
+
+
+@dataclass(frozen=True)
+class StoreFigures:
+    """What the checkpoint store holds now (for gauges, reports and benchmarks)."""
+
+    used_bytes: int  # in RAM
+    budget_bytes: int  # RAM
+    checkpoints: int  # in RAM
+    disk_used_bytes: int | None  # None without a disk tier
+    disk_read_bytes_per_s: float | None  # measured on the disk tier's reads, if any
+
+
+class EngineFace:
+    """`Engine`'s checkpoint methods (a mixin: `Engine` sets `_cache` and `_slots`)."""
+
+    _cache: PrefixCache
+    _slots: list[Slot]
+
+    # ---- what the store holds ------------------------------------------------------------
+
+    def checkpoints(self, *, on_disk: bool = False) -> list[Stored]:
+        """The checkpoints in RAM, most recently used last; with `on_disk`, every one held
+        in RAM or in the disk tier (each once)."""
+        store = self._cache.states.store
+        return store.entries() if on_disk else list(store.checkpoints())
+
+    def checkpoint_prefixing(self, tokens: Sequence[int]) -> Checkpoint | None:
+        """The longest stored checkpoint that prefixes `tokens` exactly (read from disk if
+        it is there)."""
+        found = self._cache.states.prefixing(tokens, len(tokens))
+        return found if isinstance(found, Checkpoint) else None
+
+    def store_figures(self) -> StoreFigures:
+        store = self._cache.states.store
+        disk = store.disk
+        return StoreFigures(
+            used_bytes=store.used_bytes,
+            budget_bytes=store.budget_bytes,
+            checkpoints=len(store),
+            disk_used_bytes=None if disk is None else disk.used_bytes,
+            disk_read_bytes_per_s=None if disk is None else disk.read_bytes_per_s,
+        )
+
+    def local_reuse(
+        self, tokens: Sequence[int], prefix_hashes: Sequence[bytes] = ()
+    ) -> tuple[int, float]:
+        """About how many tokens of `tokens` (whose chain a request may carry) this engine
+        could reuse right now, and the estimated seconds to read that state from its disk
+        tier first (0 if in RAM)."""
+        chain = self.carried_chain(tokens, prefix_hashes)
+        return self._cache.local_reuse(tokens, self._slots, chain)
+
+    def checkpoint_positions(self, prompt: Prompt) -> list[int]:
+        """Where computing `prompt` from scratch would save checkpoints."""
+        return self._cache.checkpoints_for(prompt, 0)
+
+    def state_bytes(self, n_tokens: int) -> int:
+        """The size of an `n_tokens`-token state (0 where it is not linear: sliding windows)."""
+        return self._cache.states.state_bytes(n_tokens)
+
+    @property
+    def state_size(self) -> tuple[int, int] | None:
+        """A state's exact size as (fixed, per token) bytes; None where it is not linear."""
+        return self._cache.states.state_size
+
+    # ---- hashes --------------------------------------------------------------------------
+
+    def hash_chain(self, tokens: Sequence[int], known: Sequence[bytes] = ()) -> list[bytes]:
+        """The block hash chain of `tokens` (what the index is looked up by); `known`: the
+        chain of a sequence they begin, or that begins them, not hashed again."""
+        return self._cache.states.hasher.chain(tokens, known)
+
+    def carried_chain(
+        self, tokens: Sequence[int], prefix_hashes: Sequence[bytes]
+    ) -> tuple[bytes, ...]:
+        """The block hash chain a request carried for `tokens` (the gateway's, computed once
+        per request) if it is one of this engine's block size; empty otherwise."""
+        fits = len(prefix_hashes) == len(tokens) // self._cache.config.block_tokens
+        return tuple(prefix_hashes) if fits else ()
+
+    def prefix_hash(self, tokens: Sequence[int]) -> bytes:
+        """The hash a checkpoint of exactly `tokens` is stored under."""
+        return self._cache.states.hasher.prefix_hash(tokens)
+
+    # ---- moving checkpoints --------------------------------------------------------------
+
+    def export_checkpoint(self, prefix_hash: bytes) -> tuple[bytes, memoryview] | None:
+        """A stored checkpoint's signed blob as `(head, state)`, the state not copied; None
+        if it is not here. Any thread."""
+        return self._cache.states.export_checkpoint(prefix_hash)
+
+    def export_best(
+        self, tokens: Sequence[int], min_tokens: int = 0
+    ) -> tuple[tuple[bytes, memoryview], object | None] | None:
+        """The signed blob parts of the stored checkpoint giving the longest prefix of
+        `tokens`, if more than `min_tokens` (what a peer asks for before pulling): one that
+        prefixes them, or for attention models any that shares their beginning (the peer
+        cuts it back); with its `shared` handle (None if it has none). Any thread."""
+        return self._cache.states.export_best(tuple(tokens), min_tokens)
+
+    def import_checkpoint(self, blob: Buffer | BlobParts) -> Checkpoint:
+        """Check a state blob (contiguous, or its two parts) in full and keep it: `BlobError`
+        if it is not an authentic, intact blob of this model, `EngineError` if it can never
+        fit the store. Any thread."""
+        return self._cache.states.import_checkpoint(blob)
+
+    def share_states(self, share: Callable[[Checkpoint], None]) -> None:
+        """Where new checkpoints' states are also put for peers to read without a copy per
+        export (Ray's object store); `share` sets a checkpoint's `shared`, in the background."""
+        self._cache.states.codec.share = share
+
+    def add_checkpoint_listener(self, listener: CheckpointListener) -> None:
+        """Tell `listener` about checkpoints added, used and removed (on the engine thread)."""
+        self._cache.states.listeners.append(listener)

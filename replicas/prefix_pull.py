@@ -1,0 +1,240 @@
+"""Getting a prompt's prefix from a peer before the request runs.
+
+Baton's router decides where a request goes and how it gets its prefix, and the decision
+travels with the request (`ReplicaRequest.plan`): this replica holds it (cached), is
+computing it (in flight), pulls it from a named donor, or computes it. `PrefixPuller`
+executes that plan with no index lookup. It decides again only on evidence the router
+could not have — the state the plan counts on is not here, or the donor failed, missed or
+sent a bad blob — each counted (`baton_replans`, `ReplicaStats.replans`); then, and for a
+request without a plan (another router, a direct call), it looks the gateway's hash chain
+up in the index and pulls when `pull_pays` (the router's and the simulator's rule). A
+pull never fails a request: a dead or slow peer or a bad blob only costs a recompute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from opentelemetry.trace import Span
+
+from baton_serve.cache_store.checkpoints.state_blob import BlobError
+from baton_serve.cache_store.index.index import CheckpointIndex, IndexUnavailable
+from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.off_loop import OffLoop, lookup_chain
+from baton_serve.replicas.request_telemetry import RequestTelemetry
+from baton_serve.replicas.shipping import PeerDirectory, ShipPolicy, shipped_nbytes
+from baton_serve.replicas.telemetry import metrics, tracing
+from baton_serve.replicas.telemetry.logs import request_fields
+from baton_serve.replicas.wire.protocol import EngineError, ReplicaRequest
+from baton_serve.replicas.wire.route_plan import CACHED, PULL
+
+logger = logging.getLogger("baton.replica")
+
+
+@dataclass
+class ReplicaStats:
+    """What a replica's pulls, exports and hand-overs came to."""
+
+    pulls: int = 0
+    pulled_bytes: int = 0
+    pulls_skipped: int = 0  # a peer had more, but recomputing was estimated cheaper
+    pull_misses: int = 0  # the peer had nothing better after all
+    pull_failures: int = 0  # peer dead, unreachable or past the deadline
+    pulls_rejected: int = 0  # the blob failed validation
+    exports: int = 0
+    exported_bytes: int = 0
+    streamed_exports: int = 0  # of `exports`, sent over the pulling peer's own stream
+    adopted: int = 0  # checkpoints a leaving peer handed over
+    adopted_bytes: int = 0
+    index_errors: int = 0
+    index_lookups: int = 0  # before requests: those without a plan, and re-decisions
+    replans: dict[str, int] = field(default_factory=dict)  # router plans decided again, by reason
+
+
+class PrefixPuller:
+    """A replica's pulls: the router's plan executed, or its own decision without one."""
+
+    def __init__(
+        self,
+        replica_id: str,
+        engine: Engine,
+        index: CheckpointIndex | None,
+        peers: PeerDirectory | None,
+        policy: ShipPolicy,
+        stats: ReplicaStats,
+        off_loop: OffLoop,
+    ) -> None:
+        self.replica_id = replica_id
+        self.engine = engine
+        self.index = index
+        self.peers = peers
+        self.policy = policy
+        self.stats = stats
+        self.off_loop = off_loop
+        self.on_index_error: Callable[[], None] = lambda: None
+
+    async def prepare(self, request: ReplicaRequest, telemetry: RequestTelemetry) -> None:
+        """Get the prompt's prefix as the router planned (`request.plan`), with no index
+        lookup: pull it from the planned donor, or reuse what is here. Decide here (by
+        `pull_pays`, the router's rule) only for a request without a plan, or on evidence
+        the router lacked — the state the plan counts on is not here, the donor failed —
+        each counted (`baton_replans`). Never raises; never waits past a deadline."""
+        plan = request.plan
+        if plan is not None and plan.replica_id != self.replica_id:
+            plan = None  # meant for another replica: not evidence of anything here
+        if self.peers is None or (plan is not None and plan.kind not in (CACHED, PULL)):
+            return  # computing it, or joining the prefix this engine computes now
+        tokens = request.generation.prompt.tokens
+        local, restore_s = await self.off_loop.run(
+            self.engine.local_reuse, tokens, request.prefix_hashes
+        )
+        if plan is None:
+            await self._decide(request, local, restore_s, telemetry)
+            return
+        usable = len(tokens) - MIN_PIECE  # the engine always computes the last piece itself
+        least = self.policy.cost.min_gain_tokens
+        reason = None
+        if plan.kind == PULL and plan.donor_id:
+            gain = min(plan.donor_tokens, usable) - local
+            if gain < least:
+                reason = "held_here"
+            else:
+                outcome = await self._pull_from(
+                    plan.donor_id, tokens, local, gain, plan.ready_at, telemetry
+                )
+                reason = None if outcome == "pulled" else f"donor_{outcome}"
+        elif plan.kind == CACHED and min(plan.reused_tokens, usable) - local >= least:
+            reason = "state_gone"
+        if reason is None:
+            return
+        self.stats.replans[reason] = self.stats.replans.get(reason, 0) + 1
+        metrics.REPLANS.inc(reason=reason)
+        telemetry.span.set_attribute("baton.replan", reason)
+        if reason != "held_here":
+            await self._decide(request, local, restore_s, telemetry, not_from=plan.donor_id)
+
+    async def _decide(
+        self,
+        request: ReplicaRequest,
+        local: int,
+        restore_s: float,
+        telemetry: RequestTelemetry,
+        not_from: str | None = None,
+    ) -> None:
+        """Pull a longer prefix from a peer (but `not_from`) when the index says one has it
+        and `pull_pays`, given `local` tokens here (`restore_s` to read them from disk)."""
+        tokens = request.generation.prompt.tokens
+        usable = len(tokens) - MIN_PIECE
+        if self.index is None or usable - local < self.policy.cost.min_gain_tokens:
+            return  # no peer could hold enough more: no lookup
+        chain = await self.off_loop.run(lookup_chain, self.engine, tokens, request.prefix_hashes)
+        self.stats.index_lookups += 1
+        started = time.perf_counter()
+        try:
+            with tracing.span("index.lookup", parent=telemetry.context):
+                matches = await self.index.lookup(chain)
+        except IndexUnavailable:
+            self.on_index_error()
+            return
+        finally:
+            metrics.INDEX_LOOKUP.observe(time.perf_counter() - started, caller="replica")
+        peers = [m for rid, m in matches.items() if rid not in (self.replica_id, not_from)]
+        if not peers:
+            return
+        best = max(peers, key=lambda m: (m.n_tokens, not m.in_flight))
+        gain = min(best.n_tokens, usable) - local
+        wait_s = max(0.0, best.ready_at - time.time()) if best.in_flight else 0.0
+        prefill_speed = self.engine.stats.prefill_tokens_per_s
+        if self.policy.pays(
+            gain, best.nbytes, prefill_speed, wait_s=wait_s, local_restore_s=restore_s
+        ):
+            await self._pull_from(best.replica_id, tokens, local, gain, best.ready_at, telemetry)
+        elif gain > 0:
+            self.stats.pulls_skipped += 1
+            metrics.PULLS.inc(outcome="skipped")
+
+    async def _pull_from(
+        self,
+        peer: str,
+        tokens: tuple[int, ...],
+        local: int,
+        gain: int,
+        ready_at: float,
+        telemetry: RequestTelemetry,
+    ) -> str:
+        """Pull `gain` more tokens than `local` from `peer`, whose state is expected at Unix
+        time `ready_at` (0: held now; one still being computed is waited for whole, not
+        taken in part on the way); the outcome (see `_pull`)."""
+        wait_s = max(0.0, ready_at - time.time())
+        deadline = self.policy.deadline(gain, self.engine.stats.prefill_tokens_per_s, wait_s=wait_s)
+        attributes = {
+            "baton.peer": peer,
+            "baton.pull.gain_tokens": gain,
+            "baton.pull.wait_s": wait_s,
+        }
+        floor = local + gain - 1 if ready_at > 0 else local
+        with tracing.span("pull", parent=telemetry.context, attributes=attributes) as span:
+            outcome = await self._pull(
+                peer, tokens, local, floor, deadline, span, telemetry.request_id
+            )
+            span.set_attribute("baton.pull.outcome", outcome)
+        metrics.PULLS.inc(outcome=outcome)
+        return outcome
+
+    async def _pull(
+        self,
+        peer: str,
+        tokens: tuple[int, ...],
+        local: int,
+        floor: int,
+        deadline: float,
+        span: Span,
+        request_id: str,
+    ) -> str:
+        """Fetch a state giving more than `floor` (≥ `local`, what is here) tokens of `tokens`
+        from the peer (waiting for it up to `deadline`), check it and store it; the outcome:
+        pulled, miss, failed or rejected."""
+        assert self.peers is not None
+        started = time.perf_counter()
+        try:
+            fetch = self.peers.fetch(peer, tokens, floor, wait_s=deadline)
+            blob = await asyncio.wait_for(fetch, deadline)
+        except Exception as exc:  # a dead, slow or unreachable peer only costs a recompute
+            self.stats.pull_failures += 1
+            logger.info(
+                "pull from %s failed (%s)",
+                peer,
+                type(exc).__name__,
+                extra=request_fields(request_id),
+            )
+            return "failed"
+        if blob is None:
+            self.stats.pull_misses += 1
+            return "miss"
+        fetched_s = time.perf_counter() - started
+        nbytes = shipped_nbytes(blob)
+        if floor <= local:  # nothing was waited for: the time is the transfer's
+            self.policy.record_pull(nbytes, fetched_s)
+        span.set_attributes({"baton.pull.bytes": nbytes, "baton.pull.fetch_ms": 1e3 * fetched_s})
+        try:
+            await asyncio.to_thread(self.engine.import_checkpoint, blob)
+        except (BlobError, EngineError) as exc:
+            self.stats.pulls_rejected += 1
+            reason = exc.reason if isinstance(exc, BlobError) else "over_budget"
+            span.set_attribute("baton.pull.reject_reason", reason)
+            logger.warning(
+                "rejected a state blob from %s: %s",
+                peer,
+                exc,
+                extra=request_fields(request_id),
+            )
+            return "rejected"
+        self.stats.pulls += 1
+        self.stats.pulled_bytes += nbytes
+        metrics.PULLED_BYTES.inc(nbytes)
+        return "pulled"

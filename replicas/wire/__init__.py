@@ -1,0 +1,1 @@
+"""What crosses between the gateway, the router and a replica: requests, replies, prompts, sampling."""

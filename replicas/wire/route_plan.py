@@ -1,0 +1,27 @@
+"""The router's decision for one request, carried to the replica it chose."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+CACHED, IN_FLIGHT, PULL, COMPUTE = "cached", "in_flight", "pull", "compute"
+PlanKind = Literal["cached", "in_flight", "pull", "compute"]
+
+
+class RoutePlan(BaseModel):
+    """How `replica_id` gets the prompt's prefix: it holds `reused_tokens` of it (`cached`),
+    is computing them (`in_flight`), pulls them from `donor_id` (`pull`: the donor's state of
+    `donor_tokens` tokens, `nbytes`, expected at Unix time `ready_at`, 0 if held now), or
+    computes the prompt (`compute`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    replica_id: str
+    kind: PlanKind
+    reused_tokens: int = 0
+    donor_id: str | None = None
+    donor_tokens: int = 0
+    nbytes: int = 0
+    ready_at: float = 0.0

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP gateway: bodies, prompts, grammars, replies, errors."""

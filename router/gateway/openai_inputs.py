@@ -1,0 +1,113 @@
+"""The input shapes of OpenAI requests: message content given as parts, stop sequences,
+prompts in their four forms, one message of a conversation, and the stream options."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, model_validator
+
+from baton_serve.router.gateway.openai_tools import ToolCall
+
+MAX_STOP_SEQUENCES = 4
+
+
+def nulls_dropped(data: Any) -> Any:
+    """A body with its null fields left out: a null means "not sent" (OpenAI clients send
+    nulls for options they leave unset)."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = Field(
+        default=False, description="A last chunk (choices: []) carries the usage."
+    )
+    continuous_usage_stats: bool = Field(
+        default=False,
+        description="vLLM: with include_usage, every chunk also carries the usage so far "
+        "(prompt, cached and completion tokens of its choice).",
+    )
+
+    _nulls_are_unset = model_validator(mode="before")(nulls_dropped)
+
+
+def _as_list(value: object) -> object:
+    return [value] if isinstance(value, str) else value
+
+
+def _joined_text_parts(value: object) -> object:
+    """Message content given as parts: the text parts, joined with newlines."""
+    if not isinstance(value, list):
+        return value
+    texts = []
+    for part in value:
+        text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
+        if not isinstance(text, str):
+            raise ValueError(
+                'only text content parts ({"type": "text", "text": "..."}) are supported'
+            )
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _prompt_list(value: object) -> list[str | list[int]]:
+    """`prompt` in any of its four OpenAI forms, as a list of prompts (text or token ids)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(item, str) for item in value):
+            return list(value)
+        if all(_is_token_id(item) for item in value):
+            return [list(value)]
+        if all(isinstance(item, list) and item and all(map(_is_token_id, item)) for item in value):
+            return [list(item) for item in value]
+    raise ValueError(
+        "prompt must be a string, a list of strings, a list of token ids, "
+        "or a list of non-empty lists of token ids"
+    )
+
+
+MessageContent = Annotated[
+    str, BeforeValidator(_joined_text_parts, json_schema_input_type=str | list[dict[str, str]])
+]
+StopSequences = Annotated[
+    list[Annotated[str, Field(min_length=1)]],
+    BeforeValidator(_as_list, json_schema_input_type=str | list[str]),
+    Field(max_length=MAX_STOP_SEQUENCES),
+]
+Prompts = Annotated[
+    list[str | list[int]],
+    PlainValidator(
+        _prompt_list, json_schema_input_type=str | list[str] | list[int] | list[list[int]]
+    ),
+]
+
+
+class InputMessage(BaseModel):
+    """A message of the conversation. An assistant message may carry `tool_calls` and no
+    content; a `tool` message answers the call named by `tool_call_id`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: str = Field(min_length=1)
+    content: MessageContent | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _shape_fits_role(self) -> InputMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages may carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant's tool calls may omit it)")
+        return self

@@ -1,0 +1,392 @@
+"""Ray Serve request routers for the replica deployment.
+
+`BatonRouter` sends a request where its first token is expected soonest (`route_cost`):
+to the replica holding — or computing right now — the longest prefix of its prompt, or
+to an idle one that will pull it, under a bounded-load rule so one hot prefix cannot pile
+every request onto one replica. What replicas hold comes from this router's own copy of
+the checkpoint index (`IndexView`, kept current by the index's change stream; one direct
+lookup while it is not, or while it has not heard from the stream for `max_view_age_s`),
+merged with what this router itself just sent where (`RoutingLedger`), which also gives
+exact in-flight counts per replica. The decision travels with the request: for the
+replica Ray picked, `request_routed` (before Ray sends it) puts that replica's `RoutePlan`
+on it — cached, in flight, pull from which donor, or compute — which the replica executes
+instead of deciding again. It honours `target_replica=` on a call
+(`TARGET_REPLICA_KWARG`), which is how a replica reaches a specific peer to pull its state.
+
+Routers run in the caller's process, on the router's event loop: nothing here blocks it;
+their background tasks (the index follower, the copy's age) are `supervised`.
+`SafeRequestRouter` holds the guards against what measured Ray 2.60 routers get wrong; the
+private Ray methods it overrides or calls are checked when it is made (`ray_contract`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from opentelemetry.context import Context
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from baton_serve.cache_store.index.index import CheckpointIndex, IndexMatch, IndexUnavailable
+from baton_serve.cache_store.index.index_connect import connect_cluster_index
+from baton_serve.cache_store.index.index_view import IndexView
+from baton_serve.cache_store.supervised import supervised
+from baton_serve.replicas.telemetry import tracing
+from baton_serve.replicas.telemetry.logs import request_fields
+from baton_serve.replicas.wire.protocol import TARGET_REPLICA_KWARG, ReplicaRequest
+from baton_serve.router.routing.by_identity import ByIdentity
+from baton_serve.router.routing.ray_contract import check_ray_contract
+from baton_serve.router.routing.route_cost import CostSettings, Estimate, ReplicaState
+from baton_serve.router.routing.route_decision import (
+    decide,
+    merge_ledger,
+    plan_of,
+    record_sent,
+    replica_state,
+)
+from baton_serve.router.routing.routing_ledger import RoutingLedger
+from baton_serve.router.routing.routing_metrics import (
+    record_decision,
+    record_lookup,
+    record_stale_view,
+    record_view_age,
+)
+
+logger = logging.getLogger("baton.router")
+
+MAX_VIEW_AGE_S = 10.0  # default bound on the copy's age (healthy streams answer every 1-2 s)
+VIEW_AGE_REPORT_S = 1.0
+
+
+class SafeRequestRouter(RequestRouter):
+    """A RequestRouter hardened against Ray 2.60's pitfalls; subclasses implement `rank`.
+
+    - It fulfils the pending request a routing task owns, not the first one sharing its
+      internal request id (Ray leaves the second of two sibling calls unrouted).
+    - It always asks for backoff, so a full deployment is not polled without pause.
+    - An exception in `rank` falls back to load-only ranks (escaping, it hangs the request).
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        check_ray_contract()
+        super().__init__(*args, **kwargs)
+        self._pending_by_metadata: ByIdentity[object, PendingRequest] = ByIdentity()
+
+    def _add_pending_request_to_indices(self, pending_request: PendingRequest) -> None:
+        self._pending_by_metadata.put(pending_request.metadata, pending_request)
+        super()._add_pending_request_to_indices(pending_request)
+
+    def _remove_pending_request_from_indices(self, pending_request: PendingRequest) -> None:
+        self._pending_by_metadata.pop(pending_request.metadata)
+        super()._remove_pending_request_from_indices(pending_request)
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
+        pending = self._pending_by_metadata.get(request_metadata)
+        if pending is None or pending.future.done():
+            return
+        self._cancel_routing_task_for_pending_request(pending)
+        self._record_queue_wait_time(pending)
+        pending.future.set_result(replica)
+        self.request_routed(pending, replica)
+        self._remove_pending_request_from_indices(pending)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        try:
+            return await self.rank(candidate_replicas, pending_request)
+        except Exception:
+            request = _replica_request(pending_request)
+            extra = request_fields(request.generation.request_id) if request else None
+            logger.exception("routing failed; falling back to load-only ranks", extra=extra)
+            record_decision("error_fallback")
+            return _by_load(candidate_replicas)
+
+    async def rank(
+        self, candidates: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
+        """Replicas in ranks, best first."""
+        raise NotImplementedError
+
+    def request_routed(self, pending_request: PendingRequest, replica: RunningReplica) -> None:
+        """`pending_request` goes to `replica` (whichever rank it came from)."""
+
+
+def _load(replica: RunningReplica) -> int:
+    """Requests waiting or running on a replica, from its routing stats (slightly stale)."""
+    stats = replica.routing_stats or {}
+    return int(stats.get("queued", 0)) + int(stats.get("running", 0))
+
+
+def _target_of(pending_request: PendingRequest | None) -> str | None:
+    if pending_request is None:
+        return None
+    return pending_request.kwargs.get(TARGET_REPLICA_KWARG)
+
+
+def _replica_request(pending_request: PendingRequest | None) -> ReplicaRequest | None:
+    """The gateway's request a call carries (None for other calls, e.g. a peer's export)."""
+    request = pending_request.args[0] if pending_request and pending_request.args else None
+    return request if isinstance(request, ReplicaRequest) else None
+
+
+class BatonRouter(SafeRequestRouter):
+    """Prefix- and state-aware routing with bounded load (see `route_cost`)."""
+
+    def initialize_state(
+        self,
+        *,
+        index: str = "embedded",
+        fingerprint_hex: str = "",
+        block_tokens: int = 64,
+        every_block: bool = True,
+        lookup_timeout_s: float = 0.02,
+        load_slack: float = 0.25,
+        tokens_per_queued_request: int = 256,
+        prefill_tokens_per_s: float = 200.0,
+        follow_index: bool = True,
+        max_view_age_s: float = MAX_VIEW_AGE_S,
+    ) -> None:
+        if max_view_age_s <= 0:
+            raise ValueError(f"max_view_age_s must be > 0, got {max_view_age_s}")
+        self._index_spec = index
+        self._fingerprint = bytes.fromhex(fingerprint_hex)
+        self._lookup_timeout_s = lookup_timeout_s
+        self._settings = CostSettings(
+            load_slack=load_slack, tokens_per_request=tokens_per_queued_request
+        )
+        self._default_prefill_speed = prefill_tokens_per_s
+        self._index: CheckpointIndex | None = None
+        self._connecting: asyncio.Lock | None = None
+        self._view = IndexView()
+        self._follow_index = follow_index
+        self._follower: asyncio.Task[None] | None = None
+        self._ledger = RoutingLedger(block_tokens, every_block=every_block)
+        self._max_view_age_s = max_view_age_s
+        self._age_reporter: asyncio.Task[None] | None = None
+        # a pending request's metadata -> its estimates (by identity, never a reused id)
+        self._decisions: ByIdentity[object, _Decision] = ByIdentity()
+
+    @property
+    def view(self) -> IndexView:
+        """This router's copy of the index (synced once its change stream is followed)."""
+        return self._view
+
+    async def rank(
+        self, candidates: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
+        target = _target_of(pending_request)
+        if target is not None:
+            record_decision("targeted")
+            return [[r for r in candidates if r.replica_id.unique_id == target]]
+        request = _replica_request(pending_request)
+        if request is None:
+            record_decision("no_prefix")
+            return _by_load(candidates)
+        assert pending_request is not None
+        attributes = {
+            "baton.request_id": request.generation.request_id,
+            "baton.route.candidates": len(candidates),
+        }
+        parent = tracing.extract(request.trace_context)
+        with tracing.span("route", parent=parent, attributes=attributes) as span:
+            trusted = self._view.trusted(self._max_view_age_s)
+            span.set_attribute("baton.route.index", "copy" if trusted else "lookup")
+            estimates, reason = await self._decide(candidates, request, tracing.context_of(span))
+            self._record_decision(pending_request, request, estimates)
+            record_decision(reason)
+            if span.is_recording() and estimates:
+                span.set_attributes(
+                    {
+                        "baton.route.reason": reason,
+                        "baton.route.replica": estimates[0].replica_id,
+                        "baton.route.cached_tokens": estimates[0].reused_tokens,
+                    }
+                )
+        by_id = {r.replica_id.unique_id: r for r in candidates}
+        return [[by_id[e.replica_id]] for e in estimates]
+
+    async def _decide(
+        self, candidates: list[RunningReplica], request: ReplicaRequest, trace: Context | None
+    ) -> tuple[list[Estimate], str]:
+        """Each candidate's estimate, best first, and the reason for the first."""
+        holdings: dict[str, IndexMatch] = {}
+        reason = "no_prefix"
+        if request.prefix_hashes:
+            found = await self._holdings(request.prefix_hashes, trace)
+            if found is None:  # the index did not answer: this router's own decisions only
+                reason, holdings = "index_timeout", self._ledger.lookup(request.prefix_hashes)
+            else:
+                reason, holdings = "load_fallback", found
+        states = [self._state(r, holdings.get(r.replica_id.unique_id)) for r in candidates]
+        n_prompt = len(request.generation.prompt)
+        return decide(states, n_prompt, time.time(), self._settings, reason)
+
+    def _state(self, replica: RunningReplica, match: IndexMatch | None) -> ReplicaState:
+        stats = replica.routing_stats or {}
+        speed = float(stats.get("prefill_tokens_per_s") or self._default_prefill_speed)
+        return replica_state(
+            replica.replica_id.unique_id, self._ledger, _load(replica), speed, match
+        )
+
+    async def _holdings(
+        self, chain: tuple[bytes, ...], trace: Context | None
+    ) -> dict[str, IndexMatch] | None:
+        """Replica id → its best match for `chain`: the index (this router's copy of it,
+        or one lookup while the copy is not synced or is older than `max_view_age_s`) merged
+        with this router's own recent decisions. None if the index did not answer in time."""
+        self._start_following()
+        started = time.perf_counter()
+        if self._view.trusted(self._max_view_age_s):
+            matches = self._view.lookup(chain)
+        else:
+            if self._view.synced:
+                record_stale_view()
+            try:
+                with tracing.span("index.lookup", parent=trace):
+                    index = await self._connected_index()
+                    matches = await asyncio.wait_for(index.lookup(chain), self._lookup_timeout_s)
+            except (IndexUnavailable, asyncio.TimeoutError):
+                record_lookup(time.perf_counter() - started, ok=False)
+                return None
+        record_lookup(time.perf_counter() - started, ok=True)
+        return merge_ledger(matches, self._ledger.lookup(chain))
+
+    def _start_following(self) -> None:
+        if self._follow_index and self._follower is None:
+            self._follower = supervised("router.index_follower", self._follow)
+            self._age_reporter = supervised("router.index_view_age", self._report_age)
+
+    async def _follow(self) -> None:
+        """Keep this router's copy of the index current (retrying while it cannot connect);
+        on any other failure the supervisor logs it and starts this again."""
+        try:
+            while True:
+                try:
+                    index = await self._connected_index()
+                except IndexUnavailable:
+                    await asyncio.sleep(1.0)
+                    continue
+                await index.follow(self._view)
+        finally:
+            self._view.lost()  # nothing keeps it current now
+
+    async def _report_age(self) -> None:
+        """Publish the copy's age, and log each time it crosses `max_view_age_s`."""
+        stale = False
+        while True:
+            age = self._view.age
+            record_view_age(age)
+            if (age > self._max_view_age_s) != stale:
+                stale = not stale
+                if stale:
+                    logger.warning(
+                        "index copy: nothing heard from the change stream for %.1f s "
+                        "(max_view_age_s %g): routing by direct index lookups",
+                        age,
+                        self._max_view_age_s,
+                    )
+                else:
+                    logger.info("index copy: the change stream answers again")
+            await asyncio.sleep(VIEW_AGE_REPORT_S)
+
+    async def _connected_index(self) -> CheckpointIndex:
+        if self._index is None:
+            self._connecting = self._connecting or asyncio.Lock()
+            async with self._connecting:
+                if self._index is None:
+                    self._index = await connect_cluster_index(
+                        self._index_spec, self._fingerprint, timeout_s=self._lookup_timeout_s
+                    )
+        return self._index
+
+    # ---- what this router sent where -----------------------------------------------------
+
+    def _record_decision(
+        self, pending_request: PendingRequest, request: ReplicaRequest, estimates: list[Estimate]
+    ) -> None:
+        """Count the request for its first-ranked replica at once — the next decision, a
+        moment later in the same burst, must see it — replacing an earlier attempt's."""
+        key = pending_request.metadata.internal_request_id
+        earlier = self._decisions.pop(pending_request.metadata)
+        if earlier is not None:
+            self._ledger.withdraw(earlier.replica_id, key)
+        if estimates:
+            self._decisions.put(pending_request.metadata, _Decision(request, estimates))
+            self._send(estimates[0], request, key)
+
+    def _send(self, chosen: Estimate, request: ReplicaRequest, key: str) -> None:
+        prompt = request.generation.prompt
+        held = self._ledger.entries_for(prompt, request.prefix_hashes)
+        record_sent(self._ledger, chosen, key, len(prompt), held, time.time())
+
+    def request_routed(self, pending_request: PendingRequest, replica: RunningReplica) -> None:
+        """Ray sends it to `replica` (it has not yet): move the record there if that was not
+        the first rank, and put that replica's plan on the request it is sent."""
+        decision = self._decisions.pop(pending_request.metadata)
+        if decision is None:
+            return
+        rid = replica.replica_id.unique_id
+        chosen = next((e for e in decision.estimates if e.replica_id == rid), None)
+        if rid != decision.replica_id:
+            key = pending_request.metadata.internal_request_id
+            self._ledger.withdraw(decision.replica_id, key)
+            if chosen is not None:
+                self._send(chosen, decision.request, key)
+        if chosen is not None and isinstance(pending_request.args, list):
+            planned = decision.request.model_copy(update={"plan": plan_of(chosen)})
+            pending_request.args[0] = planned
+
+    def _remove_pending_request_from_indices(self, pending_request: PendingRequest) -> None:
+        decision = self._decisions.pop(pending_request.metadata)
+        if decision is not None:  # it was never sent (cancelled)
+            self._ledger.withdraw(decision.replica_id, pending_request.metadata.internal_request_id)
+        super()._remove_pending_request_from_indices(pending_request)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._ledger.completed(replica_id.unique_id, internal_request_id)
+        super().on_request_completed(replica_id, internal_request_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        self._ledger.forget_replica(replica_id.unique_id)
+        super().on_replica_actor_died(replica_id)
+
+
+@dataclass(frozen=True)
+class _Decision:
+    """A decision recorded in the ledger: the request, and every replica's estimate."""
+
+    request: ReplicaRequest
+    estimates: list[Estimate]
+
+    @property
+    def replica_id(self) -> str:
+        """Where the ledger counts it (the first rank)."""
+        return self.estimates[0].replica_id
+
+
+class RoundRobinRouter(SafeRequestRouter):
+    """Each request to the next replica in turn (a baseline for the routing benchmark)."""
+
+    def initialize_state(self, **_: object) -> None:
+        self._turn = itertools.count()
+
+    async def rank(
+        self, candidates: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
+        if not candidates:
+            return []
+        ordered = sorted(candidates, key=lambda r: r.replica_id.unique_id)
+        start = next(self._turn) % len(ordered)
+        return [[r] for r in ordered[start:] + ordered[:start]]
+
+
+def _by_load(candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+    return [sorted(candidates, key=_load)] if candidates else []

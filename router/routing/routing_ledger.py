@@ -1,0 +1,138 @@
+"""What one router has sent where, known the moment it decides — before any replica or
+index has heard of it (a decision is recorded when it is made, and moved if Ray then sends
+the request to another replica of the ranking).
+
+- Per replica, the requests in flight and the prompt tokens they still make it compute:
+  exact for this router, where routing stats are a second old.
+- The prefixes those requests make the replicas hold, as index entries: *in flight*
+  (`ready_at` > 0) until the request completes, held after; they expire `ttl_s` after
+  completion, by which time the replica's own publications have reached the index.
+  Attention models serve every prefix of a state, so each block of the prompt is recorded;
+  hybrid and recurrent states serve only where they were saved, so only the positions the
+  engine checkpoints are.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from baton_serve.cache_store.index.index import IndexEntry, IndexMatch
+from baton_serve.cache_store.index.memory_index import ModelIndex
+from baton_serve.replicas.engine.checkpoint_policy import prefill_checkpoints
+from baton_serve.replicas.wire.prompt_types import Prompt
+
+
+@dataclass
+class _Sent:
+    replica_id: str
+    entries: list[IndexEntry]
+    tokens: int  # prompt tokens the replica computes for it
+
+
+class RoutingLedger:
+    """Requests this router sent and the prefixes they leave; one event loop, no locks."""
+
+    def __init__(
+        self,
+        block_tokens: int,
+        *,
+        every_block: bool,
+        ttl_s: float = 30.0,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.block_tokens = block_tokens
+        self.every_block = every_block
+        self.ttl_s = ttl_s
+        self._now = now
+        self._prefixes = ModelIndex()
+        # (replica, request id) -> what was sent; a list, as sibling calls of one parent
+        # request share its id
+        self._sent: dict[tuple[str, str], list[_Sent]] = {}
+        self._load: dict[str, int] = {}
+        self._tokens: dict[str, int] = {}
+
+    def load(self, replica_id: str) -> int:
+        return self._load.get(replica_id, 0)
+
+    def queued_tokens(self, replica_id: str) -> int:
+        return self._tokens.get(replica_id, 0)
+
+    def entries_for(self, prompt: Prompt, chain: Sequence[bytes]) -> list[tuple[bytes, int]]:
+        """(block hash, tokens) the replica serving `prompt` will hold: every block for
+        attention; else the positions the engine checkpoints (`prefill_checkpoints`, less
+        the periodic ones, whose interval is the replica's setting), each anchored at its
+        last whole block."""
+        size = self.block_tokens
+        if self.every_block:
+            return [(h, (i + 1) * size) for i, h in enumerate(chain)]
+        positions = prefill_checkpoints(prompt, cached=0, interval=0, max_interval=0)
+        return [(chain[p // size - 1], p) for p in positions if 1 <= p // size <= len(chain)]
+
+    def sent(
+        self,
+        replica_id: str,
+        request_key: str,
+        held: list[tuple[bytes, int]],
+        tokens: int,
+        ready_at: float,
+    ) -> None:
+        """Record a request routed to `replica_id` that will compute `tokens` prompt
+        tokens and hold `held` by `ready_at` (Unix time)."""
+        now = self._now()
+        entries = [IndexEntry(h, n, 0, ready_at) for h, n in held]
+        self._sent.setdefault((replica_id, request_key), []).append(
+            _Sent(replica_id, entries, tokens)
+        )
+        self._load[replica_id] = self.load(replica_id) + 1
+        self._tokens[replica_id] = self.queued_tokens(replica_id) + tokens
+        expires = now + self.ttl_s + max(0.0, ready_at - time.time())
+        self._prefixes.alive[replica_id] = max(self._prefixes.alive.get(replica_id, 0), expires)
+        self._prefixes.publish(replica_id, entries, expires)
+
+    def completed(self, replica_id: str, request_key: str) -> None:
+        """The request finished (or failed): its replica holds its prefixes now."""
+        siblings = self._sent.get((replica_id, request_key))
+        if not siblings:
+            return
+        sent = siblings.pop(0)
+        if not siblings:
+            del self._sent[(replica_id, request_key)]
+        self._load[replica_id] -= 1
+        self._tokens[replica_id] -= sent.tokens
+        expires = self._now() + self.ttl_s
+        held = [IndexEntry(e.prefix_hash, e.n_tokens, e.nbytes) for e in sent.entries]
+        self._prefixes.alive[replica_id] = max(self._prefixes.alive.get(replica_id, 0), expires)
+        self._prefixes.publish(replica_id, held, expires)
+
+    def withdraw(self, replica_id: str, request_key: str) -> None:
+        """A request recorded for `replica_id` went elsewhere (or nowhere): it counts there
+        no more, and the prefixes only it would have left there are forgotten."""
+        siblings = self._sent.get((replica_id, request_key))
+        if not siblings:
+            return
+        sent = siblings.pop()
+        if not siblings:
+            del self._sent[(replica_id, request_key)]
+        self._load[replica_id] -= 1
+        self._tokens[replica_id] -= sent.tokens
+        self._prefixes.forget(replica_id, [e.prefix_hash for e in sent.entries])
+        expires = self._now() + self.ttl_s
+        for (rid, _), others in self._sent.items():  # what other requests there still leave
+            if rid == replica_id:
+                for other in others:
+                    self._prefixes.publish(replica_id, other.entries, expires)
+
+    def forget_replica(self, replica_id: str) -> None:
+        """A replica died: nothing it was sent counts any more."""
+        for key in [k for k in self._sent if k[0] == replica_id]:
+            del self._sent[key]
+        self._load.pop(replica_id, None)
+        self._tokens.pop(replica_id, None)
+        self._prefixes.forget(replica_id, None)
+
+    def lookup(self, hashes: Sequence[bytes]) -> dict[str, IndexMatch]:
+        now = self._now()
+        self._prefixes.expire(now)
+        return self._prefixes.lookup(hashes, now)
