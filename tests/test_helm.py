@@ -960,7 +960,8 @@ def baton_metric_series() -> set[str]:
     """The Prometheus series of Baton's metrics, as Ray exports them: `ray_` first, counters
     with `_total`, histograms as `_bucket`, `_sum` and `_count`."""
     from baton_serve.replicas.telemetry import metrics
-    from baton_serve.router.gateway import http_telemetry, routing_metrics
+    from baton_serve.router.gateway import http_telemetry
+    from baton_serve.router.routing import routing_metrics
 
     series = set()
     for module in (metrics, routing_metrics, http_telemetry):
