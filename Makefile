@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.baton-installed
 HELM := $(BIN)/helm
 
-.PHONY: install serve test redis-server helm bench clean
+.PHONY: install serve test redis-server helm vulkan vulkan-debs llama-server bench clean
 
 # More CMake flags for llama.cpp, e.g. LLAMA_CMAKE_ARGS="-DGGML_CUDA=on" (portable CPU
 # flags are always set: see deploy/llama_build.py).
@@ -41,10 +41,28 @@ helm: $(HELM)
 $(HELM): deploy/helm_binary.py | $(STAMP)
 	$(BIN)/python -m baton_serve.deploy.helm_binary $@
 
-test: install redis-server helm
+# llama.cpp's Vulkan backend module for the device tests: on a machine without a GPU the
+# device is Mesa's software Vulkan (lavapipe). Built once per flags (deploy/vulkan_build.py).
+VULKAN_DEBS := mesa-vulkan-drivers libvulkan-dev glslc spirv-headers
+
+vulkan-debs:
+	@dpkg -s $(VULKAN_DEBS) >/dev/null 2>&1 || { \
+		echo "installing Debian's $(VULKAN_DEBS)"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $(VULKAN_DEBS); }
+
+vulkan: install vulkan-debs
+	$(BIN)/python -m baton_serve.deploy.vulkan_build install
+
+# llama-server from the same vendored llama.cpp, for `baton bench peer` and its test; built
+# once per flags (deploy/llama_server_build.py), before the tests rather than inside one.
+llama-server: install
+	$(BIN)/python -m baton_serve.deploy.llama_server_build build
+
+test: install redis-server helm vulkan llama-server
 	$(BIN)/python -m pytest
 
-bench: install redis-server
+bench: install redis-server llama-server
 	$(BIN)/baton bench engine --model tiny:qwen35
 	$(BIN)/baton bench engine --concurrency 4
 	$(BIN)/baton bench sampling
@@ -57,6 +75,8 @@ bench: install redis-server
 	$(BIN)/baton bench routing --out bench-out/routing-smollm2
 	$(BIN)/baton bench soak --minutes 8
 	$(BIN)/baton bench restart
+	$(BIN)/baton bench peer --out bench-out/peer-smollm2
+	$(BIN)/baton bench peer --model bench-out/qwen35-12x512.gguf --out bench-out/peer-qwen35
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -21,6 +21,7 @@ from baton_serve.loadtests.bench_common import (
 from baton_serve.loadtests.bench_common import bench_progress as _progress
 from baton_serve.loadtests.bench_common import needs_extra as _needs_extra
 from baton_serve.loadtests.bench_common import print_report as _report
+from baton_serve.loadtests.peer_cli import add_peer_command
 from baton_serve.loadtests.restart_cli import add_restart_command
 from baton_serve.replicas.models.model_source import resolve_model
 
@@ -173,6 +174,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     soak.set_defaults(run=_bench_soak)
 
     add_restart_command(benches)
+    add_peer_command(benches)
     add_abuse_command(benches)
 
 

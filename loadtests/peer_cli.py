@@ -1,0 +1,76 @@
+"""`baton bench peer`: its flags, registered into `baton bench`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from baton_serve.loadtests.bench_common import (
+    MODEL_HELP,
+    bench_progress,
+    needs_extra,
+    positive_int,
+    print_report,
+)
+from baton_serve.replicas.models.model_source import resolve_model
+
+_WORKLOAD_FLAGS = {  # flag → what it sets (defaults: `PeerWorkload`)
+    "chat-sessions": "chat conversations (default 6)",
+    "chat-turns": "turns per conversation (default 4)",
+    "agent-sessions": "agent loops (default 4)",
+    "agent-steps": "requests per agent loop (default 5)",
+    "concurrency": "sessions at a time (default 2)",
+    "system-tokens": "the shared system prompt (default 600)",
+    "document-tokens": "each conversation's own document (default 400)",
+    "turn-tokens": "each later question, and each agent's task (default 60)",
+    "tool-tokens": "each tool result an agent appends (default 150)",
+    "reply-tokens": "each reply, generated to the end (ignore_eos) (default 32)",
+    "seed": "seed of every text (default 0)",
+}
+
+
+def add_peer_command(benches: argparse._SubParsersAction) -> None:
+    """Add `peer` to the `baton bench` benchmarks."""
+    peer = benches.add_parser(
+        "peer", help="Baton vs llama-server (same llama.cpp) on one node, one seeded workload"
+    )
+    peer.add_argument("--model", help=MODEL_HELP)
+    peer.add_argument("--threads", type=positive_int, help="threads in total (default: CPUs)")
+    peer.add_argument("--slots", type=positive_int, help="slots in total (default: concurrency)")
+    peer.add_argument(
+        "--replicas", type=positive_int, help="Baton replicas (default: baton serve's, 2)"
+    )
+    for name, what in _WORKLOAD_FLAGS.items():
+        kind = int if name in ("seed", "chat-sessions", "agent-sessions") else positive_int
+        peer.add_argument(f"--{name}", type=kind, help=what)
+    peer.add_argument(
+        "--no-breakdown",
+        action="store_true",
+        help="skip the traced Baton run that measures where the time goes",
+    )
+    peer.add_argument("--out", default="bench-out/peer", help="JSON, CSV and PNG go here")
+    peer.add_argument("--json", action="store_true", help="print one JSON object")
+    peer.set_defaults(run=_bench_peer)
+
+
+@needs_extra
+def _bench_peer(args: argparse.Namespace) -> int:
+    from baton_serve.loadtests.peer_bench import peer_benchmark
+    from baton_serve.loadtests.peer_report import format_report, write_outputs
+    from baton_serve.loadtests.peer_workload import PeerWorkload
+
+    fields = [name.replace("-", "_") for name in _WORKLOAD_FLAGS]
+    given = {field: getattr(args, field) for field in fields if getattr(args, field) is not None}
+    with bench_progress(args, "peer") as progress:
+        result, records = peer_benchmark(
+            resolve_model(args.model),
+            workload=PeerWorkload(**given),
+            threads=args.threads,
+            slots=args.slots,
+            replicas=args.replicas,
+            traced=not args.no_breakdown,
+            progress=progress,
+        )
+        written = write_outputs(result, records, Path(args.out))
+    print_report(args, result, format_report(result), written)
+    return 0

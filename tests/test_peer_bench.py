@@ -1,0 +1,95 @@
+"""`baton bench peer` end to end on a tiny model and a few requests: both servers really
+served the same seeded workload, and every figure and breakdown part is measured.
+
+The bench runs in its own process (`baton bench peer --json`): it starts and stops Ray
+itself, twice (the traced run needs Ray's workers started with tracing on), which must not
+meet the Ray this test session may hold. llama-server is built once by
+`deploy/llama_server_build.py` and cached by flags; the first run on a machine builds it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+from plot_files import assert_png
+
+from baton_serve.deploy.llama_server_build import cached_server
+from baton_serve.loadtests.span_breakdown import TTFT_PARTS
+
+BENCH_TIMEOUT_S = 600
+FLAGS = {
+    "chat-sessions": 2,
+    "chat-turns": 2,
+    "agent-sessions": 1,
+    "agent-steps": 3,
+    "concurrency": 2,
+    "system-tokens": 120,
+    "document-tokens": 100,
+    "turn-tokens": 20,
+    "tool-tokens": 40,
+    "reply-tokens": 6,
+}
+REQUESTS = 2 * 2 + 1 * 3
+
+
+@pytest.fixture(scope="module")
+def llama_server_binary():
+    return cached_server()  # builds it when this machine has none cached
+
+
+def test_peer_bench_serves_one_workload_on_both_sides(
+    tiny_model, llama_server_binary, tmp_path
+) -> None:
+    flags = [arg for name, value in FLAGS.items() for arg in (f"--{name}", str(value))]
+    command = [
+        *(sys.executable, "-m", "baton_serve.deploy.cli", "bench", "peer"),
+        *("--model", str(tiny_model("qwen35")), "--threads", "2", "--json"),
+        *("--out", str(tmp_path), *flags),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "peer.json").read_text())  # Ray may print to stdout too
+
+    for side in ("llama-server", "baton"):
+        summary = result[side]
+        assert summary["requests"] == REQUESTS and summary["errors"] == 0, side
+        assert summary["completion_tokens"] == REQUESTS * FLAGS["reply-tokens"], side
+        assert summary["prompt_tokens"] > REQUESTS * FLAGS["system-tokens"], side
+        assert 0 < summary["ttft_s"]["p50"] <= summary["ttft_s"]["p95"] <= summary["ttft_s"]["p99"]
+        assert 0 < summary["itl_s"]["p50"] <= summary["itl_s"]["p99"], side
+        assert summary["requests_per_s"] > 0, side
+    assert result["setup"] == {"threads": 2, "slots": 2, "replicas": 2, "n_ctx": 1024}
+    assert result["engine"] == {"n_ctx": 1024, "n_slots": 1, "n_threads": 1}
+    rows = {row["figure"]: row for row in result["rows"]}
+    assert set(rows) == {f"{m} p{q}" for m in ("ttft", "itl") for q in (50, 95, 99)} | {
+        "requests/s"
+    }
+    assert all(row["ratio"] > 0 and row["met"] in (True, False) for row in rows.values())
+
+    breakdown = result["breakdown"]
+    assert breakdown["requests"] == REQUESTS
+    parts = breakdown["p50_s"]
+    assert set(parts) == {*TTFT_PARTS, "decode_step"}
+    assert parts["prefill"] > 0 and parts["decode_step"] > 0 and parts["router"] > 0
+
+    # The same seeded requests on every side: each session's turns, with the same first
+    # prompts (their texts hold no reply yet, so both servers count the same tokens).
+    with (tmp_path / "peer_requests.csv").open() as f:
+        records = list(csv.DictReader(f))
+    by_server = Counter(r["server"] for r in records)
+    assert by_server == {"llama-server": REQUESTS, "baton": REQUESTS, "baton-traced": REQUESTS}
+
+    def first_prompts(server: str) -> list[tuple[str, str, str]]:
+        return sorted(
+            (r["kind"], r["session"], r["prompt_tokens"])
+            for r in records
+            if r["server"] == server and r["turn"] == "0"
+        )
+
+    assert first_prompts("llama-server") == first_prompts("baton") == first_prompts("baton-traced")
+    assert_png(tmp_path / "peer_latency.png")

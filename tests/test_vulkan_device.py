@@ -1,0 +1,142 @@
+"""Every layer of a generated model offloaded to a Vulkan device gives CPU's greedy tokens.
+
+`make test` builds llama.cpp's Vulkan backend module (`deploy/vulkan_build.py`); on a machine
+without a GPU its device is Mesa's software Vulkan driver (lavapipe), which ggml only uses
+when named (`GGML_VK_VISIBLE_DEVICES=0`, set here unless already set). The device runs in a
+child process, so this process's llama.cpp stays CPU-only and serves as the reference.
+
+What is compared: the engine serves two turns of token-id prompts (150 tokens, then the
+first turn's prompt and reply plus 20 more) with `n_gpu_layers=-1` on the device and with
+`n_gpu_layers=0` on CPU. llama.cpp's own log must say every layer went to the device; the
+greedy token ids of each turn (16 each) and the cached token counts must be equal. The
+device multiplies in f16/f32 with other rounding than CPU's kernels: logits are not
+compared bit for bit, only their argmax, which on these models is far from a tie.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+
+from baton_serve.deploy import vulkan_build
+from baton_serve.replicas.engine import ggml_backends
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.sampling_params import SamplingParams
+
+ARCHS = ("llama", "qwen35")
+GREEDY = SamplingParams(max_tokens=16)
+SETTINGS = {"n_ctx": 1024, "n_slots": 2, "n_threads": 2, "block_tokens": 16}
+SETTINGS |= {"checkpoint_interval": 64, "prefill_chunk": 64}
+GGML_DEVICE_GPU = 1  # enum ggml_backend_dev_type: CPU, GPU, IGPU, ACCEL
+CHILD_TIMEOUT_S = 600  # a fresh machine compiles every shader once (Mesa caches them on disk)
+
+
+def two_turns(engine: Engine) -> list[dict[str, object]]:
+    """Two greedy turns of a conversation; per turn its tokens and cached token count."""
+    rng = random.Random(7)
+    tokens = tuple(rng.randrange(3, engine.model.n_vocab) for _ in range(150))
+    turns = []
+    for _ in range(2):
+        done = engine.generate(Prompt(tokens=tokens), GREEDY)
+        turns.append({"tokens": done.tokens, "cached": done.usage.cached_tokens})
+        tokens += tuple(done.tokens) + tuple(rng.randrange(3, 1000) for _ in range(20))
+    return turns
+
+
+def gpu_devices() -> list[str]:
+    """Descriptions of the GPU-type devices ggml registered in this process."""
+    lib = ggml_backends.libggml
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_description.restype = ctypes.c_char_p
+    lib.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
+    devices = [lib.ggml_backend_dev_get(i) for i in range(lib.ggml_backend_dev_count())]
+    return [
+        lib.ggml_backend_dev_description(d).decode()
+        for d in devices
+        if lib.ggml_backend_dev_type(d) == GGML_DEVICE_GPU
+    ]
+
+
+def child(paths: list[str]) -> None:
+    """Runs in the child: serve each model with every layer on the device; print JSON."""
+    import llama_cpp
+
+    from baton_serve.replicas.engine import llama_model
+
+    llama_model._init_backend()
+    log: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def keep(_level: int, text: bytes, _user_data: object) -> None:
+        log.append(text.decode("utf-8", errors="replace"))
+
+    llama_cpp.llama_log_set(keep, None)  # after the engine's own: it sees everything
+    devices = gpu_devices()
+    models: dict[str, object] = {}
+    for path in paths if devices else []:
+        log.clear()
+        engine = Engine(path, EngineConfig(**SETTINGS, n_gpu_layers=-1), hmac_key=b"k")
+        try:
+            offloaded = re.findall(r"offloaded (\d+)/(\d+) layers", "".join(log))
+            models[path] = {"offloaded": offloaded, "turns": two_turns(engine)}
+        finally:
+            engine.close()
+    print(json.dumps({"devices": devices, "models": models}))
+
+
+@pytest.fixture(scope="module")
+def on_device(tiny_model) -> dict[str, object]:
+    """The child's report for every architecture (one child: the shaders compile once)."""
+    problem = vulkan_build.check()
+    if problem:
+        pytest.skip(f"llama.cpp's Vulkan backend is not built ({problem})")
+    env = {**os.environ, "GGML_VK_VISIBLE_DEVICES": os.environ.get("GGML_VK_VISIBLE_DEVICES", "0")}
+    paths = [str(tiny_model(arch)) for arch in ARCHS]
+    done = subprocess.run(
+        [sys.executable, __file__, *paths],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=CHILD_TIMEOUT_S,
+        check=False,
+    )
+    named = f"GGML_VK_VISIBLE_DEVICES={env['GGML_VK_VISIBLE_DEVICES']}"
+    if done.returncode != 0 and "Invalid Vulkan device index" in done.stderr:
+        pytest.skip(f"no Vulkan device with the index {named} (no Vulkan driver installed?)")
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    if not report["devices"]:
+        pytest.skip(
+            "no Vulkan device: Mesa's software driver (Debian's mesa-vulkan-drivers) is "
+            f"missing or {named} names none"
+        )
+    return report
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_layer_on_the_device_gives_cpu_greedy_tokens(
+    arch, tiny_model, on_device, make_engine
+) -> None:
+    result = on_device["models"][str(tiny_model(arch))]
+    ((offloaded, layers),) = result["offloaded"]
+    assert offloaded == layers, f"{offloaded}/{layers} layers on {on_device['devices']}"
+
+    cpu = two_turns(make_engine(tiny_model(arch), **SETTINGS, n_gpu_layers=0))
+
+    assert result["turns"] == cpu
+    assert cpu[1]["cached"] > 150  # the second turn was served from the cache
+
+
+if __name__ == "__main__":
+    child(sys.argv[1:])
