@@ -1,1 +1,3 @@
-"""Replica side: the llama.cpp engine, sequence slots, checkpoint policy and local state store."""
+"""The replica side: a replica's Serve deployment, peer pulls and shipping, and below it the
+llama.cpp engine (`engine/`), model tooling (`models/`), the wire types (`wire/`) and
+telemetry (`telemetry/`)."""
