@@ -83,11 +83,14 @@ def logical_cpus(config: BatonConfig) -> float:
 def replica_actor_options(config: BatonConfig) -> dict:
     """The replica deployment's `ray_actor_options` (a Serve config that overrides them
     replaces them whole, so it starts from these)."""
-    return {
+    options: dict[str, object] = {
         "num_cpus": config.num_cpus_per_replica,
         "num_gpus": config.num_gpus_per_replica,
         "resources": dict(config.replica_resources),
     }
+    if config.replica_env:
+        options["runtime_env"] = {"env_vars": dict(config.replica_env)}
+    return options
 
 
 def shutdown_timeout_s(config: BatonConfig) -> float:

@@ -103,6 +103,12 @@ class BatonConfig(BaseModel):
     gateway_resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources a gateway replica asks for"
     )
+    replica_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="environment variables of the replica processes (their Ray runtime_env), "
+        'e.g. {"GGML_VK_VISIBLE_DEVICES": "0"}: llama.cpp\'s Vulkan backend then uses a '
+        "software device (Mesa's lavapipe) it skips by default",
+    )
     max_replicas_per_node: int | None = Field(
         default=None,
         ge=1,

@@ -39,8 +39,15 @@ def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) 
             resolve_model(config.model),
             n_gpu_layers=config.engine.n_gpu_layers,
             cpu_repack=config.engine.cpu_repack,
+            env=config.replica_env,
         )
         print(f"  {report.summary()}", flush=True)
+        if config.engine.n_gpu_layers != 0 and report.device == "CPU":
+            print(
+                f"  n_gpu_layers is {config.engine.n_gpu_layers} but llama.cpp has no GPU "
+                "device here: the model runs on the CPU",
+                flush=True,
+            )
     # Ray's CPUs are logical: a local cluster must declare at least what the app asks for,
     # or Serve waits forever to place the last replica.
     num_cpus = None if address else max(os.cpu_count() or 1, math.ceil(logical_cpus(config)))

@@ -270,6 +270,8 @@ class Replica:
             metrics.QUEUE_LENGTH.set(load.queued)
             metrics.SLOTS_IN_USE.set(load.running)
             metrics.STORE_BYTES.set(self.engine.store_figures().used_bytes)
+            # Every period: Ray exports a gauge's value only in the period it was set.
+            metrics.DEVICE.set(1, device=self.engine.model.device)
             await asyncio.sleep(GAUGE_PERIOD_S)
 
     def _index_error(self) -> None:

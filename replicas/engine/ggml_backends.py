@@ -11,6 +11,7 @@ loads a variant and runs a small quantized model with weight repacking on (the p
 and the AVX2/AVX-512 repacked kernels take), then off; the first that survives wins, and
 the verdict is cached per machine (`cpu_choice`). A build without variant modules (one CPU
 backend linked in) is tested the same way for weight repacking only.
+`offload_devices` names the GPU devices that the loaded modules registered.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ logger = logging.getLogger("baton.backends")
 
 PROBE_TIMEOUT_S = 180.0
 CPU_VARIANT_PREFIX = "libggml-cpu-"
+DEVICE_GPU, DEVICE_IGPU = 1, 2  # enum ggml_backend_dev_type: CPU, GPU, IGPU, ACCEL
 
 _lock = threading.Lock()
 _loaded: CpuChoice | None = None
@@ -75,6 +77,13 @@ def _load_libggml() -> ctypes.CDLL:
     library.ggml_backend_load.argtypes = [ctypes.c_char_p]
     library.ggml_backend_dev_count.restype = ctypes.c_size_t
     library.ggml_backend_dev_count.argtypes = []
+    library.ggml_backend_dev_get.restype = ctypes.c_void_p
+    library.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    library.ggml_backend_dev_type.restype = ctypes.c_int
+    library.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    for text in ("name", "description"):
+        getattr(library, f"ggml_backend_dev_{text}").restype = ctypes.c_char_p
+        getattr(library, f"ggml_backend_dev_{text}").argtypes = [ctypes.c_void_p]
     return library
 
 
@@ -113,7 +122,9 @@ def ensure_loaded() -> CpuChoice:
             choice = cpu_choice()
             if choice.variant is not None:
                 for module in gpu_modules():
-                    libggml.ggml_backend_load(str(module).encode())  # NULL when no device
+                    # Registers the backend, with no device where it finds none (ggml's
+                    # Vulkan skips CPU-type devices such as lavapipe unless named).
+                    libggml.ggml_backend_load(str(module).encode())
                 if not libggml.ggml_backend_load(str(lib_dir() / choice.variant).encode()):
                     raise BackendUnavailable(f"ggml could not load {choice.variant}")
             if libggml.ggml_backend_dev_count() == 0:
@@ -121,6 +132,22 @@ def ensure_loaded() -> CpuChoice:
             _loaded = choice
             logger.info("llama.cpp CPU backend: %s (repack %s)", choice.name, choice.repack_safe)
         return _loaded
+
+
+def offload_devices() -> list[str]:
+    """The devices llama.cpp offloads a model's layers to, as "name: description": like
+    llama.cpp's own default, every discrete GPU, else the integrated ones. Empty when this
+    process has none: layers asked for on a GPU then run on the CPU."""
+    ensure_loaded()
+    found: dict[int, list[str]] = {DEVICE_GPU: [], DEVICE_IGPU: []}
+    for index in range(libggml.ggml_backend_dev_count()):
+        device = libggml.ggml_backend_dev_get(index)
+        kind = libggml.ggml_backend_dev_type(device)
+        if kind in found:
+            name = libggml.ggml_backend_dev_name(device).decode(errors="replace")
+            description = libggml.ggml_backend_dev_description(device).decode(errors="replace")
+            found[kind].append(f"{name}: {description}")
+    return found[DEVICE_GPU] or found[DEVICE_IGPU]
 
 
 def system_info() -> str:

@@ -98,6 +98,7 @@ class LlamaModel:
         if not pointer:
             raise ModelLoadError(f"llama.cpp could not load {self.path} (not a valid GGUF model?)")
         self.pointer = pointer
+        self.devices = () if vocab_only else self._offload_devices(n_gpu_layers)
         self._vocab = llama_cpp.llama_model_get_vocab(pointer)
         self.fingerprint = file_fingerprint(self.path)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
@@ -115,6 +116,31 @@ class LlamaModel:
             self.kind = ModelKind.HYBRID
         else:
             self.kind = ModelKind.ATTENTION
+
+    def _offload_devices(self, n_gpu_layers: int) -> tuple[str, ...]:
+        """The devices holding offloaded layers; says so when none takes the layers asked
+        for (llama.cpp itself would run them on the CPU without a word)."""
+        if n_gpu_layers == 0:
+            return ()
+        devices = tuple(ggml_backends.offload_devices())
+        if devices:
+            layers = llama_cpp.llama_model_n_layer(self.pointer) + 1  # + the output layer
+            on_device = layers if n_gpu_layers < 0 else min(n_gpu_layers, layers)
+            logger.info(
+                "%s: %d/%d layers on %s", self.path.name, on_device, layers, ", ".join(devices)
+            )
+        else:
+            logger.warning(
+                "n_gpu_layers is %d but llama.cpp has no GPU device here: %s runs on the CPU",
+                n_gpu_layers,
+                self.path.name,
+            )
+        return devices
+
+    @property
+    def device(self) -> str:
+        """Where the model's offloaded layers run: its devices, or "CPU"."""
+        return ", ".join(self.devices) or "CPU"
 
     def _special(self, token: int) -> int | None:
         """A special token id, or None where the model has none (-1 or out of range)."""

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,7 @@ class ModelReport:
     has_text: bool
     cpu_backend: str
     cpu_repack: bool
+    device: str
 
     def summary(self) -> str:
         specials = ", ".join(
@@ -52,21 +55,31 @@ class ModelReport:
         return (
             f"{self.kind} model, {self.n_vocab} tokens, trained context {self.n_ctx_train}"
             f"{'; ' + specials if specials else ''}; llama.cpp CPU backend {self.cpu_backend}"
-            f" (weight repacking {'on' if self.cpu_repack else 'off'})"
+            f" (weight repacking {'on' if self.cpu_repack else 'off'}); device {self.device}"
         )
 
 
 def check_model(
-    path: str | Path, *, n_gpu_layers: int = 0, cpu_repack: bool | None = None
+    path: str | Path,
+    *,
+    n_gpu_layers: int = 0,
+    cpu_repack: bool | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> ModelReport:
-    """Load `path` and decode a few tokens in a child process; raise `ModelCheckFailed`."""
+    """Load `path` and decode a few tokens in a child process (with `env` added to its
+    environment, as a replica's); raise `ModelCheckFailed`."""
     command = [sys.executable, "-m", "baton_serve.replicas.models.model_check", str(path)]
     command += ["--n-gpu-layers", str(n_gpu_layers)]
     if cpu_repack is not None:
         command += ["--cpu-repack", str(int(cpu_repack))]
     try:
         done = subprocess.run(
-            command, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, check=False
+            command,
+            capture_output=True,
+            text=True,
+            timeout=CHECK_TIMEOUT_S,
+            check=False,
+            env={**os.environ, **(env or {})},
         )
     except subprocess.TimeoutExpired as exc:
         raise ModelCheckFailed(f"loading {path} took over {CHECK_TIMEOUT_S:.0f} s") from exc
@@ -98,6 +111,7 @@ def _report(path: str, n_gpu_layers: int, cpu_repack: bool | None) -> ModelRepor
             has_text=model.has_text,
             cpu_backend=ensure_loaded().name,
             cpu_repack=model.cpu_repack,
+            device=model.device,
         )
 
 

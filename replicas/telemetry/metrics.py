@@ -150,6 +150,11 @@ BLOBS_REJECTED = Counter(
 QUEUE_LENGTH = Gauge("baton_queue_length", "Requests waiting for a slot")
 SLOTS_IN_USE = Gauge("baton_slots_in_use", "Slots serving a request (prefill, decode or replay)")
 STORE_BYTES = Gauge("baton_store_bytes", "Bytes held in the checkpoint store")
+DEVICE = Gauge(
+    "baton_device",
+    "1, labelled with the device the replica's model layers run on (CPU where none)",
+    ("device",),
+)
 
 # ---- shared by the router (in the gateway) and the replica ---------------------------------
 
