@@ -28,6 +28,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -52,6 +53,57 @@ def build_key(args: list[str]) -> str:
     """What decides whether a built wheel can be reused: the version and every flag."""
     text = json.dumps({"version": LLAMA_CPP_PYTHON_VERSION, "cmake_args": args})
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def download_sdist(into: Path) -> Path:
+    """The llama-cpp-python sdist of the pinned version, fetched with pip."""
+    version = LLAMA_CPP_PYTHON_VERSION
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--dest",
+            str(into),
+            f"llama-cpp-python=={version}",
+        ],
+        check=True,
+    )
+    (sdist,) = into.glob(f"llama_cpp_python-{version}.tar.gz")
+    return sdist
+
+
+def vendored_source(sdist: Path, into: Path) -> Path:
+    """The llama.cpp source the sdist vendors, unpacked into `into`."""
+    with tarfile.open(sdist) as archive:
+        archive.extractall(into, filter="data")
+    (source,) = into.glob("llama_cpp_python-*/vendor/llama.cpp")
+    return source
+
+
+def build_vendored_target(args: list[str], target: str, scratch: Path, jobs: int) -> Path:
+    """The pinned sdist's vendored llama.cpp, unpacked in `scratch`, configured with `args`
+    and only `target` built (niced: it shares the machine); returns the build folder."""
+    source = vendored_source(download_sdist(scratch), scratch / "src")
+    build = scratch / "build"
+    print(f"building {target} from {source} with {' '.join(args)}")
+    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    subprocess.run(["cmake", "-S", str(source), "-B", str(build), *generator, *args], check=True)
+    subprocess.run(
+        [*nice, "cmake", "--build", str(build), "-j", str(jobs), "--target", target], check=True
+    )
+    return build
+
+
+def write_build_info(folder: Path, args: list[str]) -> None:
+    """Record the version and flags a build in `folder` was made with."""
+    info = {"version": LLAMA_CPP_PYTHON_VERSION, "cmake_args": args}
+    (folder / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
 
 
 def default_wheel_cache() -> Path:

@@ -19,12 +19,9 @@ Standard library only, like `llama_build`:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
@@ -64,64 +61,19 @@ def cached_server_dir(args: list[str], cache: Path) -> Path:
     return cache / llama_build.build_key(args)
 
 
-def download_sdist(into: Path) -> Path:
-    """The llama-cpp-python sdist of the pinned version, fetched with pip."""
-    version = llama_build.LLAMA_CPP_PYTHON_VERSION
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--no-binary",
-            ":all:",
-            "--dest",
-            str(into),
-            f"llama-cpp-python=={version}",
-        ],
-        check=True,
-    )
-    (sdist,) = into.glob(f"llama_cpp_python-{version}.tar.gz")
-    return sdist
-
-
-def vendored_source(sdist: Path, into: Path) -> Path:
-    with tarfile.open(sdist) as archive:
-        archive.extractall(into, filter="data")
-    (source,) = into.glob("llama_cpp_python-*/vendor/llama.cpp")
-    return source
-
-
 def build_server(args: list[str], out: Path, jobs: int) -> Path:
     """Compile llama-server with `args` into `out`; returns the binary's path."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".building-") as scratch_dir:
         scratch = Path(scratch_dir)
-        source = vendored_source(download_sdist(scratch), scratch / "src")
-        build = scratch / "build"
-        print(f"building llama-server from {source} with {' '.join(args)}")
         print("(llama.cpp without its CPU kernels: about 15-20 minutes on 2 shared cores)")
-        nice = ["nice", "-n", "19"] if shutil.which("nice") else []
-        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-        subprocess.run(
-            ["cmake", "-S", str(source), "-B", str(build), *generator, *args], check=True
-        )
-        subprocess.run(
-            [*nice, "cmake", "--build", str(build), "-j", str(jobs), "--target", SERVER_BINARY],
-            check=True,
-        )
+        build = llama_build.build_vendored_target(args, SERVER_BINARY, scratch, jobs)
         staged = scratch / "out"
         staged.mkdir()
         for path in (build / "bin").iterdir():
             if path.name == SERVER_BINARY or ".so" in path.name:
                 shutil.copy2(path, staged / path.name, follow_symlinks=False)
-        (staged / llama_build.BUILD_INFO).write_text(
-            json.dumps(
-                {"version": llama_build.LLAMA_CPP_PYTHON_VERSION, "cmake_args": args}, indent=2
-            )
-            + "\n"
-        )
+        llama_build.write_build_info(staged, args)
         staged.replace(out)
     return out / SERVER_BINARY
 

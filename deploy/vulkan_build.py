@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import filecmp
-import json
 import os
 import re
 import shlex
@@ -35,10 +34,9 @@ import tempfile
 from pathlib import Path
 
 try:
-    from . import llama_build, llama_server_build
+    from . import llama_build
 except ImportError:  # run as a script: python deploy/vulkan_build.py
     import llama_build  # type: ignore[no-redef]
-    import llama_server_build  # type: ignore[no-redef]
 
 MODULE = "libggml-vulkan.so"
 VULKAN_CMAKE_ARGS = (
@@ -163,26 +161,13 @@ def build_module(args: list[str], include: Path | None, out: Path, jobs: int) ->
     """Compile only `libggml-vulkan.so` (and the ggml-base it links) into `out`."""
     with tempfile.TemporaryDirectory(dir=_made(out.parent), prefix=".building-") as scratch_dir:
         scratch = Path(scratch_dir)
-        sdist = llama_server_build.download_sdist(scratch)
-        source = llama_server_build.vendored_source(sdist, scratch / "src")
-        build = scratch / "build"
         configure = [*args, *([f"-DVulkan_INCLUDE_DIR={include}"] if include else [])]
-        print(f"building {MODULE} from {source} with {' '.join(configure)}")
         print("(the Vulkan backend and its shaders: about 4-6 minutes on 2 cores)")
-        nice = ["nice", "-n", "19"] if shutil.which("nice") else []
-        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-        subprocess.run(
-            ["cmake", "-S", str(source), "-B", str(build), *generator, *configure], check=True
-        )
-        subprocess.run(
-            [*nice, "cmake", "--build", str(build), "-j", str(jobs), "--target", "ggml-vulkan"],
-            check=True,
-        )
+        build = llama_build.build_vendored_target(configure, "ggml-vulkan", scratch, jobs)
         staged = scratch / "out"
         staged.mkdir()
         shutil.copy2(build / "bin" / MODULE, staged / MODULE)
-        info = {"version": llama_build.LLAMA_CPP_PYTHON_VERSION, "cmake_args": configure}
-        (staged / llama_build.BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
+        llama_build.write_build_info(staged, configure)
         shutil.rmtree(out, ignore_errors=True)
         staged.replace(out)
     return out / MODULE
