@@ -11,6 +11,9 @@ replica is not counted; nor is one that does not exist yet (an autoscaled cluste
 A budget the user set is checked and, if it cannot fit, refused by name. The default budget
 is a default, not a demand: `fit_store_budget` lowers it to what the smallest node holds (with
 headroom for Ray's own objects), so `baton serve` starts on a small machine too.
+
+GPUs likewise (`check_gpus_fit`): replicas asking for more GPUs than a cluster that cannot
+grow has are refused by name, before Serve would wait forever to place the last one.
 """
 
 from __future__ import annotations
@@ -31,16 +34,26 @@ class ObjectStoreTooSmall(ConfigError):
     """The replicas' checkpoint budgets cannot fit a node's object store."""
 
 
+class TooFewGpus(ConfigError):
+    """The replicas ask for more GPUs than the cluster has."""
+
+
+def gpu_room(gpus: float, ask: float) -> int:
+    """How many replicas asking `ask` GPUs each a node with `gpus` GPUs holds: Ray puts a
+    share below one GPU on a single GPU, never across two (3 x 0.4 on 2 GPUs: 2 fit)."""
+    if ask < 1:
+        return math.floor(gpus + _ROUNDING) * math.floor(1 / ask + _ROUNDING)
+    return math.floor(gpus / ask + _ROUNDING)
+
+
 def replicas_on_node(config: BatonConfig, resources: dict[str, float]) -> int:
     """The most replicas of `config` Serve may place on a node with `resources` (totals)."""
     room = config.replicas
     if config.max_replicas_per_node is not None:
         room = min(room, config.max_replicas_per_node)
-    asks = {
-        "CPU": config.num_cpus_per_replica,
-        "GPU": config.num_gpus_per_replica,
-        **config.replica_resources,
-    }
+    if config.num_gpus_per_replica > 0:
+        room = min(room, gpu_room(resources.get("GPU", 0.0), config.num_gpus_per_replica))
+    asks = {"CPU": config.num_cpus_per_replica, **config.replica_resources}
     for name, amount in asks.items():
         if amount > 0:
             room = min(room, math.floor(resources.get(name, 0.0) / amount + _ROUNDING))
@@ -99,6 +112,34 @@ def check_object_store_fits(config: BatonConfig, nodes: list[dict] | None = None
         capacity = int(resources.get("object_store_memory", 0))
         if replicas > 0 and replicas * budget > capacity:
             raise ObjectStoreTooSmall(_refusal(config, node, replicas, capacity))
+
+
+def check_gpus_fit(config: BatonConfig, nodes: list[dict] | None = None) -> None:
+    """Raise `TooFewGpus` naming `num_gpus_per_replica`, the GPUs asked and those the live
+    nodes have, if they cannot hold `replicas` replicas of `num_gpus_per_replica` GPUs each.
+    Only for a cluster that cannot grow (the one `baton serve` starts): an autoscaler may
+    add GPU nodes to others. `nodes`: `ray.nodes()` (read here when Ray is initialised)."""
+    ask = config.num_gpus_per_replica
+    live = _live_nodes(nodes)
+    if ask == 0 or not live:
+        return
+    gpus = sum(node.get("Resources", {}).get("GPU", 0.0) for node in live)
+    per_node = config.max_replicas_per_node
+    room = sum(
+        min(gpu_room(node.get("Resources", {}).get("GPU", 0.0), ask), per_node or config.replicas)
+        for node in live
+    )
+    if room >= config.replicas:
+        return
+    limit = f", max_replicas_per_node={per_node}" if per_node is not None else ""
+    raise TooFewGpus(
+        f"num_gpus_per_replica (--gpus-per-replica) asks for more GPUs than this cluster has: "
+        f"replicas={config.replicas} x num_gpus_per_replica={ask:g} = "
+        f"{config.replicas * ask:g} GPU(s) asked, but its {len(live)} node(s) have {gpus:g} "
+        f"GPU(s), room for {room} replica(s){limit} (a share below one GPU never spans two). "
+        "Lower replicas or num_gpus_per_replica (0.5: two replicas share a GPU), or give Ray "
+        "more GPUs (ray start --num-gpus)"
+    )
 
 
 def _refusal(config: BatonConfig, node: dict, replicas: int, capacity: int) -> str:

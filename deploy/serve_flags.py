@@ -109,6 +109,7 @@ SERVE_FLAGS = (
     SettingFlag("--replicas", "replicas"),
     SettingFlag("--gpus-per-replica", "num_gpus_per_replica"),
     SettingFlag("--cpus-per-replica", "num_cpus_per_replica"),
+    SettingFlag("--n-gpu-layers", "engine.n_gpu_layers"),
     SettingFlag("--n-ctx", "engine.n_ctx"),
     SettingFlag(
         "--chat-template",

@@ -15,7 +15,11 @@ from ray import serve
 from baton_serve.cache_store.checkpoints.disk_dir import check_checkpoint_dir
 from baton_serve.cache_store.index.redis_address import redact
 from baton_serve.deploy.app import APP_NAME, build_app, check_cluster_key, logical_cpus
-from baton_serve.deploy.capacity_check import check_object_store_fits, fit_store_budget
+from baton_serve.deploy.capacity_check import (
+    check_gpus_fit,
+    check_object_store_fits,
+    fit_store_budget,
+)
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.local_ray import local_ray, metrics_export_port
 from baton_serve.deploy.startup import deploy_with_progress
@@ -42,6 +46,8 @@ def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) 
             env=config.replica_env,
         )
         print(f"  {report.summary()}", flush=True)
+        if (timing := config.engine.emulated) is not None:
+            print(f"  engine emulated:{timing.name}: steps take the profile's time", flush=True)
         if config.engine.n_gpu_layers != 0 and report.device == "CPU":
             print(
                 f"  n_gpu_layers is {config.engine.n_gpu_layers} but llama.cpp has no GPU "
@@ -57,6 +63,8 @@ def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) 
     ):
         config = fit_store_budget(config)
         check_object_store_fits(config)  # before anything is deployed
+        if not address:  # a joined cluster may grow (an autoscaler adds GPU nodes)
+            check_gpus_fit(config)
         # After ray.init, which installs handlers of its own: both signals mean "stop".
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, _raise_interrupt)

@@ -21,6 +21,8 @@ from baton_serve.loadtests.bench_common import (
 from baton_serve.loadtests.bench_common import bench_progress as _progress
 from baton_serve.loadtests.bench_common import needs_extra as _needs_extra
 from baton_serve.loadtests.bench_common import print_report as _report
+from baton_serve.loadtests.device_cli import add_device_command
+from baton_serve.loadtests.emulated_cli import add_emulated_flags
 from baton_serve.loadtests.peer_cli import add_peer_command
 from baton_serve.loadtests.restart_cli import add_restart_command
 from baton_serve.replicas.models.model_source import resolve_model
@@ -126,7 +128,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
         routing.add_argument(f"--{name}", type=int, help=what)
     routing.add_argument("--out", default="bench-out/routing", help="CSV, JSON and PNG go here")
     routing.add_argument("--json", action="store_true", help="print one JSON object")
-    routing.set_defaults(run=_bench_routing)
+    add_emulated_flags(routing, _bench_routing)
 
     sim = benches.add_parser(
         "sim", help="routing policies on simulated clusters of 4-256 replicas (no model, no Ray)"
@@ -173,9 +175,8 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     soak.add_argument("--json", action="store_true", help="print one JSON object")
     soak.set_defaults(run=_bench_soak)
 
-    add_restart_command(benches)
-    add_peer_command(benches)
-    add_abuse_command(benches)
+    for add in (add_device_command, add_restart_command, add_peer_command, add_abuse_command):
+        add(benches)
 
 
 _ROUTING_WORKLOAD_FLAGS = {  # flag → what it sets (defaults: `RoutingWorkload`)

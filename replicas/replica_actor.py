@@ -145,6 +145,10 @@ class ReplicaHost:
     def stats(self) -> tuple[ReplicaStats, dict]:
         return self._replica.stats, dict(vars(self._replica.engine.stats))
 
+    def device(self) -> str:
+        """Where llama.cpp put the model's layers (e.g. "Vulkan0: ...", or "CPU")."""
+        return self._replica.engine.model.device
+
     def loop_lag(self) -> LoopLag:
         """How late this actor's event loop ran lately."""
         return self._replica.loop_lag.snapshot()
@@ -186,10 +190,15 @@ def spawn_replica(
     replica_id: str,
     *args: object,
     resources: dict[str, float] | None = None,
+    env: dict[str, str] | None = None,
     **kwargs: object,
 ) -> ray.actor.ActorHandle:
-    """Start a named replica actor (asking for custom `resources`: a node that offers them);
+    """Start a named replica actor (asking for custom `resources`: a node that offers them;
+    `env`: variables for its process, e.g. the device llama.cpp may use);
     `await handle.start.remote()` before using it."""
     return ReplicaActor.options(
-        name=actor_name(replica_id), namespace=NAMESPACE, resources=resources or {}
+        name=actor_name(replica_id),
+        namespace=NAMESPACE,
+        resources=resources or {},
+        runtime_env={"env_vars": dict(env)} if env else None,
     ).remote(replica_id, *args, **kwargs)

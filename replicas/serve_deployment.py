@@ -17,6 +17,7 @@ from ray.serve.handle import DeploymentHandle
 from baton_serve.cache_store.checkpoints.cluster_key import read_cluster_key
 from baton_serve.cache_store.index.index import IndexUnavailable
 from baton_serve.cache_store.index.index_connect import connect_cluster_index
+from baton_serve.replicas.device_assignment import assign_ray_devices
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.replica import Replica
@@ -87,6 +88,7 @@ class ReplicaDeployment:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.handoff_s = settings.handoff_s
+        self.gpu_ids = assign_ray_devices()  # before llama.cpp's backends load
         report_stage(settings.startup_dir, self.replica_id, "loading the model")
         engine = await asyncio.to_thread(
             Engine,
@@ -150,6 +152,8 @@ class ReplicaDeployment:
             "prefill_tokens_per_s": self.replica.engine.stats.prefill_tokens_per_s or 0.0,
             "loop_stall_max_ms": lag.max_ms,  # the event loop's longest stall, lately
             "loop_stall_p99_ms": lag.p99_ms,
+            "gpu_ids": self.gpu_ids,  # Ray's assignment, visible to its llama.cpp
+            "device": self.replica.engine.model.device,
         }
 
     def ready(self) -> bool:

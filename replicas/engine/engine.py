@@ -24,12 +24,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from baton_serve.replicas.engine import device_memory
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE, prefill_pieces
-from baton_serve.replicas.engine.engine_config import EngineConfig, context_size
+from baton_serve.replicas.engine.emulated_compute import load_model, open_context
+from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.engine_face import EngineFace
 from baton_serve.replicas.engine.liveness import IDLE_BEAT_S, Heartbeat, request_deadline_s
-from baton_serve.replicas.engine.llama_context import BatchEntry, ContextParams, LlamaContext
-from baton_serve.replicas.engine.llama_model import LlamaModel
+from baton_serve.replicas.engine.llama_context import BatchEntry
 from baton_serve.replicas.engine.prefix_cache import PrefixCache
 from baton_serve.replicas.engine.prefix_states import CheckpointListener, PrefixStates
 from baton_serve.replicas.engine.prompt import (
@@ -75,22 +76,13 @@ class Engine(EngineFace):
         if not hmac_key:
             raise ValueError("an HMAC key is required to sign and check state blobs")
         self.config = config or EngineConfig()
-        self.model = LlamaModel(
-            model_path, n_gpu_layers=self.config.n_gpu_layers, cpu_repack=self.config.cpu_repack
-        )
+        device_memory.check_fits(model_path, self.config)  # before anything is on a device
+        self.model = load_model(model_path, self.config)  # llama.cpp's, or emulated
         self.kind = self.model.kind
         self.fingerprint = self.model.fingerprint
         self.stats = EngineStats()
-        self._context = LlamaContext(
-            self.model,
-            ContextParams(
-                n_ctx_per_seq=context_size(self.config.n_ctx, self.model.n_ctx_train),
-                n_seqs=self.config.n_slots,
-                n_batch=self.config.n_batch,
-                n_threads=self.config.n_threads,
-                flash_attn=self.config.flash_attn,
-            ),
-        )
+        params = device_memory.engine_context_params(self.config, self.model.n_ctx_train)
+        self._context = open_context(self.model, params)
         self.n_ctx = self._context.n_ctx_per_seq
         states = PrefixStates(self.model, self._context, self.config, self.stats, hmac_key=hmac_key)
         self._cache = PrefixCache(states, self.config, self.stats)  # `EngineFace` shows it

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from baton_serve.replicas.engine.emulated_timing import EmulatedTiming
+
 logger = logging.getLogger("baton.engine")
 
 MIN_N_CTX = 64
@@ -56,6 +58,13 @@ class EngineConfig(BaseModel):
         "reuse bit-exact on CPU",
     )
     prefix_cache: bool = Field(default=True, description="reuse cached prefixes at all")
+    emulated: EmulatedTiming | None = Field(
+        default=None,
+        description="emulate the compute (for measuring the system at scale): every step "
+        "sleeps for what this profile says it costs and yields deterministic tokens; the rest "
+        "of the engine, the cache, routing and shipping run for real; only the model's "
+        "vocabulary is loaded; the device reads emulated:NAME; unset: llama.cpp computes",
+    )
     block_tokens: int = Field(default=64, ge=1, description="tokens per prefix-hash block")
     checkpoint_interval: int = Field(
         default=1024,

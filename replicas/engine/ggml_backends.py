@@ -114,6 +114,22 @@ def variant_score(path: Path) -> int:
     return int(score())
 
 
+def load_gpu_module(path: Path) -> bool:
+    """Register a GPU backend module, with no device where it finds none (ggml's Vulkan
+    skips CPU-type devices such as lavapipe unless named). A module that cannot load
+    (e.g. CUDA's without `libcudart.so.13` or an NVIDIA driver) is one warning, not an
+    error: its layers then run on the CPU."""
+    if libggml.ggml_backend_load(str(path).encode()):
+        return True
+    try:  # ggml logs dlopen's reason only through its own log; ask dlopen again
+        ctypes.CDLL(str(path))
+        reason = "the backend did not initialise"
+    except OSError as exc:
+        reason = str(exc)
+    logger.warning("llama.cpp GPU module %s not loaded: %s", path.name, reason)
+    return False
+
+
 def ensure_loaded() -> CpuChoice:
     """Load this machine's CPU backend (and any GPU backend) once per process."""
     global _loaded
@@ -122,9 +138,7 @@ def ensure_loaded() -> CpuChoice:
             choice = cpu_choice()
             if choice.variant is not None:
                 for module in gpu_modules():
-                    # Registers the backend, with no device where it finds none (ggml's
-                    # Vulkan skips CPU-type devices such as lavapipe unless named).
-                    libggml.ggml_backend_load(str(module).encode())
+                    load_gpu_module(module)
                 if not libggml.ggml_backend_load(str(lib_dir() / choice.variant).encode()):
                     raise BackendUnavailable(f"ggml could not load {choice.variant}")
             if libggml.ggml_backend_dev_count() == 0:

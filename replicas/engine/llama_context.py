@@ -47,27 +47,34 @@ class ContextParams:
     flash_attn: bool = False
 
 
+def context_params(params: ContextParams) -> llama_cpp.llama_context_params:
+    """llama.cpp's context parameters for `params` (also used to measure a context
+    before creating it: `device_memory`)."""
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = params.n_ctx_per_seq * params.n_seqs
+    cparams.n_batch = params.n_batch
+    # One physical batch per decode: llama.cpp never splits our batch into a 1-row tail.
+    cparams.n_ubatch = params.n_batch
+    cparams.n_seq_max = params.n_seqs
+    cparams.n_threads = params.n_threads
+    cparams.n_threads_batch = params.n_threads
+    cparams.kv_unified = False
+    cparams.flash_attn_type = (
+        llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        if params.flash_attn
+        else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    )
+    cparams.no_perf = True
+    return cparams
+
+
 class LlamaContext:
     """One `llama_context` holding `n_seqs` independent sequences (one KV stream each)."""
 
     def __init__(self, model: LlamaModel, params: ContextParams) -> None:
         self.model = model
         self.params = params
-        cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = params.n_ctx_per_seq * params.n_seqs
-        cparams.n_batch = params.n_batch
-        # One physical batch per decode: llama.cpp never splits our batch into a 1-row tail.
-        cparams.n_ubatch = params.n_batch
-        cparams.n_seq_max = params.n_seqs
-        cparams.n_threads = params.n_threads
-        cparams.n_threads_batch = params.n_threads
-        cparams.kv_unified = False
-        cparams.flash_attn_type = (
-            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            if params.flash_attn
-            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        )
-        cparams.no_perf = True
+        cparams = context_params(params)
         pointer = llama_cpp.llama_init_from_model(model.pointer, cparams)
         if not pointer:
             raise RuntimeError("llama.cpp could not create a context (out of memory?)")

@@ -169,8 +169,16 @@ podSelector:
 {{- if $r.autoscaling.enabled }}
 {{- $most = int (($r.autoscaling.config | default dict).max_replicas | default 1) }}
 {{- end }}
-{{- if and (gt (float64 $r.gpus) 0.0) (gt (mulf $most $r.gpus) (mulf $w.maxReplicas $w.gpus)) }}
-{{- fail (printf "replicas: %d replicas x %v GPUs do not fit on workers.maxReplicas (%d) x workers.gpus (%d) GPUs" $most $r.gpus (int $w.maxReplicas) (int $w.gpus)) }}
+{{- if gt (float64 $r.gpus) 0.0 }}
+{{- /* A replica's GPUs come from one worker, and a share below one GPU from one GPU
+       (as deploy/capacity_check.py's gpu_room counts them). */}}
+{{- $perWorker := floor (addf (divf $w.gpus $r.gpus) 0.000000001) }}
+{{- if lt (float64 $r.gpus) 1.0 }}
+{{- $perWorker = mulf $w.gpus (floor (addf (divf 1 $r.gpus) 0.000000001)) }}
+{{- end }}
+{{- if gt (float64 $most) (mulf $w.maxReplicas $perWorker) }}
+{{- fail (printf "replicas: %d replicas x %v GPUs do not fit on workers.maxReplicas (%d) x workers.gpus (%d) GPUs: each worker holds %d such replica(s), a replica's GPUs coming from one worker (num_gpus_per_replica is replicas.gpus)" $most $r.gpus (int $w.maxReplicas) (int $w.gpus) (int $perWorker)) }}
+{{- end }}
 {{- end }}
 {{- end }}
 

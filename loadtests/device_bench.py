@@ -1,0 +1,291 @@
+"""`baton bench device`: one process, two engines on the device (every layer offloaded).
+
+Engine A (one slot) serves, per context length, a cold prompt and then a cached follow-up
+(the same prompt plus `NEW_TOKENS`), a few times each: prefill tok/s and TTFT from the
+cold runs; restore GB/s (host → device) from A's counters over each follow-up, which
+restores the cold prompt's checkpoint (a short other prompt runs in between, so the slot
+no longer holds it); save GB/s (device → host) over a prompt that adds `SAVE_STEP_TOKENS`
+to that checkpoint and saves one of its own (a state is read once the device has finished
+its queued work: the save waits for that short step, so GB/s is a floor). Then A
+exports the follow-up's checkpoint as the signed wire blob, exactly what a peer pull
+sends, and engine B imports it (every check: length, checksum, fingerprint, HMAC) and
+continues from it: B's greedy continuation must equal A's. The network is not included
+(`bench ship` measures that). An engine of its own (`STREAMS` slots) measures decode
+tok/s first.
+
+Nothing here imports Ray, Redis or locust: the bench runs where only llama.cpp does.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from baton_serve.loadtests.engine_bench import ALL_CORES, BENCH_HMAC_KEY
+from baton_serve.loadtests.progress import SILENT, Progress
+from baton_serve.replicas.engine import ggml_backends
+from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
+from baton_serve.replicas.engine.device_memory import device_memory as engine_device_memory
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.protocol import Completion, GenerationRequest
+from baton_serve.replicas.wire.sampling_params import SamplingParams
+
+NEW_TOKENS = 64  # what a follow-up adds to the cold prompt
+CONTINUATION_TOKENS = 16  # greedy tokens compared after the ship
+SAVE_STEP_TOKENS = 4  # what a save waits for the device to compute first
+OTHER_TOKENS = 16  # the prompt run between a cold prompt and its follow-up
+DECODE_TOKENS = 64
+DECODE_RUNS = 3
+STREAMS = 4
+ONE_TOKEN = SamplingParams(max_tokens=1)
+
+
+@dataclass(frozen=True)
+class DeviceSettings:
+    """What `device_benchmark` runs: the model, where, and at which context lengths."""
+
+    model: Path
+    contexts: tuple[int, ...] = (2048, 8192)
+    n_gpu_layers: int = -1
+    repeats: int = 5
+    threads: int = ALL_CORES
+    n_ctx: int | None = None  # default: the longest context
+    prefill_chunk: int = 256
+    store_bytes: int = 4 << 30
+    decode_tokens: int = DECODE_TOKENS  # per stream, in the decode figures
+
+    def __post_init__(self) -> None:
+        if not self.contexts or min(self.contexts) < 2 * (NEW_TOKENS + CONTINUATION_TOKENS):
+            least = 2 * (NEW_TOKENS + CONTINUATION_TOKENS)
+            raise ValueError(f"contexts must each be at least {least} tokens, got {self.contexts}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be at least 1, got {self.repeats}")
+        if self.n_ctx is not None and self.n_ctx < max(self.contexts):
+            raise ValueError(
+                f"n_ctx {self.n_ctx} is below the longest context {max(self.contexts)}"
+            )
+
+
+def device_memory() -> list[dict]:
+    """Free and total bytes of each device llama.cpp offloads to (as ggml reports them)."""
+    found = []
+    for device in ggml_backends.offload_devices():
+        name = device.split(": ", 1)[0]
+        free, total = engine_device_memory(name)
+        found.append({"device": name, "free_bytes": free, "total_bytes": total})
+    return found
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """p50, p95 and p99 of `values` (linear interpolation between samples)."""
+    p50, p95, p99 = np.percentile(values, [50, 95, 99])
+    return {"p50": float(p50), "p95": float(p95), "p99": float(p99)}
+
+
+def _tokens(rng: random.Random, n_vocab: int, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(3, n_vocab) for _ in range(n))
+
+
+def _rate(n_bytes: float, seconds: float) -> float | None:
+    return n_bytes / seconds / 1e9 if seconds > 0 else None
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def decode_speeds(model: Path, config: EngineConfig, tokens: int = DECODE_TOKENS) -> dict:
+    """Decode tok/s of one stream (median of `DECODE_RUNS`) and of `STREAMS` at once, on an
+    engine of its own (A and B have one slot each: a blob is for engines of one config)."""
+    config = config.model_copy(update={"n_slots": STREAMS, "n_ctx": 256})
+    with Engine(str(model), config, hmac_key=BENCH_HMAC_KEY) as engine:
+        return _decode_speeds(engine, tokens)
+
+
+def _decode_speeds(engine: Engine, tokens: int) -> dict:
+    sampling = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    rng = random.Random(1)
+    n_vocab = engine.model.n_vocab
+    one = []
+    for _ in range(DECODE_RUNS):
+        done = engine.generate(Prompt(tokens=_tokens(rng, n_vocab, 32)), sampling)
+        one.append((done.usage.completion_tokens - 1) / done.timings.decode_s)
+    prompts = [Prompt(tokens=_tokens(rng, n_vocab, 32)) for _ in range(STREAMS)]
+    started = time.perf_counter()
+    handles = [engine.submit(GenerationRequest(prompt=p, sampling=sampling)) for p in prompts]
+    results: list[Completion] = [h.result() for h in handles]
+    many = sum(r.usage.completion_tokens for r in results) / (time.perf_counter() - started)
+    single = statistics.median(one)
+    return {
+        "one_stream_tokens_per_s": single,
+        "streams": STREAMS,
+        "streams_tokens_per_s": many,
+        "speedup": many / single,
+    }
+
+
+def context_figures(
+    a: Engine, b: Engine, context: int, repeats: int, progress: Progress = SILENT
+) -> dict:
+    """Cold vs cached TTFT, prefill tok/s, save and restore GB/s on A, then A → B ship."""
+    rng = random.Random(context)
+    n_vocab = a.model.n_vocab
+    n_cold = context - NEW_TOKENS - CONTINUATION_TOKENS
+    cold_ttft, cached_ttft, prefill, saves, restores = [], [], [], [], []
+    state_bytes = cached = 0
+    for run in range(1, repeats + 1):
+        cold, new = _tokens(rng, n_vocab, n_cold), _tokens(rng, n_vocab, NEW_TOKENS)
+        done = a.generate(Prompt(tokens=cold), ONE_TOKEN)
+        if done.usage.cached_tokens:
+            raise RuntimeError(f"a cold prompt found {done.usage.cached_tokens} tokens cached")
+        cold_ttft.append(done.ttft_s or 0.0)
+        prefill.append(n_cold / done.timings.prefill_s)
+        checkpoint = a.checkpoint_prefixing(cold)
+        a.generate(Prompt(tokens=_tokens(rng, n_vocab, OTHER_TOKENS)), ONE_TOKEN)
+        restore_s = a.stats.restore_seconds
+        follow = a.generate(Prompt(tokens=cold + new), ONE_TOKEN)
+        cached = follow.usage.cached_tokens
+        cached_ttft.append(follow.ttft_s or 0.0)
+        if checkpoint is not None and cached == checkpoint.n_tokens:
+            state_bytes = len(checkpoint.state)
+            restores.append(_rate(state_bytes, a.stats.restore_seconds - restore_s))
+        saves.append(_save_rate(a, cold + new[:SAVE_STEP_TOKENS]))
+        progress.step(
+            f"{context} tokens: TTFT {cold_ttft[-1]:.3f} s cold, {cached_ttft[-1]:.3f} s cached",
+            done=run,
+        )
+    progress.step(f"{context} tokens: shipping A -> B")
+    return {
+        "context": context,
+        "cold_prompt_tokens": n_cold,
+        "follow_prompt_tokens": n_cold + NEW_TOKENS,
+        "cached_tokens": cached,
+        "prefill_tokens_per_s": statistics.median(prefill),
+        "ttft_cold_s": percentiles(cold_ttft),
+        "ttft_cached_s": percentiles(cached_ttft),
+        "checkpoint_bytes": state_bytes,
+        "save_gb_per_s": _median(saves),
+        "restore_gb_per_s": _median(restores),
+        "ship": ship(a, b, cold + new),
+    }
+
+
+def _save_rate(engine: Engine, tokens: tuple[int, ...]) -> float | None:
+    """GB/s of the one checkpoint a prompt saves after a step of `SAVE_STEP_TOKENS` tokens
+    past a stored checkpoint (llama.cpp reads a state once the device's queue is done: the
+    save waits for that short step, not for a whole prefill); None if it saved another
+    number of checkpoints."""
+    saved, seconds, count = (
+        engine.stats.saved_bytes,
+        engine.stats.save_seconds,
+        engine.stats.checkpoints_saved,
+    )
+    engine.generate(Prompt(tokens=tokens), ONE_TOKEN)
+    if engine.stats.checkpoints_saved - count != 1:
+        return None
+    return _rate(engine.stats.saved_bytes - saved, engine.stats.save_seconds - seconds)
+
+
+def ship(a: Engine, b: Engine, tokens: tuple[int, ...]) -> dict:
+    """A's checkpoint of `tokens` as the signed wire blob into B, and B continuing from it;
+    B's greedy continuation must equal A's."""
+    started = time.perf_counter()
+    found = a.export_best(tokens[:-MIN_PIECE])  # the engine computes at least the last two
+    export_s = time.perf_counter() - started
+    if found is None:
+        raise RuntimeError(f"engine A holds no checkpoint of the {len(tokens)}-token follow-up")
+    (head, state), _shared = found
+    started = time.perf_counter()
+    wire = b"".join((head, state))  # what the network would deliver, in one piece
+    copy_s = time.perf_counter() - started
+    started = time.perf_counter()
+    checkpoint = b.import_checkpoint(wire)
+    import_s = time.perf_counter() - started
+    restore_before = b.stats.restore_seconds
+    greedy = SamplingParams(max_tokens=CONTINUATION_TOKENS)
+    on_b = b.generate(Prompt(tokens=tokens), greedy)
+    restore_s = b.stats.restore_seconds - restore_before
+    if on_b.usage.cached_tokens != checkpoint.n_tokens:
+        raise RuntimeError(
+            f"engine B reused {on_b.usage.cached_tokens} tokens, not the shipped "
+            f"{checkpoint.n_tokens}"
+        )
+    on_a = a.generate(Prompt(tokens=tokens), greedy)
+    if on_b.tokens != on_a.tokens:
+        raise RuntimeError(f"B continued {on_b.tokens} after the ship, A {on_a.tokens}")
+    end_to_end = export_s + import_s + restore_s
+    return {
+        "tokens": checkpoint.n_tokens,
+        "blob_bytes": len(wire),
+        "state_bytes": len(checkpoint.state),
+        "export_s": export_s,
+        "copy_s": copy_s,
+        "import_s": import_s,
+        "restore_s": restore_s,
+        "end_to_end_s": end_to_end,
+        "gb_per_s": _rate(len(checkpoint.state), end_to_end),
+        "ttft_on_b_s": on_b.ttft_s,
+        "continuation": on_b.tokens,
+        "continuation_matches": True,
+    }
+
+
+def device_benchmark(settings: DeviceSettings, progress: Progress = SILENT) -> dict:
+    """Every figure of `baton bench device`, as one JSON-ready object."""
+    backend = ggml_backends.ensure_loaded()
+    memory = {"before": device_memory()}
+    n_ctx = settings.n_ctx or max(settings.contexts)
+    config = EngineConfig(
+        n_ctx=n_ctx,
+        n_slots=1,
+        n_threads=settings.threads,
+        n_gpu_layers=settings.n_gpu_layers,
+        prefill_chunk=settings.prefill_chunk,
+        n_batch=max(settings.prefill_chunk, EngineConfig.model_fields["n_batch"].default),
+        checkpoint_interval=0,  # one checkpoint per prompt, two tokens before its end
+        store_budget_bytes=settings.store_bytes,
+    )
+    progress.step(f"decode: 1 stream, then {STREAMS} ({settings.model.name})")
+    decode = decode_speeds(settings.model, config, settings.decode_tokens)
+    progress.step(f"loading two engines (n_ctx {n_ctx})")
+    with (
+        Engine(str(settings.model), config, hmac_key=BENCH_HMAC_KEY) as a,
+        Engine(str(settings.model), config, hmac_key=BENCH_HMAC_KEY) as b,
+    ):
+        if a.n_ctx < max(settings.contexts):
+            raise ValueError(
+                f"the engine's context is {a.n_ctx} tokens (the model's training context is "
+                f"{a.model.n_ctx_train}): below the longest context {max(settings.contexts)}"
+            )
+        for engine in (a, b):  # the device's first run compiles its kernels
+            engine.generate(Prompt(tokens=(a.model.any_token,) * 8), ONE_TOKEN)
+        memory["loaded"] = device_memory()
+        rows = []
+        for context in settings.contexts:
+            progress.start(settings.repeats)
+            rows.append(context_figures(a, b, context, settings.repeats, progress))
+        memory["end"] = device_memory()
+        return {
+            "model": str(settings.model),
+            "model_kind": a.model.kind.value,
+            "device": a.model.device,
+            "devices": list(a.model.devices),
+            "n_gpu_layers": settings.n_gpu_layers,
+            "threads": settings.threads,
+            "n_ctx": a.n_ctx,
+            "prefill_chunk": settings.prefill_chunk,
+            "repeats": settings.repeats,
+            "cpu_backend": backend.name,
+            "device_memory": memory,
+            "decode": decode,
+            "contexts": rows,
+            "network_included": False,
+        }

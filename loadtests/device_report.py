@@ -1,0 +1,76 @@
+"""`baton bench device`'s readable table (the figures: `device_bench`)."""
+
+from __future__ import annotations
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{1e3 * value:.1f}"
+
+
+def _gbs(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _memory(rows: list[dict]) -> str:
+    return ", ".join(
+        f"{r['device']} {(r['total_bytes'] - r['free_bytes']) / 2**30:.2f} of "
+        f"{r['total_bytes'] / 2**30:.2f} GiB used"
+        for r in rows
+    )
+
+
+def format_report(result: dict) -> str:
+    """The figures of one `device_benchmark` run as text."""
+    decode = result["decode"]
+    memory = result["device_memory"]
+    lines = [
+        f"model: {result['model']} ({result['model_kind']})",
+        f"device: {result['device']} (n_gpu_layers {result['n_gpu_layers']}, n_ctx "
+        f"{result['n_ctx']}, {result['threads']} CPU thread(s), CPU backend "
+        f"{result['cpu_backend']})",
+    ]
+    if memory["loaded"]:
+        lines.append(f"device memory: before {_memory(memory['before'])}")
+        lines.append(
+            f"  engines loaded: {_memory(memory['loaded'])}; end: {_memory(memory['end'])}"
+        )
+    else:
+        lines.append("device memory: llama.cpp names no GPU device")
+    lines += [
+        f"decode: {decode['one_stream_tokens_per_s']:.1f} tok/s with 1 stream, "
+        f"{decode['streams_tokens_per_s']:.1f} tok/s aggregate with {decode['streams']} "
+        f"({decode['speedup']:.2f}x)",
+        f"per context ({result['repeats']} repeats; TTFT p50/p95/p99 in ms; cached = the same "
+        "prompt plus 64 new tokens, from its checkpoint):",
+        f"{'context':>7} {'prefill tok/s':>13} {'TTFT cold':>20} {'TTFT cached':>20}"
+        f" {'ckpt MB':>8} {'save GB/s':>9} {'restore GB/s':>12}",
+    ]
+    for row in result["contexts"]:
+        cold, cached = row["ttft_cold_s"], row["ttft_cached_s"]
+        lines.append(
+            f"{row['context']:>7} {row['prefill_tokens_per_s']:>13.0f}"
+            f" {'/'.join(_ms(cold[p]) for p in ('p50', 'p95', 'p99')):>20}"
+            f" {'/'.join(_ms(cached[p]) for p in ('p50', 'p95', 'p99')):>20}"
+            f" {row['checkpoint_bytes'] / 1e6:>8.2f} {_gbs(row['save_gb_per_s']):>9}"
+            f" {_gbs(row['restore_gb_per_s']):>12}"
+        )
+    lines += [
+        "ship engine A -> engine B on this device (the signed wire blob: export, import with"
+        " every check, restore; NOT the network transport, which bench ship measures):",
+        f"{'context':>7} {'tokens':>7} {'blob MB':>8} {'export ms':>9} {'import ms':>9}"
+        f" {'restore ms':>10} {'GB/s':>7} {'B TTFT ms':>9}  continuation",
+    ]
+    for row in result["contexts"]:
+        ship = row["ship"]
+        same = "equals A's" if ship["continuation_matches"] else "DIFFERS from A's"
+        lines.append(
+            f"{row['context']:>7} {ship['tokens']:>7} {ship['blob_bytes'] / 1e6:>8.2f}"
+            f" {_ms(ship['export_s']):>9} {_ms(ship['import_s']):>9}"
+            f" {_ms(ship['restore_s']):>10} {_gbs(ship['gb_per_s']):>7}"
+            f" {_ms(ship['ttft_on_b_s']):>9}  {len(ship['continuation'])} tokens, {same}"
+        )
+    lines.append(
+        "save GB/s is a floor: llama.cpp reads a state once the device finished its queue, so"
+        " each save also waits for one 4-token step"
+    )
+    return "\n".join(lines)

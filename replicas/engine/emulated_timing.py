@@ -1,0 +1,39 @@
+"""The emulated engine's timing: what one replica's compute costs, from a measured profile
+(`bench sim`'s profiles, `loadtests/sim_bench.py`; `emulated_compute` spends it)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EmulatedTiming(BaseModel):
+    """What one replica's compute costs: a profile of `bench sim`'s (its name labels the
+    replica's device, `emulated:<name>`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, description="the profile's name")
+    prefill_tokens_per_s: float = Field(gt=0, description="prompt tokens a second")
+    decode_tokens_per_s: float = Field(gt=0, description="one stream decoding alone")
+    batch_decode_tokens_per_s: float = Field(
+        gt=0, description="`batch_slots` streams decoding together, all of them"
+    )
+    batch_slots: int = Field(ge=1, description="the batch the batch pace was measured at")
+    state_bytes_per_token: int = Field(ge=0, description="the real state's size, for restores")
+    restore_bytes_per_s: float = Field(gt=0, description="how fast a real state is restored")
+    step_noise: float = Field(
+        default=0.0, ge=0, description="sigma of a mean-1 lognormal factor on each step's time"
+    )
+
+    def decode_step_s(self, streams: int) -> float:
+        """One decode step for `streams` sequences: linear between one stream alone and
+        `batch_slots` together (`sim_replica.Profile.decode_step_s`)."""
+        one = 1 / self.decode_tokens_per_s
+        if self.batch_slots == 1:
+            return one
+        full = self.batch_slots / self.batch_decode_tokens_per_s
+        return one + (streams - 1) * (full - one) / (self.batch_slots - 1)
+
+    def restore_s(self, n_tokens: int) -> float:
+        """Restoring a real `n_tokens`-token state."""
+        return n_tokens * self.state_bytes_per_token / self.restore_bytes_per_s

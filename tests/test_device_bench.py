@@ -1,0 +1,121 @@
+"""`baton bench device`: every figure, on the Vulkan device (lavapipe) and on the CPU.
+
+The device run is a child process (ggml uses lavapipe only when `GGML_VK_VISIBLE_DEVICES`
+names it before it loads, and this process's llama.cpp stays CPU-only, as in
+tests/test_vulkan_device.py); it also shows the bench imports nothing of Ray, Redis or
+locust. The CPU run goes through the command line in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from baton_serve.deploy import vulkan_build
+from baton_serve.deploy.cli import main
+from baton_serve.loadtests.device_bench import DeviceSettings, device_benchmark
+from baton_serve.loadtests.device_report import format_report
+
+CONTEXTS = (160, 256)
+REPEATS = 2
+DECODE_TOKENS = 8  # lavapipe compiles a pipeline per batch shape: keep the decode part short
+CHILD_TIMEOUT_S = 900  # a fresh machine compiles every shader once (Mesa caches them on disk)
+TOP = {"model", "model_kind", "device", "devices", "n_gpu_layers", "threads", "n_ctx"}
+TOP |= {"prefill_chunk", "repeats", "cpu_backend", "device_memory", "decode", "contexts"}
+TOP |= {"network_included"}
+ROW = {"context", "cold_prompt_tokens", "follow_prompt_tokens", "cached_tokens"}
+ROW |= {"prefill_tokens_per_s", "ttft_cold_s", "ttft_cached_s", "checkpoint_bytes"}
+ROW |= {"save_gb_per_s", "restore_gb_per_s", "ship"}
+SHIP = {"tokens", "blob_bytes", "state_bytes", "export_s", "copy_s", "import_s", "restore_s"}
+SHIP |= {"end_to_end_s", "gb_per_s", "ttft_on_b_s", "continuation", "continuation_matches"}
+
+
+def check_figures(result: dict) -> None:
+    assert set(result) == TOP
+    assert result["network_included"] is False
+    decode = result["decode"]
+    assert decode["one_stream_tokens_per_s"] > 0 and decode["streams_tokens_per_s"] > 0
+    assert [row["context"] for row in result["contexts"]] == list(CONTEXTS)
+    for row in result["contexts"]:
+        assert set(row) == ROW
+        assert row["cached_tokens"] == row["cold_prompt_tokens"] - 2  # its checkpoint
+        assert row["prefill_tokens_per_s"] > 0 and row["checkpoint_bytes"] > 0
+        assert row["save_gb_per_s"] > 0 and row["restore_gb_per_s"] > 0
+        for ttft in (row["ttft_cold_s"], row["ttft_cached_s"]):
+            assert 0 < ttft["p50"] <= ttft["p95"] <= ttft["p99"]
+        ship = row["ship"]
+        assert set(ship) == SHIP
+        assert ship["continuation_matches"] and len(ship["continuation"]) == 16
+        assert ship["blob_bytes"] > ship["state_bytes"] > 0 and ship["gb_per_s"] > 0
+        assert ship["tokens"] == row["follow_prompt_tokens"] - 2
+    assert "NOT the network transport" in format_report(result)
+
+
+def child(path: str) -> None:
+    """Runs in the child: the bench on every layer offloaded; prints its JSON."""
+    settings = DeviceSettings(
+        Path(path), contexts=CONTEXTS, repeats=REPEATS, threads=2, decode_tokens=DECODE_TOKENS
+    )
+    result = device_benchmark(settings)
+    imported = [name for name in ("ray", "redis", "locust") if name in sys.modules]
+    print(json.dumps({"result": result, "imported": imported}))
+
+
+@pytest.mark.slow
+def test_the_device_bench_offloads_every_layer_and_ships_between_two_engines(tiny_model) -> None:
+    problem = vulkan_build.check()
+    if problem:
+        pytest.skip(f"llama.cpp's Vulkan backend is not built ({problem})")
+    env = {**os.environ, "GGML_VK_VISIBLE_DEVICES": os.environ.get("GGML_VK_VISIBLE_DEVICES", "0")}
+    done = subprocess.run(
+        [sys.executable, __file__, str(tiny_model("qwen35"))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=CHILD_TIMEOUT_S,
+        check=False,
+    )
+    if done.returncode != 0 and "Invalid Vulkan device index" in done.stderr:
+        pytest.skip("no Vulkan device GGML_VK_VISIBLE_DEVICES=0 (no Vulkan driver installed?)")
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    result = report["result"]
+    if result["device"] == "CPU":
+        pytest.skip("GGML_VK_VISIBLE_DEVICES=0 names no Vulkan device (mesa-vulkan-drivers?)")
+    assert report["imported"] == []
+    assert result["device"].startswith("Vulkan0: ") and result["devices"] == [result["device"]]
+    assert [row["device"] for row in result["device_memory"]["loaded"]] == ["Vulkan0"]
+    check_figures(result)
+
+
+@pytest.mark.slow
+def test_the_device_bench_runs_on_the_cpu_from_the_command_line(
+    tiny_model, tmp_path, capsys
+) -> None:
+    contexts = ",".join(map(str, CONTEXTS))
+    argv = ["bench", "device", "--model", str(tiny_model("qwen35")), "--n-gpu-layers", "0"]
+    argv += ["--contexts", contexts, "--repeats", str(REPEATS), "--threads", "2", "--json"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["device"] == "CPU" and result["devices"] == []
+    assert json.loads((tmp_path / "device.json").read_text()) == result
+    check_figures(result)
+
+
+def test_the_device_bench_refuses_contexts_it_cannot_run(tiny_model, capsys) -> None:
+    with pytest.raises(ValueError, match="contexts must each be at least 160"):
+        DeviceSettings(Path("model.gguf"), contexts=(100,))
+    with pytest.raises(ValueError, match="n_ctx 512 is below the longest context 1024"):
+        DeviceSettings(Path("model.gguf"), contexts=(1024,), n_ctx=512)
+    with pytest.raises(SystemExit):
+        main(["bench", "device", "--contexts", "2k,8k"])
+    assert "whole numbers separated by commas, got '2k,8k'" in capsys.readouterr().err
+
+
+if __name__ == "__main__":
+    child(sys.argv[1])

@@ -1,0 +1,182 @@
+"""The emulated engine: the real `Engine` over an emulated context (compute replaced by time
+from a profile), against the real engine on the same token prompts, and behind the real
+gateway, router and index in a Serve app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+
+import httpx
+import numpy as np
+import pytest
+from fixtures_ray import wait_healthy
+from ray import serve
+
+from baton_serve.cache_store.checkpoints.state_blob import BlobError
+from baton_serve.deploy.app import build_app
+from baton_serve.deploy.config import BatonConfig, RouterPolicy
+from baton_serve.loadtests.serve_app import replica_stats
+from baton_serve.replicas.engine.emulated_compute import EmulatedContext, EmulatedModel
+from baton_serve.replicas.engine.emulated_timing import EmulatedTiming
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.llama_context import BatchEntry, ContextParams, StateRestoreError
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.sampling_params import SamplingParams
+
+HMAC_KEY = b"test-cluster-key"
+FAST = EmulatedTiming(
+    name="test",
+    prefill_tokens_per_s=20_000.0,
+    decode_tokens_per_s=2_000.0,
+    batch_decode_tokens_per_s=4_000.0,
+    batch_slots=2,
+    state_bytes_per_token=1000,
+    restore_bytes_per_s=1e9,
+)
+SETTINGS = {"n_ctx": 1024, "n_slots": 2, "n_threads": 2, "block_tokens": 16}
+SETTINGS |= {"prefill_chunk": 64, "checkpoint_interval": 64}
+REPLY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def _engine(path: object, *, emulated: bool, **config: object) -> Engine:
+    settings = SETTINGS | config | ({"emulated": FAST} if emulated else {})
+    return Engine(str(path), EngineConfig(**settings), hmac_key=HMAC_KEY)
+
+
+def _turns(n_vocab: int, turns: int = 3) -> list[Prompt]:
+    """A conversation's prompts as token ids, each the previous one and a new message
+    (independent of the replies, so two engines are sent the same prompts)."""
+    rng = np.random.default_rng(7)
+    tokens: list[int] = []
+    prompts = []
+    for size in [150, *([40] * (turns - 1))]:
+        tokens += rng.integers(1, n_vocab, size).tolist()
+        prompts.append(Prompt(tokens=tuple(tokens)))
+    return prompts
+
+
+def test_the_emulated_engine_is_deterministic_and_labelled(tiny_model) -> None:
+    path = tiny_model("llama")
+    with _engine(path, emulated=True) as one, _engine(path, emulated=True) as other:
+        assert one.model.device == "emulated:test"
+        prompt = _turns(one.model.n_vocab, 1)[0]
+        first = one.generate(prompt, REPLY)
+        assert len(first.tokens) == REPLY.max_tokens
+        assert other.generate(prompt, REPLY).tokens == first.tokens  # another engine
+        sampled = REPLY.model_copy(update={"temperature": 1.0, "seed": 3})
+        again = one.generate(prompt, sampled)  # from the cache, sampled: still the same
+        assert again.tokens == first.tokens and again.usage.cached_tokens > 0
+        changed = Prompt(tokens=prompt.tokens[:-1] + ((prompt.tokens[-1] + 1) % 100,))
+        assert other.generate(changed, REPLY).tokens != first.tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_its_cache_counts_are_the_real_engines(arch, tiny_model) -> None:
+    """Cached tokens per turn, checkpoints saved and prompt tokens computed: the same
+    bookkeeping, whatever the compute (attention, and a hybrid with its checkpoints)."""
+    path = tiny_model(arch)
+    with _engine(path, emulated=False) as real, _engine(path, emulated=True) as emulated:
+        assert emulated.kind is real.kind
+        for prompt in _turns(real.model.n_vocab):
+            served = [engine.generate(prompt, REPLY).usage for engine in (real, emulated)]
+            assert served[0] == served[1]
+            assert real.wait_idle(10) and emulated.wait_idle(10)
+        for name in ("checkpoints_saved", "prompt_tokens_computed", "replayed_tokens"):
+            assert getattr(real.stats, name) == getattr(emulated.stats, name), name
+        assert len(real.checkpoints()) == len(emulated.checkpoints())
+
+
+def test_a_state_blob_round_trips_and_is_checked_like_a_real_one(tiny_model) -> None:
+    path = tiny_model("llama")
+    with (
+        _engine(path, emulated=True) as donor,
+        _engine(path, emulated=True) as taker,
+        _engine(path, emulated=False) as real,
+    ):
+        prompt = _turns(donor.model.n_vocab, 1)[0]
+        reply = donor.generate(prompt, REPLY)
+        assert donor.wait_idle(10)
+        head, state = donor.export_best(prompt.tokens)[0]
+        checkpoint = taker.import_checkpoint((head, state))
+        assert taker.state_bytes(len(checkpoint.tokens)) == len(state)
+        pulled = taker.generate(prompt, REPLY)
+        assert pulled.tokens == reply.tokens and pulled.usage.cached_tokens > 0
+        tampered = bytearray(state)
+        tampered[-1] ^= 1
+        with pytest.raises(BlobError):
+            taker.import_checkpoint((head, bytes(tampered)))
+        with pytest.raises(BlobError, match="bytes"):  # not a real state's size
+            real.import_checkpoint((head, state))
+
+
+def test_the_context_refuses_what_llama_cpp_refuses(tiny_model) -> None:
+    model = EmulatedModel(str(tiny_model("llama")), FAST)
+    try:
+        context = EmulatedContext(model, ContextParams(64, 2, 32, 1))
+        context.decode([BatchEntry(0, 5, 0, False), BatchEntry(0, 6, 1, True)])
+        state = context.save_state(0)
+        context.restore_state(1, state)
+        assert context.held(1) == (5, 6)
+        forged = bytearray(state)
+        forged[-4:] = (7).to_bytes(4, "little")  # another token under the same digest
+        with pytest.raises(StateRestoreError):
+            context.restore_state(1, bytes(forged))
+        assert context.held(1) == ()
+        with pytest.raises(RuntimeError, match="invalid batch"):  # a gap in positions
+            context.decode([BatchEntry(0, 5, 5, True)])
+        context.decode([BatchEntry(0, 1, p, False) for p in range(2, 34)])
+        with pytest.raises(RuntimeError, match="no free KV cache slot"):  # past 64 tokens
+            context.decode([BatchEntry(0, 1, p, False) for p in range(34, 66)])
+    finally:
+        model.close()
+
+
+def test_a_step_takes_the_profiles_time(tiny_model) -> None:
+    slow = FAST.model_copy(update={"prefill_tokens_per_s": 1000.0, "decode_tokens_per_s": 50.0})
+    config = EngineConfig(**SETTINGS, emulated=slow)
+    with Engine(str(tiny_model("llama")), config, hmac_key=HMAC_KEY) as engine:
+        prompt = _turns(engine.model.n_vocab, 1)[0]
+        started = time.perf_counter()
+        done = engine.generate(prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+        took = time.perf_counter() - started
+        expected = len(prompt) / 1000.0 + 4 / 50.0  # the prompt, then 4 decode steps
+        assert expected <= took < expected + 0.15
+        assert done.ttft_s == pytest.approx(len(prompt) / 1000.0, abs=0.05)
+
+
+@pytest.mark.slow
+def test_four_emulated_replicas_serve_through_the_gateway_and_router(
+    tiny_model, serve_port
+) -> None:
+    config = BatonConfig(
+        model=str(tiny_model("llama")),
+        replicas=4,
+        num_cpus_per_replica=0.01,
+        engine=EngineConfig(**SETTINGS, emulated=FAST),
+        router=RouterPolicy.BATON,
+        heartbeat_s=0.2,
+        hmac_key=secrets.token_hex(16),
+    )
+    app = "emulated"
+    serve.run(build_app(config), name=app, route_prefix=f"/{app}")
+    url = f"http://127.0.0.1:{serve_port}/{app}"
+    try:
+        wait_healthy(url)
+        n_vocab = EmulatedModel(str(tiny_model("llama")), FAST).n_vocab
+        cached = []
+        for prompt in _turns(n_vocab):
+            body = {"model": config.served_model_name, "prompt": list(prompt.tokens)}
+            body |= {"max_tokens": 6, "ignore_eos": True, "temperature": 0}
+            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 200, reply.text
+            cached.append(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            time.sleep(0.5)  # the turn's checkpoint reaches the index
+        assert cached[0] == 0 and all(c >= 150 for c in cached[1:]), cached
+        stats = asyncio.run(replica_stats(app))
+        assert len(stats) == 4 and {s["device"] for s in stats} == {"emulated:test"}
+    finally:
+        serve.delete(app)
