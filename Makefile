@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.baton-installed
 HELM := $(BIN)/helm
 
-.PHONY: install serve test redis-server helm vulkan vulkan-debs llama-server bench clean
+.PHONY: install serve test redis-server helm vulkan vulkan-debs cuda llama-server bench clean
 
 # More CMake flags for llama.cpp, e.g. LLAMA_CMAKE_ARGS="-DGGML_CUDA=on" (portable CPU
 # flags are always set: see deploy/llama_build.py).
@@ -53,6 +53,15 @@ vulkan-debs:
 
 vulkan: install vulkan-debs
 	$(BIN)/python -m baton_serve.deploy.vulkan_build install
+
+# llama.cpp's CUDA backend module for a GPU machine, compiled here without one: the system's
+# CUDA toolkit if it has cuBLAS, else CUDA 13.0 from NVIDIA's PyPI wheels (deploy/cuda_build.py).
+# About an hour per architecture on 2 cores, so the test run only compiles one kernel; this
+# builds (or reuses) ~/.cache/baton/cuda/<key>/libggml-cuda.so, to carry or to `install`.
+CUDA_ARCHS ?= 90
+
+cuda: install
+	$(BIN)/python -m baton_serve.deploy.cuda_build build --archs "$(CUDA_ARCHS)"
 
 # llama-server from the same vendored llama.cpp, for `baton bench peer` and its test; built
 # once per flags (deploy/llama_server_build.py), before the tests rather than inside one.

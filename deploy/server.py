@@ -44,6 +44,8 @@ def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) 
             n_gpu_layers=config.engine.n_gpu_layers,
             cpu_repack=config.engine.cpu_repack,
             env=config.replica_env,
+            engine=config.engine,
+            gpu_share=min(config.num_gpus_per_replica, 1.0) or 1.0,
         )
         print(f"  {report.summary()}", flush=True)
         if (timing := config.engine.emulated) is not None:

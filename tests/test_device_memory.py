@@ -26,6 +26,7 @@ from baton_serve.replicas.engine import device_memory
 from baton_serve.replicas.engine.device_memory import MIB, budget_bytes
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.models.model_check import ModelCheckFailed, check_model
 from baton_serve.replicas.models.tiny_model import write_tiny_model
 from baton_serve.replicas.wire.prompt_types import Prompt
 from baton_serve.replicas.wire.sampling_params import SamplingParams
@@ -133,6 +134,17 @@ def test_a_config_that_cannot_fit_is_refused_with_the_numbers(on_lavapipe) -> No
 def test_a_replica_gets_its_share_of_a_shared_device(on_lavapipe) -> None:
     message = on_lavapipe["small_share"]
     assert "0.01 of the device" in message and "num_gpus_per_replica" in message, message
+
+
+def test_baton_serves_start_check_refuses_what_cannot_fit(on_lavapipe, tmp_path) -> None:
+    """The check `baton serve` runs before deploying measures the replicas' engine config."""
+    big = write_tiny_model("llama", tmp_path / "llama16.gguf", n_layers=16)
+    env = {"GGML_VK_VISIBLE_DEVICES": os.environ.get("GGML_VK_VISIBLE_DEVICES", "0")}
+    with pytest.raises(ModelCheckFailed, match="does not fit") as refused:
+        check_model(big, n_gpu_layers=-1, env=env, engine=EngineConfig(**TOO_MANY_SLOTS))
+    assert "n_slots=256" in str(refused.value)
+    fits = check_model(big, n_gpu_layers=-1, env=env, engine=EngineConfig(**FITS))
+    assert fits.device.startswith("Vulkan0")
 
 
 def test_budget_is_the_share_of_the_device_never_more_than_is_free() -> None:

@@ -88,7 +88,7 @@ class EmulatedContext:
         self.timing = model.timing
         self.n_ctx_per_seq = params.n_ctx_per_seq
         # Per sequence: its tokens and, for each, the digest of the sequence up to it.
-        self._tokens: list[list[int]] = [[] for _ in range(params.n_seqs)]
+        self._seq_tokens: list[list[int]] = [[] for _ in range(params.n_seqs)]
         self._digests: list[list[int]] = [[] for _ in range(params.n_seqs)]
         self._noise = random.Random(seed)
         self._words = model.word_tokens
@@ -107,17 +107,17 @@ class EmulatedContext:
             raise ValueError(f"batch of {len(entries)} tokens (limit {self.params.n_batch})")
         added: dict[int, list[BatchEntry]] = {}
         for entry in entries:
-            if not 0 <= entry.seq_id < len(self._tokens):
+            if not 0 <= entry.seq_id < len(self._seq_tokens):
                 raise DecodeError(-1)
             added.setdefault(entry.seq_id, []).append(entry)
         for seq_id, batch in added.items():
-            held = len(self._tokens[seq_id])
+            held = len(self._seq_tokens[seq_id])
             if [e.pos for e in batch] != list(range(held, held + len(batch))):
                 raise DecodeError(-1)  # positions must continue the sequence
             if held + len(batch) > self.n_ctx_per_seq:
                 raise DecodeError(1)
         for seq_id, batch in added.items():
-            tokens, digests = self._tokens[seq_id], self._digests[seq_id]
+            tokens, digests = self._seq_tokens[seq_id], self._digests[seq_id]
             for entry in batch:
                 digests.append(_digest(digests[-1] if digests else 0, entry.token))
                 tokens.append(entry.token)
@@ -152,15 +152,15 @@ class EmulatedContext:
     # ---- memory --------------------------------------------------------------------------
 
     def clear(self, seq_id: int) -> None:
-        self._tokens[seq_id], self._digests[seq_id] = [], []
+        self._seq_tokens[seq_id], self._digests[seq_id] = [], []
 
     def truncate(self, seq_id: int, n_tokens: int) -> bool:
         """Drop positions ≥ n_tokens; False (nothing dropped) where the model's memory is
         recurrent and would have to be cut inside, as llama.cpp answers."""
-        held = len(self._tokens[seq_id])
+        held = len(self._seq_tokens[seq_id])
         if self.model.kind.needs_checkpoints and 0 < n_tokens < held:
             return False
-        del self._tokens[seq_id][n_tokens:], self._digests[seq_id][n_tokens:]
+        del self._seq_tokens[seq_id][n_tokens:], self._digests[seq_id][n_tokens:]
         return True
 
     def copy_sequence(self, source: int, target: int) -> None:
@@ -169,7 +169,7 @@ class EmulatedContext:
     # ---- states --------------------------------------------------------------------------
 
     def save_state(self, seq_id: int) -> memoryview:
-        tokens, digests = self._tokens[seq_id], self._digests[seq_id]
+        tokens, digests = self._seq_tokens[seq_id], self._digests[seq_id]
         head = _HEAD.pack(_MAGIC, len(tokens), digests[-1] if digests else 0)
         body = np.asarray(tokens, dtype=np.int32).tobytes()
         return memoryview(head + body).toreadonly()
@@ -195,12 +195,12 @@ class EmulatedContext:
             digests.append(running)
         if running != digest or n_tokens > self.n_ctx_per_seq:
             raise StateRestoreError("the emulated state's digest does not match its tokens")
-        self._tokens[seq_id], self._digests[seq_id] = tokens, digests
+        self._seq_tokens[seq_id], self._digests[seq_id] = tokens, digests
         self._sleep(self.timing.restore_s(n_tokens))
 
     def held(self, seq_id: int) -> tuple[int, ...]:
         """The tokens a sequence holds (for tests)."""
-        return tuple(self._tokens[seq_id])
+        return tuple(self._seq_tokens[seq_id])
 
 
 def next_token(digest: int, words: tuple[int, ...]) -> int:

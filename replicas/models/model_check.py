@@ -1,8 +1,9 @@
 """Load a model once in a child process before serving it.
 
 A GGUF file that llama.cpp refuses, or whose load or first decode kills the process (an
-unsupported architecture, a corrupt tensor, an instruction the CPU cannot run), must fail
-`baton serve` at start with its cause — not send every replica into a crash loop.
+unsupported architecture, a corrupt tensor, an instruction the CPU cannot run), or an engine
+config whose model, caches and buffers cannot fit the device (`device_memory.check_fits`),
+must fail `baton serve` at start with its cause — not send every replica into a crash loop.
 `check_model` runs `python -m baton_serve.replicas.models.model_check PATH` and reports what the child saw.
 """
 
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.ggml_backends import exit_description
 
 CHECK_TIMEOUT_S = 300.0
@@ -65,11 +67,16 @@ def check_model(
     n_gpu_layers: int = 0,
     cpu_repack: bool | None = None,
     env: Mapping[str, str] | None = None,
+    engine: EngineConfig | None = None,
+    gpu_share: float = 1.0,
 ) -> ModelReport:
     """Load `path` and decode a few tokens in a child process (with `env` added to its
-    environment, as a replica's); raise `ModelCheckFailed`."""
+    environment, as a replica's); with `engine`, first check its config fits the device
+    (`gpu_share` of it, a replica's); raise `ModelCheckFailed`."""
     command = [sys.executable, "-m", "baton_serve.replicas.models.model_check", str(path)]
     command += ["--n-gpu-layers", str(n_gpu_layers)]
+    if engine is not None:
+        command += ["--engine", engine.model_dump_json(), "--gpu-share", str(gpu_share)]
     if cpu_repack is not None:
         command += ["--cpu-repack", str(int(cpu_repack))]
     try:
@@ -90,12 +97,17 @@ def check_model(
     return ModelReport(**json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def _report(path: str, n_gpu_layers: int, cpu_repack: bool | None) -> ModelReport:
+def _report(
+    path: str, n_gpu_layers: int, cpu_repack: bool | None, fits: tuple[EngineConfig, float] | None
+) -> ModelReport:
+    from baton_serve.replicas.engine.device_memory import check_fits
     from baton_serve.replicas.engine.ggml_backends import ensure_loaded
     from baton_serve.replicas.engine.llama_context import BatchEntry, ContextParams, LlamaContext
     from baton_serve.replicas.engine.llama_model import LlamaModel, ModelLoadError
 
     try:
+        if fits is not None:
+            check_fits(path, fits[0], share=fits[1])
         model = LlamaModel(path, n_gpu_layers=n_gpu_layers, cpu_repack=cpu_repack)
     except ModelLoadError as exc:
         raise SystemExit(str(exc)) from exc
@@ -120,9 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path")
     parser.add_argument("--n-gpu-layers", type=int, default=0)
     parser.add_argument("--cpu-repack", type=int, choices=(0, 1))
+    parser.add_argument("--engine", help="an EngineConfig as JSON: check it fits the device")
+    parser.add_argument("--gpu-share", type=float, default=1.0)
     args = parser.parse_args(argv)
     repack = None if args.cpu_repack is None else bool(args.cpu_repack)
-    report = _report(args.path, args.n_gpu_layers, repack)
+    fits = None
+    if args.engine:
+        fits = (EngineConfig.model_validate_json(args.engine), args.gpu_share)
+    report = _report(args.path, args.n_gpu_layers, repack, fits)
     print(json.dumps(report.__dict__))
     return 0
 
