@@ -21,6 +21,7 @@ Standard library only: it runs before the project is installed.
 from __future__ import annotations
 
 import argparse
+import filecmp
 import hashlib
 import json
 import os
@@ -170,6 +171,32 @@ def installed_lib_dir() -> Path | None:
     if spec is None or spec.origin is None:
         return None
     return Path(spec.origin).parent / "lib"
+
+
+def installed_lib() -> Path:
+    """`installed_lib_dir()`, or a RuntimeError saying how to install llama-cpp-python."""
+    lib = installed_lib_dir()
+    if lib is None or not lib.is_dir():
+        raise RuntimeError("llama-cpp-python is not installed: run `make install` first")
+    return lib
+
+
+def install_module(module: Path, lib: Path) -> Path:
+    """Copy a backend module (CUDA's, Vulkan's) into `lib`, beside the CPU variants, where
+    `ggml_backends` loads every module; a copy already there and equal is left as it is."""
+    target = lib / module.name
+    if not (target.exists() and filecmp.cmp(module, target, shallow=False)):
+        shutil.copy2(module, target)
+    print(f"installed {target}")
+    return target
+
+
+def missing_module(name: str, script: str) -> str | None:
+    """None if the installed llama.cpp has the module `name`, else how to install it."""
+    lib = installed_lib_dir()
+    if lib is None or not (lib / name).exists():
+        return f"no {name} beside llama.cpp: run `python deploy/{script} install`"
+    return None
 
 
 def check() -> str | None:

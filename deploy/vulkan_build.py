@@ -23,7 +23,6 @@ Standard library only, like `llama_build`:
 from __future__ import annotations
 
 import argparse
-import filecmp
 import os
 import re
 import shlex
@@ -186,23 +185,13 @@ def cached_module(args: list[str], cache: Path, jobs: int) -> Path:
 
 def install(args: list[str], cache: Path, jobs: int) -> Path:
     """Put the module into the installed llama_cpp/lib, where ggml_backends loads it."""
-    lib = llama_build.installed_lib_dir()
-    if lib is None or not lib.is_dir():
-        raise RuntimeError("llama-cpp-python is not installed: run `make install` first")
-    module = cached_module(args, cache, jobs)
-    target = lib / MODULE
-    if not (target.exists() and filecmp.cmp(module, target, shallow=False)):
-        shutil.copy2(module, target)
-    print(f"installed {target}")
-    return target
+    lib = llama_build.installed_lib()
+    return llama_build.install_module(cached_module(args, cache, jobs), lib)
 
 
 def check() -> str | None:
     """None if the installed llama.cpp has the Vulkan module, else what is wrong."""
-    lib = llama_build.installed_lib_dir()
-    if lib is None or not (lib / MODULE).exists():
-        return f"no {MODULE} beside llama.cpp: run `python deploy/vulkan_build.py install`"
-    return None
+    return llama_build.missing_module(MODULE, "vulkan_build.py")
 
 
 def main(argv: list[str] | None = None) -> int:

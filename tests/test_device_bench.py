@@ -9,14 +9,12 @@ locust. The CPU run goes through the command line in this process.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from lavapipe import child_report, skip_unless_device
 
-from baton_serve.deploy import vulkan_build
 from baton_serve.deploy.cli import main
 from baton_serve.loadtests.device_bench import DeviceSettings, device_benchmark
 from baton_serve.loadtests.device_report import format_report
@@ -24,7 +22,6 @@ from baton_serve.loadtests.device_report import format_report
 CONTEXTS = (160, 256)
 REPEATS = 2
 DECODE_TOKENS = 8  # lavapipe compiles a pipeline per batch shape: keep the decode part short
-CHILD_TIMEOUT_S = 900  # a fresh machine compiles every shader once (Mesa caches them on disk)
 TOP = {"model", "model_kind", "device", "devices", "n_gpu_layers", "threads", "n_ctx"}
 TOP |= {"prefill_chunk", "repeats", "cpu_backend", "device_memory", "decode", "contexts"}
 TOP |= {"network_included"}
@@ -68,25 +65,9 @@ def child(path: str) -> None:
 
 @pytest.mark.slow
 def test_the_device_bench_offloads_every_layer_and_ships_between_two_engines(tiny_model) -> None:
-    problem = vulkan_build.check()
-    if problem:
-        pytest.skip(f"llama.cpp's Vulkan backend is not built ({problem})")
-    env = {**os.environ, "GGML_VK_VISIBLE_DEVICES": os.environ.get("GGML_VK_VISIBLE_DEVICES", "0")}
-    done = subprocess.run(
-        [sys.executable, __file__, str(tiny_model("qwen35"))],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=CHILD_TIMEOUT_S,
-        check=False,
-    )
-    if done.returncode != 0 and "Invalid Vulkan device index" in done.stderr:
-        pytest.skip("no Vulkan device GGML_VK_VISIBLE_DEVICES=0 (no Vulkan driver installed?)")
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = child_report(__file__, str(tiny_model("qwen35")))
     result = report["result"]
-    if result["device"] == "CPU":
-        pytest.skip("GGML_VK_VISIBLE_DEVICES=0 names no Vulkan device (mesa-vulkan-drivers?)")
+    skip_unless_device(result["device"])
     assert report["imported"] == []
     assert result["device"].startswith("Vulkan0: ") and result["devices"] == [result["device"]]
     assert [row["device"] for row in result["device_memory"]["loaded"]] == ["Vulkan0"]

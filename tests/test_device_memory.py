@@ -13,15 +13,13 @@ with the numbers, and the same process then serves a config that fits.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 
 import llama_cpp
 import pytest
+from lavapipe import DEVICE_ENV, child_report, require_vulkan_module, skip_unless_device
 
-from baton_serve.deploy import vulkan_build
 from baton_serve.replicas.engine import device_memory
 from baton_serve.replicas.engine.device_memory import MIB, budget_bytes
 from baton_serve.replicas.engine.engine import Engine
@@ -36,7 +34,6 @@ FITS = {"n_ctx": 1024, "n_slots": 2, "n_threads": 2, "n_gpu_layers": -1}
 # 16 layers x 128 bytes of f16 K+V per token x 8192 tokens x 256 slots: 4 GiB of KV cache,
 # twice what lavapipe reports.
 TOO_MANY_SLOTS = FITS | {"n_ctx": 8192, "n_slots": 256}
-CHILD_TIMEOUT_S = 600
 _BUFFER = re.compile(r"(\S+) (model|KV|RS|compute) buffer size =\s*([\d.]+) MiB")
 
 
@@ -89,26 +86,10 @@ def child(path: str, big_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def on_lavapipe(tiny_model, tmp_path_factory) -> dict[str, object]:
-    problem = vulkan_build.check()
-    if problem:
-        pytest.skip(f"llama.cpp's Vulkan backend is not built ({problem})")
+    require_vulkan_module()
     big = write_tiny_model("llama", tmp_path_factory.mktemp("deep") / "llama16.gguf", n_layers=16)
-    env = {**os.environ, "GGML_VK_VISIBLE_DEVICES": os.environ.get("GGML_VK_VISIBLE_DEVICES", "0")}
-    done = subprocess.run(
-        [sys.executable, __file__, str(tiny_model("qwen35")), str(big)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=CHILD_TIMEOUT_S,
-        check=False,
-    )
-    named = f"GGML_VK_VISIBLE_DEVICES={env['GGML_VK_VISIBLE_DEVICES']}"
-    if done.returncode != 0 and "Invalid Vulkan device index" in done.stderr:
-        pytest.skip(f"no Vulkan device with the index {named} (no Vulkan driver installed?)")
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    if not report["devices"]:
-        pytest.skip(f"no Vulkan device: Mesa's software driver is missing or {named} names none")
+    report = child_report(__file__, str(tiny_model("qwen35")), str(big))
+    skip_unless_device(",".join(report["devices"]) or "CPU")
     return report
 
 
@@ -139,11 +120,10 @@ def test_a_replica_gets_its_share_of_a_shared_device(on_lavapipe) -> None:
 def test_baton_serves_start_check_refuses_what_cannot_fit(on_lavapipe, tmp_path) -> None:
     """The check `baton serve` runs before deploying measures the replicas' engine config."""
     big = write_tiny_model("llama", tmp_path / "llama16.gguf", n_layers=16)
-    env = {"GGML_VK_VISIBLE_DEVICES": os.environ.get("GGML_VK_VISIBLE_DEVICES", "0")}
     with pytest.raises(ModelCheckFailed, match="does not fit") as refused:
-        check_model(big, n_gpu_layers=-1, env=env, engine=EngineConfig(**TOO_MANY_SLOTS))
+        check_model(big, n_gpu_layers=-1, env=DEVICE_ENV, engine=EngineConfig(**TOO_MANY_SLOTS))
     assert "n_slots=256" in str(refused.value)
-    fits = check_model(big, n_gpu_layers=-1, env=env, engine=EngineConfig(**FITS))
+    fits = check_model(big, n_gpu_layers=-1, env=DEVICE_ENV, engine=EngineConfig(**FITS))
     assert fits.device.startswith("Vulkan0")
 
 

@@ -23,10 +23,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import random
 import secrets
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -34,10 +32,16 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 from fixtures_ray import wait_healthy
+from lavapipe import (
+    CHILD_TIMEOUT_S,
+    DEVICE_ENV,
+    child_report,
+    require_vulkan_module,
+    skip_unless_device,
+)
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from baton_serve.deploy import vulkan_build
 from baton_serve.deploy.app import APP_NAME, build_app
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.local_ray import metrics_export_port
@@ -50,19 +54,10 @@ from baton_serve.replicas.models.tiny_model import HYBRID_ARCHITECTURES
 from baton_serve.replicas.wire.prompt_types import Prompt
 from baton_serve.replicas.wire.sampling_params import SamplingParams
 
-DEVICE_ENV = {"GGML_VK_VISIBLE_DEVICES": "0"}  # lavapipe, as tests/test_vulkan_device.py
 MAX_TOKENS = 8
 SETTINGS = {"n_ctx": 512, "n_slots": 1, "n_threads": 1, "block_tokens": 16}
 SETTINGS |= {"checkpoint_interval": 64, "prefill_chunk": 64}
 APP_ARCHS = ("qwen35", "granitehybrid", "llama")
-CHILD_TIMEOUT_S = 600  # a fresh machine compiles every shader once (Mesa caches them on disk)
-
-
-@pytest.fixture(scope="module")
-def vulkan_built() -> None:
-    problem = vulkan_build.check()
-    if problem:
-        pytest.skip(f"llama.cpp's Vulkan backend is not built ({problem})")
 
 
 def test_a_model_asked_on_a_gpu_without_one_runs_on_the_cpu_and_says_so(tiny_model, caplog) -> None:
@@ -79,7 +74,8 @@ def test_a_model_asked_on_a_gpu_without_one_runs_on_the_cpu_and_says_so(tiny_mod
     assert line.startswith("n_gpu_layers is -1 but llama.cpp has no GPU device here")
 
 
-def test_the_start_up_check_names_the_device_baton_serve_prints(tiny_model, vulkan_built) -> None:
+def test_the_start_up_check_names_the_device_baton_serve_prints(tiny_model) -> None:
+    require_vulkan_module()
     path = tiny_model("qwen35")
     try:
         report = check_model(path, n_gpu_layers=-1, env=DEVICE_ENV)
@@ -121,22 +117,10 @@ def arch(request) -> str:
 
 
 @pytest.fixture(scope="module")
-def from_scratch(tiny_model, vulkan_built, arch) -> dict:
+def from_scratch(tiny_model, arch) -> dict:
     """The device's two turns, each computed from scratch, in a child process."""
-    done = subprocess.run(
-        [sys.executable, __file__, str(tiny_model(arch))],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **DEVICE_ENV},
-        timeout=CHILD_TIMEOUT_S,
-        check=False,
-    )
-    if done.returncode != 0 and "Invalid Vulkan device index" in done.stderr:
-        pytest.skip(f"no Vulkan device {DEVICE_ENV} (no Vulkan driver installed?)")
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    if report["device"] == "CPU":
-        pytest.skip(f"{DEVICE_ENV} names no Vulkan device (Mesa's mesa-vulkan-drivers?)")
+    report = child_report(__file__, str(tiny_model(arch)))
+    skip_unless_device(report["device"])
     return report
 
 

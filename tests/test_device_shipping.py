@@ -20,10 +20,10 @@ import secrets
 import numpy as np
 import pytest
 import ray
+from lavapipe import CHILD_TIMEOUT_S, DEVICE_ENV, require_vulkan_module, skip_unless_device
 
 from baton_serve.cache_store.index.index_connect import connect_index
 from baton_serve.cache_store.pull_cost import ShipCost
-from baton_serve.deploy import vulkan_build
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.replica_actor import spawn_replica
@@ -32,13 +32,11 @@ from baton_serve.replicas.wire.prompt_types import Prompt
 from baton_serve.replicas.wire.protocol import GenerationRequest
 from baton_serve.replicas.wire.sampling_params import SamplingParams
 
-DEVICE_ENV = {"GGML_VK_VISIBLE_DEVICES": "0"}  # lavapipe, as tests/test_vulkan_device.py
 KEY = secrets.token_bytes(32)
 CPU = EngineConfig(n_ctx=2048, n_slots=1, n_threads=1)
 DEVICE = CPU.model_copy(update={"n_gpu_layers": -1})
 EAGER = ShipPolicy(ShipCost(min_gain_tokens=16, safety=1.0), prefill_tokens_per_s=50.0)
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
-START_TIMEOUT_S = 600  # a fresh machine compiles every shader once (Mesa caches them on disk)
 
 pytestmark = pytest.mark.slow
 
@@ -67,9 +65,7 @@ async def _until_indexed(spec: str, engine: Engine, tokens: tuple[int, ...], rep
 
 
 def test_a_state_goes_device_to_cpu_and_back(redis_server, ray_cluster, tiny_model) -> None:
-    problem = vulkan_build.check()
-    if problem:
-        pytest.skip(f"llama.cpp's Vulkan backend is not built ({problem})")
+    require_vulkan_module()
     path, spec = str(tiny_model("qwen35")), redis_server.url
 
     def replica(name: str, config: EngineConfig, env: dict[str, str] | None = None):
@@ -83,11 +79,10 @@ def test_a_state_goes_device_to_cpu_and_back(redis_server, ray_cluster, tiny_mod
         "device-b": replica("device-b", DEVICE, DEVICE_ENV),
     }
     try:
-        ray.get([a.start.remote() for a in actors.values()], timeout=START_TIMEOUT_S)
+        ray.get([a.start.remote() for a in actors.values()], timeout=CHILD_TIMEOUT_S)
         devices = {name: ray.get(actor.device.remote()) for name, actor in actors.items()}
         assert devices["cpu"] == "CPU", devices
-        if devices["device-a"] == "CPU":
-            pytest.skip(f"{DEVICE_ENV} names no Vulkan device (Mesa's mesa-vulkan-drivers?)")
+        skip_unless_device(devices["device-a"])
         assert devices["device-a"] == devices["device-b"] and "Vulkan0" in devices["device-a"]
         cold = CPU.model_copy(update={"prefix_cache": False})
         with Engine(path, cold, hmac_key=KEY) as scratch, Engine(path, CPU, hmac_key=KEY) as local:

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import random
 import re
-import subprocess
 import sys
 
 import pytest
+from lavapipe import child_report, skip_unless_device
 
-from baton_serve.deploy import vulkan_build
 from baton_serve.replicas.engine import ggml_backends
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
@@ -37,7 +35,6 @@ GREEDY = SamplingParams(max_tokens=16)
 SETTINGS = {"n_ctx": 1024, "n_slots": 2, "n_threads": 2, "block_tokens": 16}
 SETTINGS |= {"checkpoint_interval": 64, "prefill_chunk": 64}
 GGML_DEVICE_GPU = 1  # enum ggml_backend_dev_type: CPU, GPU, IGPU, ACCEL
-CHILD_TIMEOUT_S = 600  # a fresh machine compiles every shader once (Mesa caches them on disk)
 
 
 def two_turns(engine: Engine) -> list[dict[str, object]]:
@@ -98,29 +95,8 @@ def child(paths: list[str]) -> None:
 @pytest.fixture(scope="module")
 def on_device(tiny_model) -> dict[str, object]:
     """The child's report for every architecture (one child: the shaders compile once)."""
-    problem = vulkan_build.check()
-    if problem:
-        pytest.skip(f"llama.cpp's Vulkan backend is not built ({problem})")
-    env = {**os.environ, "GGML_VK_VISIBLE_DEVICES": os.environ.get("GGML_VK_VISIBLE_DEVICES", "0")}
-    paths = [str(tiny_model(arch)) for arch in ARCHS]
-    done = subprocess.run(
-        [sys.executable, __file__, *paths],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=CHILD_TIMEOUT_S,
-        check=False,
-    )
-    named = f"GGML_VK_VISIBLE_DEVICES={env['GGML_VK_VISIBLE_DEVICES']}"
-    if done.returncode != 0 and "Invalid Vulkan device index" in done.stderr:
-        pytest.skip(f"no Vulkan device with the index {named} (no Vulkan driver installed?)")
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    if not report["devices"]:
-        pytest.skip(
-            "no Vulkan device: Mesa's software driver (Debian's mesa-vulkan-drivers) is "
-            f"missing or {named} names none"
-        )
+    report = child_report(__file__, *(str(tiny_model(arch)) for arch in ARCHS))
+    skip_unless_device(",".join(report["devices"]) or "CPU")
     return report
 
 
