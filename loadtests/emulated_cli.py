@@ -50,6 +50,9 @@ def _emulated(args: argparse.Namespace) -> int:
     from baton_serve.loadtests.sim_workload import ClusterWorkload
 
     workload = scaled(ClusterWorkload(), sessions_per_replica=args.sessions_per_replica)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"emulated-{args.replicas}.json"
     with bench_progress(args, "routing") as progress:
         result = emulated_routing_benchmark(
             str(resolve_model(args.model)),
@@ -59,10 +62,9 @@ def _emulated(args: argparse.Namespace) -> int:
             workload=workload,
             index=args.index,
             progress=progress,
+            # Written again after each policy: a crash later loses none finished.
+            save=lambda so_far: path.write_text(json.dumps(so_far, indent=1)),
         )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"emulated-{args.replicas}.json"
     path.write_text(json.dumps(result, indent=1))
     print_report(args, result, format_report(result), [path])
     return 0

@@ -19,7 +19,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 import httpx
@@ -44,6 +44,7 @@ CPUS_PER_REPLICA = 0.01  # Ray's logical CPUs: 64 replicas fit a 2-core machine
 HEARTBEAT_S = 0.5
 N_CTX = 4096
 HTTP_TIMEOUT_S = 600.0
+REQUEST_DEADLINE_S = 300.0  # a request without its whole reply by then counts as an error
 TARGET_AGREEMENT_SIZES = (16, 32)
 TARGET_RATIO_SIZE = 32
 COMPARED = ("ttft_p50_s", "ttft_mean_s", "computed_over_new")
@@ -102,7 +103,7 @@ class Player:
         self.records: list[Measured] = []
         self._start = 0.0
 
-    def _tokens(self, segment: tuple[int, int]) -> list[int]:
+    def _segment_tokens(self, segment: tuple[int, int]) -> list[int]:
         sid, n = segment
         if sid not in self._segments:
             picks = np.random.default_rng(sid).integers(0, len(self._words), n)
@@ -115,11 +116,11 @@ class Player:
 
     async def _session(self, session: Session) -> None:
         await asyncio.sleep(max(0.0, self._start + session.start_s - time.perf_counter()))
-        parts: list[tuple[int, ...]] = [tuple(self._tokens(s)) for s in session.head]
+        parts: list[tuple[int, ...]] = [tuple(self._segment_tokens(s)) for s in session.head]
         for i, turn in enumerate(session.turns):
             if i:
                 await asyncio.sleep(turn.think_s)
-            parts += [tuple(self._tokens(s)) for s in turn.added]
+            parts += [tuple(self._segment_tokens(s)) for s in turn.added]
             keys = _prefix_keys(parts)
             seen = max((n for k, n in keys if k in self._finished), default=0)
             reply = await self._request(session.kind, parts, keys[-1][1] - seen, turn.reply_tokens)
@@ -139,7 +140,10 @@ class Player:
         self.records.append(record)
         text, usage, started = "", {}, time.perf_counter()
         try:
-            async with self._http.stream("POST", f"{self._url}/v1/completions", json=body) as r:
+            async with (
+                asyncio.timeout(REQUEST_DEADLINE_S),
+                self._http.stream("POST", f"{self._url}/v1/completions", json=body) as r,
+            ):
                 if r.status_code != 200:
                     await r.aread()
                     record.error = f"HTTP {r.status_code}"
@@ -156,6 +160,9 @@ class Player:
         except httpx.HTTPError as exc:  # no reply within HTTP_TIMEOUT_S: counted, not fatal
             record.error = type(exc).__name__
             return None
+        except TimeoutError:
+            record.error = f"no reply within {REQUEST_DEADLINE_S:g} s"
+            return None
         record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         return tuple(self._model.tokenize(text, parse_special=False))
 
@@ -169,20 +176,20 @@ def _prefix_keys(parts: Sequence[tuple[int, ...]]) -> list[tuple[int, int]]:
 
 
 def figures(records: Sequence[Measured]) -> dict:
-    """One policy's figures, named as `bench sim`'s."""
+    """One policy's figures, named as `bench sim`'s (None where no request succeeded)."""
     ok = [r for r in records if r.error is None and r.ttft_s is not None]
     ttfts = np.array([r.ttft_s for r in ok])
     computed = sum(r.prompt_tokens - r.cached_tokens for r in ok)
     new = sum(r.new_tokens for r in ok)
-    return {
-        "requests": len(records),
-        "errors": len(records) - len(ok),
-        "ttft_p50_s": float(np.percentile(ttfts, 50)),
-        "ttft_mean_s": float(ttfts.mean()),
-        "ttft_p95_s": float(np.percentile(ttfts, 95)),
-        "ttft_p99_s": float(np.percentile(ttfts, 99)),
+    prompt = sum(r.prompt_tokens for r in ok)
+    errors = sorted({r.error for r in records if r.error is not None})
+    found = {"requests": len(records), "errors": len(records) - len(ok), "error_kinds": errors}
+    for name, q in (("p50", 50), ("p95", 95), ("p99", 99)):
+        found[f"ttft_{name}_s"] = float(np.percentile(ttfts, q)) if ok else None
+    return found | {
+        "ttft_mean_s": float(ttfts.mean()) if ok else None,
         "computed_over_new": computed / new if new else None,
-        "cache_hit_ratio": sum(r.cached_tokens for r in ok) / sum(r.prompt_tokens for r in ok),
+        "cache_hit_ratio": sum(r.cached_tokens for r in ok) / prompt if prompt else None,
     }
 
 
@@ -210,17 +217,26 @@ def emulated_routing_benchmark(
     workload: ClusterWorkload = ClusterWorkload(),
     index: str | None = None,
     progress: Progress = SILENT,
+    save: Callable[[dict], None] = lambda _: None,
 ) -> dict:
-    """Each policy on `replicas` emulated replicas, and the simulator on the same workload."""
+    """Each policy on `replicas` emulated replicas, and the simulator on the same workload;
+    `save` is given the result so far after each policy (a later crash loses nothing)."""
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
     phases = cluster_workload(workload, replicas, profile.prefill_tokens_per_s)
     sessions = [s for phase in phases for s in phase.sessions]
     num_cpus = max(os.cpu_count() or 1, math.ceil(replicas * CPUS_PER_REPLICA + GATEWAY_CPUS))
     model = EmulatedModel(model_path, timing_of(profile))
     results: dict[str, dict] = {}
+    head = {
+        "replicas": replicas,
+        "profile": asdict(profile),
+        "workload": asdict(workload),
+        "sessions": len(sessions),
+    }
     progress.start(len(policies))
     try:
         with redis_url_or_private_server(index) as index_spec, local_ray(num_cpus):
+            head["index"] = "redis" if index_spec.startswith("redis") else index_spec
             base = BatonConfig(
                 model=model_path,
                 replicas=replicas,
@@ -243,17 +259,10 @@ def emulated_routing_benchmark(
                     Cluster(profile, replicas, policy.value, workload.seed).run(phases)
                 )
                 results[policy.value] = {"emulated": measured, "simulated": simulated}
+                save(head | {"policies": results, "targets": targets(results, replicas)})
     finally:
         model.close()
-    return {
-        "replicas": replicas,
-        "profile": asdict(profile),
-        "workload": asdict(workload),
-        "sessions": len(sessions),
-        "index": "redis" if index_spec.startswith("redis") else index_spec,
-        "policies": results,
-        "targets": targets(results, replicas),
-    }
+    return head | {"policies": results, "targets": targets(results, replicas)}
 
 
 def targets(results: dict[str, dict], replicas: int) -> dict:
@@ -269,7 +278,10 @@ def targets(results: dict[str, dict], replicas: int) -> dict:
     others = [p for p in results if p != RouterPolicy.BATON.value]
     if replicas == TARGET_RATIO_SIZE and RouterPolicy.BATON.value in results and others:
         for name in ("ttft_p50_s", "ttft_p99_s"):
-            best = min(results[p]["emulated"][name] for p in others)
+            best = min(
+                (v for p in others if (v := results[p]["emulated"][name]) is not None),
+                default=None,
+            )
             ratio = _ratio(results[RouterPolicy.BATON.value]["emulated"][name], best)
             found[f"baton {name} / best other"] = {
                 "value": ratio,
@@ -302,6 +314,8 @@ def format_report(result: dict) -> str:
             f"{'':<16}requests {extra['requests']}, errors {extra['errors']}, pulls "
             f"{extra['pulls']}, wall {extra['wall_s']:.0f} s, device {','.join(extra['devices'])}"
         )
+        if extra["error_kinds"]:
+            lines.append(f"{'':<16}errors: {'; '.join(extra['error_kinds'])}")
     for name, target in result["targets"].items():
         lines.append(
             f"target {name}: {_num(target['value'])} {'met' if target['met'] else 'MISSED'}"

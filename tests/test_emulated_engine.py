@@ -18,6 +18,7 @@ from ray import serve
 from baton_serve.cache_store.checkpoints.state_blob import BlobError
 from baton_serve.deploy.app import build_app
 from baton_serve.deploy.config import BatonConfig, RouterPolicy
+from baton_serve.loadtests.emulated_routing import Measured, figures, format_report
 from baton_serve.loadtests.serve_app import replica_stats
 from baton_serve.replicas.engine.emulated_compute import EmulatedContext, EmulatedModel
 from baton_serve.replicas.engine.emulated_timing import EmulatedTiming
@@ -148,16 +149,31 @@ def test_a_step_takes_the_profiles_time(tiny_model) -> None:
         assert done.ttft_s == pytest.approx(len(prompt) / 1000.0, abs=0.05)
 
 
+def test_a_policy_whose_every_request_failed_is_reported_not_raised() -> None:
+    failed = [Measured("chat", None, 100, 0, 100, error="no reply within 300 s")] * 3
+    found = figures(failed)
+    assert found["errors"] == 3 and found["ttft_p99_s"] is None
+    assert found["error_kinds"] == ["no reply within 300 s"]
+    pair = {"emulated": found | {"pulls": 0, "wall_s": 1.0, "devices": []}}
+    pair["simulated"] = found
+    result = {"replicas": 2, "profile": {"name": "cpu"}, "sessions": 1, "index": "embedded"}
+    report = format_report(result | {"policies": {"pow2": pair}, "targets": {}})
+    assert "errors 3" in report and "no reply within 300 s" in report
+
+
+# Prefix-affinity (Ray's PrefixCacheAffinityRouter) reads a request's text: token ids
+# gave it an empty one, it raised ZeroDivisionError and the request waited for ever.
 @pytest.mark.slow
+@pytest.mark.parametrize("router", [RouterPolicy.BATON, RouterPolicy.PREFIX_AFFINITY])
 def test_four_emulated_replicas_serve_through_the_gateway_and_router(
-    tiny_model, serve_port
+    router, tiny_model, serve_port
 ) -> None:
     config = BatonConfig(
         model=str(tiny_model("llama")),
         replicas=4,
         num_cpus_per_replica=0.01,
         engine=EngineConfig(**SETTINGS, emulated=FAST),
-        router=RouterPolicy.BATON,
+        router=router,
         heartbeat_s=0.2,
         hmac_key=secrets.token_hex(16),
     )

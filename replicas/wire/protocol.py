@@ -154,5 +154,10 @@ class ReplicaRequest(BaseModel):
     @property
     def messages(self) -> list[dict[str, str]] | str:
         """The chat messages, or the prompt text for a raw prompt (that router reads
-        `.messages` whenever the attribute exists, so it is never None)."""
-        return self.chat_messages if self.chat_messages is not None else self.prompt
+        `.messages` whenever the attribute exists, so it is never None), or for a prompt
+        given as token ids one character per id: a prefix of it is a prefix of the tokens,
+        and that router divides by its length (on an empty text it raised ZeroDivisionError
+        and retried the request for ever)."""
+        if self.chat_messages is not None:
+            return self.chat_messages
+        return self.prompt or "".join(map(chr, self.generation.prompt.tokens))
