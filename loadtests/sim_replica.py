@@ -41,6 +41,7 @@ from baton_serve.cache_store.pull_cost import ShipCost, pull_pays, pull_seconds
 from baton_serve.loadtests.sim_cache import SimCheckpoint, SimPrefixCache
 from baton_serve.replicas.engine import step_plan as steps
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
+from baton_serve.replicas.engine.emulated_timing import decode_step_seconds
 from baton_serve.replicas.wire.route_plan import CACHED, PULL, RoutePlan
 
 FOREVER = float("inf")
@@ -65,14 +66,10 @@ class Profile:
     step_noise: float = 0.0  # sigma of a mean-1 lognormal factor on each step's time (0: none)
 
     def decode_step_s(self, streams: int) -> float:
-        """Seconds of one decode step for `streams` decoding slots: linear between one
-        stream alone and all `slots` together (a CPU's step grows with its batch, a GPU's
-        hardly does)."""
-        one = 1 / self.decode_tokens_per_s
-        if self.slots == 1:
-            return one
-        full = self.slots / self.batch_decode_tokens_per_s
-        return one + (streams - 1) * (full - one) / (self.slots - 1)
+        """Seconds of one decode step for `streams` decoding slots (`decode_step_seconds`)."""
+        return decode_step_seconds(
+            streams, self.decode_tokens_per_s, self.batch_decode_tokens_per_s, self.slots
+        )
 
     def prefill_speed(self, streams: int) -> float:
         """Prompt tokens per second while `streams` slots decode (a decode step after

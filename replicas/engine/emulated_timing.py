@@ -6,6 +6,19 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 
+def decode_step_seconds(
+    streams: int, decode_tokens_per_s: float, batch_decode_tokens_per_s: float, slots: int
+) -> float:
+    """Seconds of one decode step for `streams` decoding slots: linear between one stream
+    alone and all `slots` together (a CPU's step grows with its batch, a GPU's hardly does).
+    The simulator's replicas and the emulated engine both time their steps with it."""
+    one = 1 / decode_tokens_per_s
+    if slots == 1:
+        return one
+    full = slots / batch_decode_tokens_per_s
+    return one + (streams - 1) * (full - one) / (slots - 1)
+
+
 class EmulatedTiming(BaseModel):
     """What one replica's compute costs: a profile of `bench sim`'s (its name labels the
     replica's device, `emulated:<name>`)."""
@@ -26,13 +39,10 @@ class EmulatedTiming(BaseModel):
     )
 
     def decode_step_s(self, streams: int) -> float:
-        """One decode step for `streams` sequences: linear between one stream alone and
-        `batch_slots` together (`sim_replica.Profile.decode_step_s`)."""
-        one = 1 / self.decode_tokens_per_s
-        if self.batch_slots == 1:
-            return one
-        full = self.batch_slots / self.batch_decode_tokens_per_s
-        return one + (streams - 1) * (full - one) / (self.batch_slots - 1)
+        """One decode step for `streams` sequences (`decode_step_seconds`)."""
+        return decode_step_seconds(
+            streams, self.decode_tokens_per_s, self.batch_decode_tokens_per_s, self.batch_slots
+        )
 
     def restore_s(self, n_tokens: int) -> float:
         """Restoring a real `n_tokens`-token state."""
