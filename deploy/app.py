@@ -185,6 +185,7 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
         max_prompts=config.max_prompts,
         max_prompt_bytes=config.max_prompt_bytes,
         stream_ping_s=config.stream_ping_s,
+        engine=f"emulated:{emulated.name}" if (emulated := config.engine.emulated) else "llama.cpp",
     )
     return gateway.bind(settings, replica)
 

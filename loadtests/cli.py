@@ -23,6 +23,7 @@ from baton_serve.loadtests.bench_common import needs_extra as _needs_extra
 from baton_serve.loadtests.bench_common import print_report as _report
 from baton_serve.loadtests.device_cli import add_device_command
 from baton_serve.loadtests.emulated_cli import add_emulated_flags
+from baton_serve.loadtests.gateway_cli import add_gateway_command
 from baton_serve.loadtests.peer_cli import add_peer_command
 from baton_serve.loadtests.restart_cli import add_restart_command
 from baton_serve.replicas.models.model_source import resolve_model
@@ -102,7 +103,6 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     served.add_argument("--redis", help="redis:// URL (default: a private redis-server)")
     served.add_argument("--json", action="store_true", help="print one JSON object")
     served.set_defaults(run=_bench_serve)
-
     routing = benches.add_parser(
         "routing", help="one seeded multi-turn workload against each routing policy"
     )
@@ -174,9 +174,9 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     )
     soak.add_argument("--json", action="store_true", help="print one JSON object")
     soak.set_defaults(run=_bench_soak)
-
     for add in (add_device_command, add_restart_command, add_peer_command, add_abuse_command):
         add(benches)
+    add_gateway_command(benches)
 
 
 _ROUTING_WORKLOAD_FLAGS = {  # flag → what it sets (defaults: `RoutingWorkload`)

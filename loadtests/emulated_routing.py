@@ -221,7 +221,6 @@ def emulated_routing_benchmark(
 ) -> dict:
     """Each policy on `replicas` emulated replicas, and the simulator on the same workload;
     `save` is given the result so far after each policy (a later crash loses nothing)."""
-    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
     phases = cluster_workload(workload, replicas, profile.prefill_tokens_per_s)
     sessions = [s for phase in phases for s in phase.sessions]
     num_cpus = max(os.cpu_count() or 1, math.ceil(replicas * CPUS_PER_REPLICA + GATEWAY_CPUS))

@@ -16,11 +16,14 @@ logger = logging.getLogger("baton.bench")
 
 
 def app_counters(app: str, url: str) -> dict[str, float]:
-    """Every `ray_baton_*` sample of `app` served at `url`, summed over its replicas, keyed
-    by name and by `name{label=value}` for each label Baton sets (e.g.
-    `ray_baton_routing_decisions_total{reason=prefix_hit}`)."""
+    """Every `ray_baton_*` counter and histogram sample of `app` served at `url`, summed over
+    its replicas, keyed by name and by `name{label=value}` for each label Baton sets (e.g.
+    `ray_baton_routing_decisions_total{reason=prefix_hit}`). Gauges are left out: some (the
+    router's index view age) change on every scrape, and nothing settles on them."""
     sums: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        if family.type == "gauge":
+            continue
         for sample in family.samples:
             if not sample.name.startswith("ray_baton_"):
                 continue

@@ -3,9 +3,9 @@ reply carries at least one call whose arguments fit the function's schema — at
 0 and 1, streamed and not, with a small `max_tokens` — and no call markup reaches `content`.
 
 Through the gateway over real HTTP with the official OpenAI client, on the default model
-(SmolLM2-135M, 100 requests per temperature) and on generated random-weight models (fewer:
-they prove every format's grammar ends, not what a trained model chooses). Reading replies
-cut off by `max_tokens` is checked directly on the parser.
+(SmolLM2-135M, `DEFAULT_MODEL_REQUESTS` per temperature) and on generated random-weight
+models (fewer: they prove every format's grammar ends, not what a trained model chooses).
+Reading replies cut off by `max_tokens` is checked directly on the parser.
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ from baton_serve.router.gateway.tool_calls import (
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 MODEL = "forced"
+# Forced requests per temperature on SmolLM2, every one checked: 48 send each of the six
+# mixes of forcing mode (required, named, one call) and streamed or not 8 times, each of
+# the five questions 9 or 10 times.
+DEFAULT_MODEL_REQUESTS = 48
 
 
 def _tool(name: str, description: str, properties: dict[str, Any]) -> dict[str, Any]:
@@ -207,9 +211,10 @@ def smollm2() -> Iterator[Served]:
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_default_model_always_calls(smollm2: Served, temperature: float) -> None:
-    """100 forced requests on SmolLM2, whose template cannot show tools (Hermes calls
-    taught in the system message): each returns a valid call, none leaks markup."""
-    problems = _run_forced(smollm2, 100, temperature, max_tokens=64)
+    """`DEFAULT_MODEL_REQUESTS` forced requests on SmolLM2, whose template cannot show
+    tools (Hermes calls taught in the system message): each returns a valid call, none leaks
+    markup."""
+    problems = _run_forced(smollm2, DEFAULT_MODEL_REQUESTS, temperature, max_tokens=64)
     assert not problems, problems
 
 

@@ -187,6 +187,33 @@ def test_health_follows_readiness(keyed: Served) -> None:
     assert httpx.get(f"{keyed.url}/health").status_code == 200
 
 
+def test_health_names_the_engine_it_is_told(tiny_model: Callable[[str], Path]) -> None:
+    """Deployed, the gateway is told what computes (`emulated:NAME` or llama.cpp) and
+    /health says so, ready or not; a gateway not told says only its status."""
+    path = str(tiny_model("qwen35"))
+    settings = GatewaySettings(MODEL, path, n_ctx=1024, engine="emulated:instant")
+
+    async def ready() -> bool:
+        return readiness["ready"]
+
+    async def health(app: FastAPI) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            return await client.get("/health")
+
+    readiness = {"ready": True}
+    app = create_app(settings, FailingReplica(RuntimeError("unused")), ready=ready)
+    found = asyncio.run(health(app))
+    assert found.status_code == 200
+    assert found.json() == {"status": "ok", "engine": "emulated:instant"}
+    readiness["ready"] = False
+    found = asyncio.run(health(app))
+    assert found.status_code == 503
+    assert found.json() == {"status": "unavailable", "engine": "emulated:instant"}
+    plain = create_app(GatewaySettings(MODEL, path, n_ctx=1024), FailingReplica(RuntimeError()))
+    assert asyncio.run(health(plain)).json() == {"status": "ok"}
+
+
 # ---- the official client -------------------------------------------------------------------
 
 

@@ -98,6 +98,7 @@ class GatewaySettings:
     max_prompts: int = 256  # in one completion request
     max_prompt_bytes: int = 4 << 20  # a prompt's text: a chat as rendered, or one prompt
     prompt_threads: int = 4  # chats rendered and prompts tokenised at once, off the event loop
+    engine: str | None = None  # what computes, for /health ("llama.cpp", "emulated:NAME")
 
 
 def create_app(
@@ -209,7 +210,7 @@ class _Gateway:
             limit = self._settings.max_prompts
             raise too_many_items("prompt", len(body.prompt), limit, "max_prompts")
         with tracing.span("tokenise") as span:
-            prompts = await self._prompt_threads.run(self._completion_prompts, body.prompt)
+            prompts = await self._prompt_threads.run_prompts(self._completion_prompts, body.prompt)
             span.set_attribute("baton.prompt_tokens", sum(len(p) for p in prompts))
         request_id = bound_request() or uuid.uuid4().hex
         calls = []
@@ -253,9 +254,10 @@ class _Gateway:
 
     async def health(self) -> JSONResponse:
         ok = self._ready is None or await self._ready.check()
-        return JSONResponse(
-            {"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503
-        )
+        body = {"status": "ok" if ok else "unavailable"}
+        if self._settings.engine:
+            body["engine"] = self._settings.engine
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     def _check_model(self, model: str) -> None:
         if model != self._settings.model_name:

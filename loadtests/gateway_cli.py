@@ -1,0 +1,152 @@
+"""`baton bench gateway`: its flags, registered into `baton bench` (the run: `gateway_rate`),
+its table and its latency-against-rate plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from baton_serve.loadtests.bench_common import (
+    MODEL_HELP,
+    bench_progress,
+    needs_extra,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    print_report,
+)
+from baton_serve.replicas.models.model_source import resolve_model
+
+
+def rate_list(text: str) -> tuple[float, ...]:
+    """argparse type: request rates separated by commas, e.g. `10,20,40`."""
+    try:
+        rates = tuple(float(r) for r in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"numbers separated by commas, got {text!r}") from None
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError(f"every rate must be above 0, got {text!r}")
+    return rates
+
+
+def add_gateway_command(benches: argparse._SubParsersAction) -> None:
+    """Add `gateway` to the `baton bench` benchmarks."""
+    gateway = benches.add_parser(
+        "gateway",
+        help="the request rate one gateway replica sustains with instant engines "
+        "(added latency p99 within 10 ms)",
+    )
+    gateway.add_argument("--model", help=MODEL_HELP + "; only its vocabulary is used")
+    gateway.add_argument(
+        "--replicas", type=positive_int, default=2, help="emulated replicas (default 2)"
+    )
+    gateway.add_argument(
+        "--rates",
+        type=rate_list,
+        help="offered rates in req/s, comma-separated (default 10,20,40,…,1280; the ramp "
+        "stops after two steps past 50 ms p99, or one that answered under 95%% of what it sent)",
+    )
+    gateway.add_argument("--step-s", type=positive_float, default=10.0, help="seconds a rate")
+    gateway.add_argument("--prompt-tokens", type=positive_int, default=32)
+    gateway.add_argument("--seed", type=int, default=0)
+    gateway.add_argument(
+        "--breakdown-rate",
+        type=non_negative_float,
+        default=5.0,
+        help="req/s of the traced run that cuts the latency into its parts (0: none)",
+    )
+    gateway.add_argument(
+        "--breakdown-s", type=positive_float, default=10.0, help="seconds of the traced run"
+    )
+    gateway.add_argument("--out", default="bench-out/gateway", help="JSON and PNG go here")
+    gateway.add_argument("--json", action="store_true", help="print one JSON object")
+    gateway.set_defaults(run=_bench_gateway)
+
+
+@needs_extra
+def _bench_gateway(args: argparse.Namespace) -> int:
+    from baton_serve.loadtests.gateway_rate import GatewayRateSettings, gateway_rate_benchmark
+
+    settings = GatewayRateSettings(
+        replicas=args.replicas,
+        step_s=args.step_s,
+        prompt_tokens=args.prompt_tokens,
+        seed=args.seed,
+        breakdown_rate=args.breakdown_rate,
+        breakdown_s=args.breakdown_s,
+        **({"rates": args.rates} if args.rates else {}),
+    )
+    with bench_progress(args, "gateway") as progress:
+        result = gateway_rate_benchmark(str(resolve_model(args.model)), settings, progress=progress)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "gateway.json"]
+    written[0].write_text(json.dumps(result, indent=2) + "\n")
+    written.append(latency_plot(result, out / "gateway_latency.png"))
+    print_report(args, result, format_report(result), written)
+    return 0
+
+
+def format_report(result: dict) -> str:
+    """One row a step, the sustained rates, and the low-rate breakdown."""
+    from baton_serve.loadtests.gateway_rate import LIMITS_MS
+
+    s = result["settings"]
+    lines = [
+        f"bench gateway: 1 gateway replica, {s['replicas']} {result['engine']} replicas, "
+        f"{s['prompt_tokens']}-token prompts, max_tokens 1, streamed; {s['step_s']:g} s a "
+        f"step, {result['cpu_count']} CPUs, load average {result['load_average'][0]:.1f}",
+        "added latency = the client's time to first token (ms); CPU in cores: generator "
+        "(this process) / proxy / gateway / replicas",
+        f"{'offered':>8}{'achieved':>9}{'err':>5}{'p50':>8}{'p95':>8}{'p99':>8}"
+        f"{'total p99':>10}{'send lag p99':>13}  cpu gen/proxy/gw/repl",
+    ]
+    for step in result["steps"]:
+        ttft, cpu = step["ttft_ms"], step["cpu_cores"]
+        cores = "/".join(
+            f"{cpu.get(k, 0):.2f}" for k in ("generator", "proxy", "gateway", "replicas")
+        )
+        lines.append(
+            f"{step['offered_per_s']:>8g}{step['achieved_per_s']:>9.1f}{step['errors']:>5}"
+            f"{_ms(ttft.get('p50')):>8}{_ms(ttft.get('p95')):>8}{_ms(ttft.get('p99')):>8}"
+            f"{_ms(step['total_ms'].get('p99')):>10}"
+            f"{_ms(step['send_lag_ms'].get('p99')):>13}  {cores}"
+        )
+    for limit, (name, rate) in zip(LIMITS_MS, result["sustained_per_s"].items(), strict=True):
+        found = f"{rate:g} req/s" if rate is not None else "not met at any rate tried"
+        lines.append(f"sustained rate, added latency p99 <= {limit:g} ms: {found} ({name})")
+    if breakdown := result.get("breakdown"):
+        ttft = breakdown["ttft_ms"]
+        lines.append(
+            f"where the time goes at {breakdown['rate_per_s']:g} req/s ({breakdown['traced']} "
+            f"of {breakdown['requests']} traced; TTFT p50 {_ms(ttft['p50'])} p99 "
+            f"{_ms(ttft['p99'])} ms, tracing on):"
+        )
+        for part, q in breakdown["parts_ms"].items():
+            lines.append(f"  {part:<16} p50 {_ms(q['p50']):>7} ms   p99 {_ms(q['p99']):>7} ms")
+    return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def latency_plot(result: dict, path: Path) -> Path:
+    """Added latency p50/p95/p99 against the offered rate, with the limits drawn."""
+    from baton_serve.loadtests.gateway_rate import LIMITS_MS
+    from baton_serve.loadtests.plots import figure
+
+    steps = result["steps"]
+    rates = [s["offered_per_s"] for s in steps]
+    title = f"One gateway replica, {result['settings']['replicas']} instant replicas"
+    with figure(path, title) as (ax,):
+        for q, style in (("p50", "o-"), ("p95", "s-"), ("p99", "^-")):
+            ax.plot(rates, [s["ttft_ms"].get(q) for s in steps], style, label=f"TTFT {q}")
+        for limit in LIMITS_MS:
+            ax.axhline(limit, color="grey", linestyle="--", linewidth=1, label=f"{limit:g} ms")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_ylabel("added latency (ms)")
+    return path
