@@ -19,6 +19,7 @@ import math
 import os
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
@@ -204,6 +205,7 @@ async def _policy_run(url: str, app: str, model: EmulatedModel, name: str, sessi
     result = figures(player.records) | {"wall_s": wall}
     result["records"] = [asdict(r) for r in player.records]
     result["pulls"] = sum(int(s["pulls"]) for s in stats)
+    result["replans"] = dict(sum((Counter(s.get("replans", {})) for s in stats), Counter()))
     result["devices"] = sorted({s["device"] for s in stats})
     return result
 
@@ -313,6 +315,9 @@ def format_report(result: dict) -> str:
             f"{'':<16}requests {extra['requests']}, errors {extra['errors']}, pulls "
             f"{extra['pulls']}, wall {extra['wall_s']:.0f} s, device {','.join(extra['devices'])}"
         )
+        if extra.get("replans"):
+            replans = ", ".join(f"{k} {v}" for k, v in sorted(extra["replans"].items()))
+            lines.append(f"{'':<16}router plans the replicas decided again: {replans}")
         if extra["error_kinds"]:
             lines.append(f"{'':<16}errors: {'; '.join(extra['error_kinds'])}")
     for name, target in result["targets"].items():

@@ -23,19 +23,18 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 
 import httpx
 import numpy as np
 import psutil
 
-from baton_serve.deploy.app import GATEWAY_CPUS, GATEWAY_DEPLOYMENT, REPLICA_DEPLOYMENT
+from baton_serve.deploy.app import GATEWAY_DEPLOYMENT, REPLICA_DEPLOYMENT
 from baton_serve.deploy.config import BatonConfig
-from baton_serve.deploy.local_ray import local_ray
 from baton_serve.loadtests.progress import SILENT
-from baton_serve.loadtests.serve_app import serve_app, wait_idle
+from baton_serve.loadtests.serve_app import on_local_ray, wait_idle
 from baton_serve.loadtests.span_breakdown import (
     GATEWAY_ROOT,
     NEEDED,
@@ -323,31 +322,21 @@ def part_quantiles(sent: list[Sent]) -> dict[str, dict[str, float]]:
     }
 
 
-@contextmanager
-def _deployed(model_path: str, settings: GatewayRateSettings, env: dict[str, str]) -> Iterator:
+def _deployed(
+    model_path: str, settings: GatewayRateSettings, env: dict[str, str]
+) -> AbstractContextManager[tuple[str, str]]:
     """A fresh local Ray (its processes see `env`) with the app deployed; yields its URL
     and served model name."""
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        config = BatonConfig(
-            model=model_path,
-            replicas=settings.replicas,
-            gateway_replicas=1,
-            num_cpus_per_replica=0.01,
-            engine=engine_config(settings),
-            index="embedded",
-            hmac_key=secrets.token_hex(16),
-        )
-        with local_ray(max(os.cpu_count() or 1, math.ceil(GATEWAY_CPUS + 1))):
-            with serve_app(config, APP, None) as url:
-                yield url, config.served_model_name
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    config = BatonConfig(
+        model=model_path,
+        replicas=settings.replicas,
+        gateway_replicas=1,
+        num_cpus_per_replica=0.01,
+        engine=engine_config(settings),
+        index="embedded",
+        hmac_key=secrets.token_hex(16),
+    )
+    return on_local_ray(config, APP, env)
 
 
 def gateway_rate_benchmark(

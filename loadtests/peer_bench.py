@@ -17,25 +17,22 @@ give where its time went (`span_breakdown`); that run is not in the comparison.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
 
-from baton_serve.deploy.app import GATEWAY_CPUS
 from baton_serve.deploy.config import BatonConfig
-from baton_serve.deploy.local_ray import local_ray
 from baton_serve.loadtests.llama_server import ServerSettings, llama_server
 from baton_serve.loadtests.peer_workload import PeerWorkload, Session, make_sessions, script_digest
 from baton_serve.loadtests.progress import SILENT, Progress
-from baton_serve.loadtests.serve_app import serve_app, wait_idle
+from baton_serve.loadtests.serve_app import on_local_ray, wait_idle
 from baton_serve.loadtests.span_breakdown import (
     SpanReceiver,
     breakdown,
@@ -189,23 +186,11 @@ class Setup:
         )
 
 
-@contextmanager
-def _baton(model: Path, setup: Setup, env: dict[str, str]) -> Iterator[tuple[str, str]]:
+def _baton(
+    model: Path, setup: Setup, env: dict[str, str]
+) -> AbstractContextManager[tuple[str, str]]:
     """A fresh local Ray (its workers see `env`) with Baton deployed; yields URL and name."""
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        config = setup.baton(model)
-        cpus = config.replicas * config.num_cpus_per_replica + GATEWAY_CPUS
-        with local_ray(max(os.cpu_count() or 1, math.ceil(cpus))):
-            with serve_app(config, APP, None) as url:
-                yield url, config.served_model_name
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return on_local_ray(setup.baton(model), APP, env)
 
 
 def _run_baton(

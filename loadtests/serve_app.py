@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import httpx
 import ray
@@ -13,8 +15,9 @@ from ray import serve
 from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX
 from ray.serve._private.constants import SERVE_NAMESPACE
 
-from baton_serve.deploy.app import REPLICA_DEPLOYMENT, build_app
+from baton_serve.deploy.app import GATEWAY_CPUS, REPLICA_DEPLOYMENT, build_app
 from baton_serve.deploy.config import BatonConfig
+from baton_serve.deploy.local_ray import local_ray
 from baton_serve.loadtests.redis_server import free_port
 
 READY_TIMEOUT_S = 120.0
@@ -42,6 +45,28 @@ def serve_app(config: BatonConfig, name: str, http_port: int | None) -> Iterator
     finally:
         if http_port is None:
             serve.shutdown()
+
+
+@contextlib.contextmanager
+def on_local_ray(
+    config: BatonConfig, name: str, env: Mapping[str, str] | None = None
+) -> Iterator[tuple[str, str]]:
+    """A fresh local Ray cluster (its processes see `env` too) with `config` deployed as
+    `name`; yields the app's base URL and served model name."""
+    env = env or {}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        cpus = config.replicas * config.num_cpus_per_replica + GATEWAY_CPUS
+        with local_ray(max(os.cpu_count() or 1, math.ceil(cpus))):
+            with serve_app(config, name, None) as url:
+                yield url, config.served_model_name
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def wait_healthy(url: str, timeout_s: float = READY_TIMEOUT_S) -> None:

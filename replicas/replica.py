@@ -232,14 +232,20 @@ class Replica:
         offer: StreamOffer | None = None,
     ) -> PeerReply | str | None:
         """For a peer: our checkpoint giving the longest prefix of `tokens`, signed, waiting
-        up to `wait_s` for one being computed here. Sent over the peer's stream `offer` when
-        it is on another node (then `STREAMED`); otherwise its state is the ObjectRef of its
-        copy in the object store (see `share_in_object_store`), or a uint8 view of the stored
-        one (Ray copies it into the object store then)."""
+        up to `wait_s` for one being computed or replayed here. Sent over the peer's stream
+        `offer` when it is on another node (then `STREAMED`); otherwise its state is the
+        ObjectRef of its copy in the object store (see `share_in_object_store`), or a uint8
+        view of the stored one (Ray copies it into the object store then)."""
         deadline = time.monotonic() + wait_s
+        # A conversation being replayed here is stored whole in a moment: worth waiting for
+        # (for up to half of `wait_s`, leaving time to ship) rather than an older state now.
+        coming = self.engine.replay_share(tokens)
+        wanted, settle_by = max(min_tokens, coming - 1), time.monotonic() + wait_s / 2
         while True:
+            if wanted > min_tokens and time.monotonic() >= settle_by:
+                wanted = min_tokens  # not stored in time: the best there is now
             # A first export seals the whole state: keep the event loop free meanwhile.
-            found = await asyncio.to_thread(self.engine.export_best, tokens, min_tokens)
+            found = await asyncio.to_thread(self.engine.export_best, tokens, wanted)
             if found is not None:
                 (head, state), _ = found
                 if await self.streams.send(offer, head, state):

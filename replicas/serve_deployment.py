@@ -147,6 +147,7 @@ class ReplicaDeployment:
             "free_slots": load.free_slots,
             "cache_bytes": self.replica.engine.store_figures().used_bytes,
             "pulls": self.replica.stats.pulls,
+            "replans": dict(self.replica.stats.replans),  # router plans decided again, by reason
             "pulled_bytes": self.replica.stats.pulled_bytes,
             "streamed_exports": self.replica.stats.streamed_exports,
             "prefill_tokens_per_s": self.replica.engine.stats.prefill_tokens_per_s or 0.0,

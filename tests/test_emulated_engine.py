@@ -25,7 +25,9 @@ from baton_serve.replicas.engine.emulated_timing import EmulatedTiming
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_context import BatchEntry, ContextParams, StateRestoreError
+from baton_serve.replicas.replica import Replica
 from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
 from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 HMAC_KEY = b"test-cluster-key"
@@ -112,6 +114,43 @@ def test_a_state_blob_round_trips_and_is_checked_like_a_real_one(tiny_model) -> 
             taker.import_checkpoint((head, bytes(tampered)))
         with pytest.raises(BlobError, match="bytes"):  # not a real state's size
             real.import_checkpoint((head, state))
+
+
+def test_a_peer_asking_during_a_replay_gets_the_whole_conversation(tiny_model) -> None:
+    """An agent's next step reaches another replica while the donor still replays the
+    last reply (an attention slot's conversation is stored only when its replay ends): the
+    donor waits for it instead of handing over the previous turn's shorter state."""
+    slow = FAST.model_copy(update={"prefill_tokens_per_s": 300.0})  # replays take ~0.8 s
+    config = EngineConfig(**SETTINGS | {"emulated": slow})
+    path = str(tiny_model("llama"))
+    params = SamplingParams(max_tokens=120, ignore_eos=True)
+    with (
+        Engine(path, config, hmac_key=HMAC_KEY) as donor,
+        Engine(path, config, hmac_key=HMAC_KEY) as taker,
+    ):
+        replica = Replica("donor", donor)
+        first, added = _turns(donor.model.n_vocab, 2)
+
+        async def ask_during_the_second_replay() -> tuple[int, int, float, object]:
+            def request(tokens: tuple[int, ...]) -> ReplicaRequest:
+                prompt = Prompt(tokens=tokens)
+                return ReplicaRequest(generation=GenerationRequest(prompt=prompt, params=params))
+
+            one = await replica.generate(request(first.tokens))
+            assert await asyncio.to_thread(donor.wait_idle, 10)  # turn one stored, replayed
+            second = first.tokens + tuple(one.tokens) + added.tokens[len(first) :]
+            two = await replica.generate(request(second))
+            history = second + tuple(two.tokens)
+            asked = history + (5, 6, 7)  # the next step: the conversation and a tool result
+            replaying = donor.replay_share(asked)
+            started = time.perf_counter()
+            blob = await replica.export_when_ready(asked, 0, wait_s=10.0)
+            return replaying, len(history), time.perf_counter() - started, blob
+
+        replaying, history, waited, blob = asyncio.run(ask_during_the_second_replay())
+        assert replaying == history
+        assert 0.1 < waited < 5.0  # the replay's end, not the deadline
+        assert len(taker.import_checkpoint(blob).tokens) == history  # not turn one's state
 
 
 def test_the_context_refuses_what_llama_cpp_refuses(tiny_model) -> None:

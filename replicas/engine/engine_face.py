@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 from baton_serve.cache_store.checkpoints.checkpoint_store import Checkpoint, Stored
 from baton_serve.cache_store.checkpoints.state_blob import BlobParts, Buffer
+from baton_serve.cache_store.prefix_hash import common_prefix_length
 from baton_serve.replicas.engine.prefix_cache import PrefixCache
 from baton_serve.replicas.engine.prefix_states import CheckpointListener
-from baton_serve.replicas.engine.slots import Slot
+from baton_serve.replicas.engine.slots import Phase, Slot
 from baton_serve.replicas.wire.prompt_types import Prompt
 
 
@@ -68,6 +69,30 @@ class EngineFace:
         tier first (0 if in RAM)."""
         chain = self.carried_chain(tokens, prefix_hashes)
         return self._cache.local_reuse(tokens, self._slots, chain)
+
+    def replay_share(self, tokens: Sequence[int]) -> int:
+        """Tokens of `tokens` a reply being replayed here gives once its replay ends and its
+        conversation is stored (an attention slot's conversation is stored only then): what
+        a peer asking now may wait for; 0 if none. Any thread (a racy read: at worst a peer
+        waits, within its deadline, for a state that does not come)."""
+        if not self._cache.config.prefix_cache:
+            return 0
+        whole_only = self._cache.states.kind.needs_checkpoints  # a recurrent state is not cut
+        best = 0
+        for slot in self._slots:
+            run = slot.running
+            if run is None or run.index:  # only a request's first choice is replayed
+                continue
+            if run.phase is Phase.REPLAY:
+                coming = run.feed
+            elif run.phase is Phase.DECODE and run.handle.done:  # answered, replay next
+                coming = run.prompt + tuple(run.generated)
+            else:
+                continue
+            shared = common_prefix_length(coming, tokens)
+            if not (whole_only and shared < len(coming)):
+                best = max(best, shared)
+        return best
 
     def checkpoint_positions(self, prompt: Prompt) -> list[int]:
         """Where computing `prompt` from scratch would save checkpoints."""
