@@ -77,3 +77,19 @@ def positive_float(text: str) -> float:
 def non_negative_float(text: str) -> float:
     """argparse type: a number of at least 0 (a latency, a noise)."""
     return _number(text, float, 0, inclusive=True)
+
+
+def number_list(kind: type[int] | type[float]) -> Callable[[str], tuple[float, ...]]:
+    """argparse type: numbers of `kind`, each above 0, separated by commas (`2048,8192`)."""
+    noun = "whole numbers" if kind is int else "numbers"
+
+    def parse(text: str) -> tuple[float, ...]:
+        try:
+            values = tuple(kind(v) for v in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{noun} separated by commas, got {text!r}") from None
+        if min(values) <= 0:
+            raise argparse.ArgumentTypeError(f"every one must be above 0, got {text!r}")
+        return values
+
+    return parse

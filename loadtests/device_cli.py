@@ -9,20 +9,11 @@ from pathlib import Path
 from baton_serve.loadtests.bench_common import (
     MODEL_HELP,
     bench_progress,
+    number_list,
     positive_int,
     print_report,
 )
 from baton_serve.replicas.models.model_source import resolve_model
-
-
-def context_list(text: str) -> tuple[int, ...]:
-    """argparse type: prompt lengths separated by commas, e.g. `2048,8192`."""
-    try:
-        return tuple(int(c) for c in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"whole numbers separated by commas, got {text!r}"
-        ) from None
 
 
 def add_device_command(benches: argparse._SubParsersAction) -> None:
@@ -34,7 +25,7 @@ def add_device_command(benches: argparse._SubParsersAction) -> None:
     device.add_argument("--n-gpu-layers", type=int, default=-1, help="-1: every layer")
     device.add_argument(
         "--contexts",
-        type=context_list,
+        type=number_list(int),
         default=(2048, 8192),
         help="prompt lengths, comma-separated (default 2048,8192)",
     )

@@ -12,22 +12,12 @@ from baton_serve.loadtests.bench_common import (
     bench_progress,
     needs_extra,
     non_negative_float,
+    number_list,
     positive_float,
     positive_int,
     print_report,
 )
 from baton_serve.replicas.models.model_source import resolve_model
-
-
-def rate_list(text: str) -> tuple[float, ...]:
-    """argparse type: request rates separated by commas, e.g. `10,20,40`."""
-    try:
-        rates = tuple(float(r) for r in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"numbers separated by commas, got {text!r}") from None
-    if not rates or min(rates) <= 0:
-        raise argparse.ArgumentTypeError(f"every rate must be above 0, got {text!r}")
-    return rates
 
 
 def add_gateway_command(benches: argparse._SubParsersAction) -> None:
@@ -43,7 +33,7 @@ def add_gateway_command(benches: argparse._SubParsersAction) -> None:
     )
     gateway.add_argument(
         "--rates",
-        type=rate_list,
+        type=number_list(float),
         help="offered rates in req/s, comma-separated (default 10,20,40,…,1280; the ramp "
         "stops after two steps past 50 ms p99, or one that answered under 95%% of what it sent)",
     )
