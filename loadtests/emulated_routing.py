@@ -29,6 +29,7 @@ import numpy as np
 from baton_serve.deploy.app import GATEWAY_CPUS
 from baton_serve.deploy.config import BatonConfig, RouterPolicy
 from baton_serve.deploy.local_ray import local_ray
+from baton_serve.loadtests.bench_http import bench_client
 from baton_serve.loadtests.index_bench import redis_url_or_private_server
 from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.serve_app import replica_stats, serve_app
@@ -195,8 +196,7 @@ def figures(records: Sequence[Measured]) -> dict:
 
 
 async def _policy_run(url: str, app: str, model: EmulatedModel, name: str, sessions) -> dict:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=200)
-    async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S, limits=limits) as http:
+    async with bench_client(HTTP_TIMEOUT_S, keepalive=200) as http:
         player = Player(http, url, model, name)
         started = time.perf_counter()
         await player.play(sessions)

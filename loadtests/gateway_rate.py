@@ -33,6 +33,7 @@ import psutil
 
 from baton_serve.deploy.app import GATEWAY_DEPLOYMENT, REPLICA_DEPLOYMENT
 from baton_serve.deploy.config import BatonConfig
+from baton_serve.loadtests.bench_http import bench_client
 from baton_serve.loadtests.progress import SILENT
 from baton_serve.loadtests.serve_app import on_local_ray, wait_idle
 from baton_serve.loadtests.span_breakdown import (
@@ -268,9 +269,8 @@ def sustained(steps: list[dict]) -> dict[str, float | None]:
 
 
 async def _ramp(url: str, model: str, settings: GatewayRateSettings, prompts: Prompts, step):
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=500)
     rng = np.random.default_rng(settings.seed)
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as http:
+    async with bench_client(REQUEST_TIMEOUT_S, keepalive=500) as http:
         client = Client(http, url, model, prompts)
         for _ in range(WARMUP_REQUESTS):  # first-call costs (connections, imports, caches)
             warm = await client.send(0.0)
@@ -290,7 +290,7 @@ async def _ramp(url: str, model: str, settings: GatewayRateSettings, prompts: Pr
 
 
 async def _traced(url: str, model: str, settings: GatewayRateSettings, prompts: Prompts):
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
+    async with bench_client(REQUEST_TIMEOUT_S) as http:
         client = Client(http, url, model, prompts)
         for _ in range(WARMUP_REQUESTS):
             await client.send(0.0)

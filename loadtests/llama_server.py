@@ -66,7 +66,7 @@ def llama_server(model: Path, settings: ServerSettings, log: Path | None = None)
         _backend_dir(Path(workdir))
         out = open(log or Path(workdir) / "server.log", "w")  # noqa: SIM115
         process = subprocess.Popen(
-            server_command(binary, model, settings, port),
+            server_command(binary, model.resolve(), settings, port),  # it runs in workdir
             cwd=workdir,
             stdout=out,
             stderr=subprocess.STDOUT,

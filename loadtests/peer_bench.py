@@ -29,6 +29,7 @@ import httpx
 import numpy as np
 
 from baton_serve.deploy.config import BatonConfig
+from baton_serve.loadtests.bench_http import bench_client
 from baton_serve.loadtests.llama_server import ServerSettings, llama_server
 from baton_serve.loadtests.peer_workload import PeerWorkload, Session, make_sessions, script_digest
 from baton_serve.loadtests.progress import SILENT, Progress
@@ -77,13 +78,16 @@ async def _stream_chat(
     """Send one streamed chat request, filling `record`; returns the reply's text."""
     text, last = "", 0.0
     started = time.perf_counter()
-    headers = {"traceparent": traceparent}
-    async with http.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
-        if r.status_code != 200:
-            await r.aread()
-            record.error = f"HTTP {r.status_code}: {r.text[:200]}"
-            return text
+    request = http.build_request(
+        "POST", f"{url}/v1/chat/completions", json=body, headers={"traceparent": traceparent}
+    )
+    try:
+        r = await _send(http, request)
         try:
+            if r.status_code != 200:
+                await r.aread()
+                record.error = f"HTTP {r.status_code}: {r.text[:200]}"
+                return text
             async for chunk in aresponse_events(r):
                 delta = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else ""
                 if delta:
@@ -98,10 +102,22 @@ async def _stream_chat(
                     record.completion_tokens = usage.get("completion_tokens", 0)
                     details = usage.get("prompt_tokens_details") or {}
                     record.cached_tokens = details.get("cached_tokens") or 0
-        except StreamError as exc:
-            record.error = str(exc)
+        finally:
+            await r.aclose()
+    except (StreamError, httpx.HTTPError) as exc:  # this request's fault, counted, not fatal
+        record.error = f"{type(exc).__name__}: {exc}"
     record.total_s = time.perf_counter() - started
     return text
+
+
+async def _send(http: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
+    """`request`'s streamed response; sent once more if the server closed the kept-alive
+    connection as the request left (no response at all: seen on llama-server), as HTTP
+    libraries do. The retry's time counts."""
+    try:
+        return await http.send(request, stream=True)
+    except httpx.RemoteProtocolError:
+        return await http.send(request, stream=True)
 
 
 async def _play(
@@ -144,7 +160,7 @@ async def _play(
                 recorded(len(records))
                 messages.append({"role": "assistant", "content": reply})
 
-    async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http:
+    async with bench_client(HTTP_TIMEOUT_S) as http:
         for i in range(WARMUP_REQUESTS):  # llama.cpp's first-call costs, on neither side
             warm = PeerRecord(server, "warm-up", i, 0, time.time_ns())
             messages = [{"role": "user", "content": f"Warm-up {i}: say hi."}]

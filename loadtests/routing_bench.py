@@ -31,6 +31,7 @@ from baton_serve.cache_store.prefix_hash import common_prefix_length
 from baton_serve.deploy.app import GATEWAY_CPUS
 from baton_serve.deploy.config import BatonConfig, RouterPolicy
 from baton_serve.deploy.local_ray import local_ray
+from baton_serve.loadtests.bench_http import bench_client
 from baton_serve.loadtests.index_bench import redis_url_or_private_server
 from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.ray_metrics import settled_counters
@@ -184,7 +185,7 @@ async def _policy_run(
     workload: RoutingWorkload,
     recorded: Callable[[int], None],
 ) -> tuple[list[RequestRecord], dict]:
-    async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http:
+    async with bench_client(HTTP_TIMEOUT_S) as http:
         client = Client(http, url, config.served_model_name)
         warmups = await _warm_up(client, config.replicas)
         await wait_idle(app)
