@@ -29,6 +29,7 @@ from baton_serve.router.gateway.errors import (
     prompt_too_large,
 )
 from baton_serve.router.gateway.reply_parser import THINK_OPEN
+from baton_serve.router.gateway.token_cache import TokenCache
 from baton_serve.router.gateway.tool_calls import ToolFormat
 
 # How a chat prompt ends: with the assistant's turn opened (OpenAI), after the last message
@@ -53,6 +54,7 @@ class PromptBuilder:
     ) -> None:
         self.max_prompt_bytes = max_prompt_bytes
         self._model = LlamaModel(model_path, vocab_only=True)
+        self._chat_tokens = TokenCache(self._model)  # earlier messages come back each turn
         self._template = model_chat_template(self._model, chat_template)
         self.template_tools = (
             TemplateTools.probe(self._template)
@@ -79,7 +81,7 @@ class PromptBuilder:
             if ending == "inside_last_message":
                 chat = _cut_after_last_message(chat, messages[-1].content)
             self._refuse_unfitting(chat.text)
-            prompt = tokenize_chat(self._model, chat, messages)
+            prompt = tokenize_chat(self._chat_tokens, chat, messages)
         except RenderedTooLarge as exc:
             raise prompt_too_large(exc.size, exc.limit, "messages", "max_prompt_bytes") from None
         except PromptError as exc:
