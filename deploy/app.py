@@ -80,6 +80,14 @@ def logical_cpus(config: BatonConfig) -> float:
     return config.replicas * config.num_cpus_per_replica + config.gateway_replicas * GATEWAY_CPUS
 
 
+def engine_threads(config: BatonConfig) -> int:
+    """llama.cpp threads of each replica: `engine.n_threads` where set, else one per
+    logical CPU the replica asks Ray for."""
+    if "n_threads" in config.engine.model_fields_set:
+        return config.engine.n_threads
+    return max(1, math.ceil(config.num_cpus_per_replica))
+
+
 def replica_actor_options(config: BatonConfig) -> dict:
     """The replica deployment's `ray_actor_options` (a Serve config that overrides them
     replaces them whole, so it starts from these)."""
@@ -132,11 +140,7 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
     replicas on this machine report their start-up stages there (`deploy/startup.py`)."""
     check_cluster_key(config)
     model_path = resolve_model(config.model)
-    engine = config.engine
-    if "n_threads" not in engine.model_fields_set:  # one thread per logical CPU a replica holds
-        engine = engine.model_copy(
-            update={"n_threads": max(1, math.ceil(config.num_cpus_per_replica))}
-        )
+    engine = config.engine.model_copy(update={"n_threads": engine_threads(config)})
     if config.index == EMBEDDED_SPEC and ray.is_initialized():
         start_embedded_index_on_head()  # not on a worker, which may die
     replica = serve.deployment(

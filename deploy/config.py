@@ -89,7 +89,10 @@ class BatonConfig(BaseModel):
         default=1.0,
         gt=0,
         allow_inf_nan=False,
-        description="logical Ray CPUs a replica asks for (llama.cpp's threads are engine.n_threads)",
+        description="logical Ray CPUs a replica asks for, and its llama.cpp threads unless "
+        "engine.n_threads is set; unset, baton serve's own local cluster gives each replica an "
+        "equal share of this machine's cores (physical cores of its CPU affinity, capped by a "
+        "cgroup CPU quota)",
     )
     gateway_replicas: int = Field(
         default=1, ge=1, description="size of the gateway (HTTP) deployment"

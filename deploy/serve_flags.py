@@ -19,7 +19,10 @@ from pydantic_core import PydanticUndefined
 from baton_serve.deploy.config import BatonConfig
 
 # Defaults computed where the setting is used, which the docs describe instead of showing.
-COMPUTED_DEFAULTS = {"engine.n_threads": "the CPU count"}
+COMPUTED_DEFAULTS = {
+    "engine.n_threads": "num_cpus_per_replica",
+    "num_cpus_per_replica": "`1`; `baton serve`'s local cluster: cores / replicas",
+}
 _BINARY_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
 

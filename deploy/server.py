@@ -14,13 +14,20 @@ from ray import serve
 
 from baton_serve.cache_store.checkpoints.disk_dir import check_checkpoint_dir
 from baton_serve.cache_store.index.redis_address import redact
-from baton_serve.deploy.app import APP_NAME, build_app, check_cluster_key, logical_cpus
+from baton_serve.deploy.app import (
+    APP_NAME,
+    build_app,
+    check_cluster_key,
+    engine_threads,
+    logical_cpus,
+)
 from baton_serve.deploy.capacity_check import (
     check_gpus_fit,
     check_object_store_fits,
     fit_store_budget,
 )
 from baton_serve.deploy.config import BatonConfig
+from baton_serve.deploy.cpu_layout import share_cpus, usable_cpus
 from baton_serve.deploy.local_ray import local_ray, metrics_export_port
 from baton_serve.deploy.startup import deploy_with_progress
 from baton_serve.replicas.models.model_check import check_model
@@ -36,6 +43,7 @@ def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) 
         )
     check_cluster_key(config)  # a disk tier needs a fixed key, before anything starts
     if not address:  # a joined cluster's replicas may not run on this machine
+        config = share_cpus(config, usable_cpus())
         if config.engine.checkpoint_dir is not None:
             check_checkpoint_dir(config.engine.checkpoint_dir)
         print(f"checking {config.served_model_name} ...", flush=True)
@@ -73,7 +81,8 @@ def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) 
         serve.start(http_options={"host": config.host, "port": config.port})
         try:
             print(
-                f"starting {config.replicas} replica(s) of {config.served_model_name} ...",
+                f"starting {config.replicas} replica(s) of {config.served_model_name}, "
+                f"{engine_threads(config)} llama.cpp thread(s) each ...",
                 flush=True,
             )
             app = build_app(config, startup_dir=stages_dir)

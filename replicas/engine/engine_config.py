@@ -34,8 +34,9 @@ class EngineConfig(BaseModel):
     n_threads: int = Field(
         default_factory=lambda: os.cpu_count() or 1,
         ge=1,
-        description="llama.cpp threads; default: the CPU count where the replica runs (Ray "
-        "sets OMP_NUM_THREADS=1, so this is explicit)",
+        description="llama.cpp threads (Ray sets OMP_NUM_THREADS=1, so this is explicit); "
+        "unset: in Baton's app one per Ray CPU the replica asks for (num_cpus_per_replica), "
+        "an engine on its own (the benchmarks) the CPU count",
     )
     n_gpu_layers: int = Field(
         default=0, ge=-1, description="layers offloaded to the GPU (-1: every layer)"
