@@ -17,7 +17,6 @@ give where its time went (`span_breakdown`); that run is not in the comparison.
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ import httpx
 import numpy as np
 
 from baton_serve.deploy.config import BatonConfig
+from baton_serve.deploy.cpu_layout import usable_cpus
 from baton_serve.loadtests.bench_http import bench_client
 from baton_serve.loadtests.llama_server import ServerSettings, llama_server
 from baton_serve.loadtests.peer_workload import PeerWorkload, Session, make_sessions, script_digest
@@ -295,7 +295,7 @@ def peer_benchmark(
     `traced`). Threads default to the CPU count, slots to the concurrency, replicas to
     `baton serve`'s default. Returns the summary and every request."""
     setup = Setup(
-        threads=threads or os.cpu_count() or 1,
+        threads=threads or usable_cpus(),  # what `baton serve` shares out
         slots=slots or workload.concurrency,
         replicas=replicas or BatonConfig.model_fields["replicas"].default,
         n_ctx=workload.n_ctx(),

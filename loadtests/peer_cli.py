@@ -35,7 +35,11 @@ def add_peer_command(benches: argparse._SubParsersAction) -> None:
         "peer", help="Baton vs llama-server (same llama.cpp) on one node, one seeded workload"
     )
     peer.add_argument("--model", help=MODEL_HELP)
-    peer.add_argument("--threads", type=positive_int, help="threads in total (default: CPUs)")
+    peer.add_argument(
+        "--threads",
+        type=positive_int,
+        help="threads in total (default: the cores baton serve shares out)",
+    )
     peer.add_argument("--slots", type=positive_int, help="slots in total (default: concurrency)")
     peer.add_argument(
         "--replicas", type=positive_int, help="Baton replicas (default: baton serve's, 2)"
