@@ -80,6 +80,13 @@ def logical_cpus(config: BatonConfig) -> float:
     return config.replicas * config.num_cpus_per_replica + config.gateway_replicas * GATEWAY_CPUS
 
 
+def local_cluster_cpus(logical: float) -> int:
+    """Ray CPUs a local cluster declares for an app asking for `logical` of them: the
+    machine's count, or more where the app asks more (Ray's CPUs are logical; declaring
+    fewer, Serve would wait forever to place the last replica)."""
+    return max(os.cpu_count() or 1, math.ceil(logical))
+
+
 def engine_threads(config: BatonConfig) -> int:
     """llama.cpp threads of each replica: `engine.n_threads` where set, else one per
     logical CPU the replica asks Ray for."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import os
 import signal
 import tempfile
 import threading
@@ -19,6 +17,7 @@ from baton_serve.deploy.app import (
     build_app,
     check_cluster_key,
     engine_threads,
+    local_cluster_cpus,
     logical_cpus,
 )
 from baton_serve.deploy.capacity_check import (
@@ -66,7 +65,7 @@ def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) 
             )
     # Ray's CPUs are logical: a local cluster must declare at least what the app asks for,
     # or Serve waits forever to place the last replica.
-    num_cpus = None if address else max(os.cpu_count() or 1, math.ceil(logical_cpus(config)))
+    num_cpus = None if address else local_cluster_cpus(logical_cpus(config))
     with (
         _startup_dir(local=not address) as stages_dir,
         local_ray(num_cpus, address=address, metrics_port=config.metrics_port),

@@ -15,8 +15,6 @@ finished before it was sent, counted as the simulator counts them.
 from __future__ import annotations
 
 import asyncio
-import math
-import os
 import secrets
 import time
 from collections import Counter
@@ -26,7 +24,7 @@ from dataclasses import asdict, dataclass, replace
 import httpx
 import numpy as np
 
-from baton_serve.deploy.app import GATEWAY_CPUS
+from baton_serve.deploy.app import GATEWAY_CPUS, local_cluster_cpus
 from baton_serve.deploy.config import BatonConfig, RouterPolicy
 from baton_serve.deploy.local_ray import local_ray
 from baton_serve.loadtests.bench_http import bench_client
@@ -225,7 +223,7 @@ def emulated_routing_benchmark(
     `save` is given the result so far after each policy (a later crash loses nothing)."""
     phases = cluster_workload(workload, replicas, profile.prefill_tokens_per_s)
     sessions = [s for phase in phases for s in phase.sessions]
-    num_cpus = max(os.cpu_count() or 1, math.ceil(replicas * CPUS_PER_REPLICA + GATEWAY_CPUS))
+    num_cpus = local_cluster_cpus(replicas * CPUS_PER_REPLICA + GATEWAY_CPUS)
     model = EmulatedModel(model_path, timing_of(profile))
     results: dict[str, dict] = {}
     head = {

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import secrets
 import signal
 import subprocess
@@ -35,7 +34,12 @@ from ray import serve
 from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 
-from baton_serve.deploy.app import GATEWAY_CPUS, REPLICA_DEPLOYMENT, replica_actor_options
+from baton_serve.deploy.app import (
+    GATEWAY_CPUS,
+    REPLICA_DEPLOYMENT,
+    local_cluster_cpus,
+    replica_actor_options,
+)
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.local_ray import local_ray
 from baton_serve.deploy.serve_config import serve_config
@@ -106,9 +110,7 @@ def restart_benchmark(
     prefix = out_dir / "restart"
     # A rolling update starts replicas while those they replace may still be stopping.
     extra = max(1, math.ceil(replicas * surge_percent / 100))
-    num_cpus = max(
-        os.cpu_count() or 1, math.ceil((replicas + extra) * cpus_per_replica + GATEWAY_CPUS)
-    )
+    num_cpus = local_cluster_cpus((replicas + extra) * cpus_per_replica + GATEWAY_CPUS)
     port = free_port()
     timeline: list[tuple[str, float, float]] = []  # (event, started, done)
     progress.step(f"starting Ray and the app ({replicas} replicas)")

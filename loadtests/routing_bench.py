@@ -17,7 +17,6 @@ counters.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import secrets
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from baton_serve.cache_store.prefix_hash import common_prefix_length
-from baton_serve.deploy.app import GATEWAY_CPUS
+from baton_serve.deploy.app import GATEWAY_CPUS, local_cluster_cpus
 from baton_serve.deploy.config import BatonConfig, RouterPolicy
 from baton_serve.deploy.local_ray import local_ray
 from baton_serve.loadtests.bench_http import bench_client
@@ -220,7 +219,7 @@ def routing_benchmark(
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
     threads = max(1, (os.cpu_count() or 1) // replicas)
     engine = EngineConfig(n_ctx=workload.n_ctx(), n_slots=4, n_threads=threads)
-    num_cpus = max(os.cpu_count() or 1, math.ceil(replicas * cpus_per_replica + GATEWAY_CPUS))
+    num_cpus = local_cluster_cpus(replicas * cpus_per_replica + GATEWAY_CPUS)
     model = LlamaModel(model_path, vocab_only=True)
     try:
         script = Script.make(workload, model)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -15,7 +14,12 @@ from ray import serve
 from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX
 from ray.serve._private.constants import SERVE_NAMESPACE
 
-from baton_serve.deploy.app import GATEWAY_CPUS, REPLICA_DEPLOYMENT, build_app
+from baton_serve.deploy.app import (
+    REPLICA_DEPLOYMENT,
+    build_app,
+    local_cluster_cpus,
+    logical_cpus,
+)
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.local_ray import local_ray
 from baton_serve.loadtests.redis_server import free_port
@@ -57,8 +61,7 @@ def on_local_ray(
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:
-        cpus = config.replicas * config.num_cpus_per_replica + GATEWAY_CPUS
-        with local_ray(max(os.cpu_count() or 1, math.ceil(cpus))):
+        with local_ray(local_cluster_cpus(logical_cpus(config))):
             with serve_app(config, name, None) as url:
                 yield url, config.served_model_name
     finally:

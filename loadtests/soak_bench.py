@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
-import math
 import os
 import secrets
 import threading
@@ -25,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from baton_serve.deploy.app import GATEWAY_CPUS, REPLICA_DEPLOYMENT
+from baton_serve.deploy.app import GATEWAY_CPUS, REPLICA_DEPLOYMENT, local_cluster_cpus
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.local_ray import local_ray
 from baton_serve.loadtests.locust_process import headless_locust, locust_failed
@@ -248,7 +247,7 @@ def soak_benchmark(
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     prefix = out_dir / "soak"
-    num_cpus = max(os.cpu_count() or 1, math.ceil(replicas * cpus_per_replica + GATEWAY_CPUS))
+    num_cpus = local_cluster_cpus(replicas * cpus_per_replica + GATEWAY_CPUS)
     progress.step(f"starting Ray and the app ({replicas} replicas)")
     with (
         local_ray(num_cpus),
