@@ -29,17 +29,35 @@ class ShipCost:
       recompute estimate (`ShipPolicy.deadline`). Measured pulls cost 0.7-5% of the
       recompute (`bench ship`), so the margin decides only near the line.
     - `min_gain_tokens`: below this, recomputing is always cheap enough.
+    - `in_flight_slack`: a state a peer is computing right now is waited for while that
+      takes up to this share longer than computing it again. Computing it a second time
+      spends a second replica's whole prefill to win at most this share of it (waiting
+      is the pull's ship time slower when the estimates are right); on `bench routing`'s
+      burst, two replicas on one machine computing a new system prompt each were slower
+      than one computing it while the other waited (docs/benchmarks.md).
     """
 
     min_gain_tokens: int = 64
     bandwidth_bytes_per_s: float = 500e6
     latency_s: float = 0.02
     safety: float = 1.0
+    in_flight_slack: float = 0.25
 
 
 def pull_seconds(nbytes: int, cost: ShipCost) -> float:
     """Seconds to move a state of `nbytes` from a peer."""
     return cost.latency_s + nbytes / cost.bandwidth_bytes_per_s
+
+
+def pull_budget_s(
+    gain_tokens: int, wait_s: float, prefill_tokens_per_s: float, cost: ShipCost
+) -> float:
+    """How long getting `gain_tokens` from a peer may take: `cost.safety` × computing them
+    here, × (1 + `cost.in_flight_slack`) while the peer is still computing them (`wait_s`
+    > 0)."""
+    recompute_s = gain_tokens / max(prefill_tokens_per_s, 1e-6)
+    slack = 1.0 + cost.in_flight_slack if wait_s > 0 else 1.0
+    return cost.safety * slack * recompute_s
 
 
 def pull_pays(
@@ -51,9 +69,10 @@ def pull_pays(
     local_restore_s: float = 0.0,
 ) -> bool:
     """True when waiting `wait_s` for a peer's state, then pulling its `nbytes`, takes
-    under `cost.safety` × computing the `gain_tokens` it gives beyond what is held here,
-    plus `local_restore_s` (reading what is held here from disk, which the pull saves)."""
+    under the budget (`pull_budget_s`) for the `gain_tokens` it gives beyond what is held
+    here, plus `local_restore_s` (reading what is held here from disk, which the pull
+    saves)."""
     if gain_tokens < cost.min_gain_tokens:
         return False
-    recompute_s = gain_tokens / max(prefill_tokens_per_s, 1e-6)
-    return wait_s + pull_seconds(nbytes, cost) < cost.safety * recompute_s + local_restore_s
+    budget_s = pull_budget_s(gain_tokens, wait_s, prefill_tokens_per_s, cost)
+    return wait_s + pull_seconds(nbytes, cost) < budget_s + local_restore_s

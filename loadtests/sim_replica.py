@@ -16,7 +16,9 @@ prefix cache of checkpoints under a byte budget, and peer pulls by the replica's
   progress is announced there as in flight, with its expected end (under Baton's router,
   the index's only reader; the others never look it up).
 - **The same prefix twice**: a request whose prompt extends what another slot is
-  prefilling right now waits in the queue (letting others pass) and reuses it then.
+  prefilling right now waits in the queue (letting others pass) and reuses it then; so
+  does one the router planned to join a prefix in flight here that a pull under way here
+  brings (`PrefixPuller`'s join).
 - **Pulls** (`replicas/prefix_pull.py`'s; only under Baton's router, as deployed: a
   replica reaches a given peer through `target_replica=`, which only it honours): before
   queueing, the router's plan is executed — the planned donor's state pulled — and decided
@@ -42,7 +44,7 @@ from baton_serve.loadtests.sim_cache import SimCheckpoint, SimPrefixCache
 from baton_serve.replicas.engine import step_plan as steps
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 from baton_serve.replicas.engine.emulated_timing import decode_step_seconds
-from baton_serve.replicas.wire.route_plan import CACHED, PULL, RoutePlan
+from baton_serve.replicas.wire.route_plan import CACHED, IN_FLIGHT, PULL, RoutePlan
 
 FOREVER = float("inf")
 
@@ -170,6 +172,7 @@ class SimReplica:
         self._queue: deque[Job] = deque()
         self._running = 0
         self._prefilling: list[Job] = []
+        self._pulling: list[Job] = []  # their peer's state is on its way here
         self._decoding: list[Job] = []
         self._stepping = False  # a step is under way, until its effects are applied
         self._noise = random.Random(f"{seed}-{rid}")
@@ -222,13 +225,14 @@ class SimReplica:
     def _pull_from(self, peer: SimReplica, job: Job, in_flight: bool) -> bool:
         """Ship `peer`'s state for `job` now, or once the prefill it is waiting for ends;
         False if `peer` is computing nothing of it."""
+        if in_flight:
+            computing = peer.computing(job)
+            if computing is None:
+                return False
+            computing.on_prefilled.append(lambda: self._ship_from(peer, job))
+        self._pulling.append(job)
         if not in_flight:
             self._ship_from(peer, job)
-            return True
-        computing = peer.computing(job)
-        if computing is None:
-            return False
-        computing.on_prefilled.append(lambda: self._ship_from(peer, job))
         return True
 
     def computing(self, job: Job) -> Job | None:
@@ -244,6 +248,7 @@ class SimReplica:
     def _ship_from(self, peer: SimReplica, job: Job) -> None:
         tokens, cid = peer.cache.match(job.keys, job.lengths)
         if cid is None:  # evicted meanwhile: compute it
+            self._pulling.remove(job)
             self._enqueue(job)
             return
         checkpoint = peer.cache.get(cid)
@@ -253,6 +258,7 @@ class SimReplica:
 
     def _pulled(self, job: Job, checkpoint: SimCheckpoint) -> None:
         self._store(checkpoint)
+        self._pulling.remove(job)
         self._enqueue(job)
 
     # ---- slots and prefill ---------------------------------------------------------------
@@ -306,10 +312,15 @@ class SimReplica:
         return steps.prefill_priority(self._view(job), speed, now)
 
     def _must_wait(self, job: Job) -> bool:
-        """Another slot is prefilling more of `job`'s prompt than is held here."""
+        """Another slot is prefilling more of `job`'s prompt than is held here, or (for a
+        job planned to join a prefix in flight here) a pull under way here brings it."""
         local, _ = self.cache.match(job.keys, job.lengths)
         computing = self.computing(job)
-        return computing is not None and shared_tokens(computing, job.keys, job.lengths) > local
+        if computing is not None and shared_tokens(computing, job.keys, job.lengths) > local:
+            return True
+        if job.plan is None or job.plan.kind != IN_FLIGHT:
+            return False
+        return any(shared_tokens(p, job.keys, job.lengths) > local for p in self._pulling)
 
     def _start(self, job: Job) -> None:
         local, cid = self.cache.match(job.keys, job.lengths)

@@ -9,11 +9,16 @@ sent a bad blob — each counted (`baton_replans`, `ReplicaStats.replans`); then
 request without a plan (another router, a direct call), it looks the gateway's hash chain
 up in the index and pulls when `pull_pays` (the router's and the simulator's rule). A
 pull never fails a request: a dead or slow peer or a bad blob only costs a recompute.
+
+A pull under way here counts as a prefix in flight here (the router records it so): a
+request planned to join it (in flight), or to pull as much of the same prompt, waits for
+that pull instead of computing the prefix or fetching it a second time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -31,9 +36,11 @@ from baton_serve.replicas.shipping import PeerDirectory, ShipPolicy, shipped_nby
 from baton_serve.replicas.telemetry import metrics, tracing
 from baton_serve.replicas.telemetry.logs import request_fields
 from baton_serve.replicas.wire.protocol import EngineError, ReplicaRequest
-from baton_serve.replicas.wire.route_plan import CACHED, PULL
+from baton_serve.replicas.wire.route_plan import CACHED, IN_FLIGHT, PULL
 
 logger = logging.getLogger("baton.replica")
+
+JOIN_GRACE_S = 0.5  # past a joined pull's deadline: its blob may still be being stored
 
 
 @dataclass
@@ -54,6 +61,15 @@ class ReplicaStats:
     index_errors: int = 0
     index_lookups: int = 0  # before requests: those without a plan, and re-decisions
     replans: dict[str, int] = field(default_factory=dict)  # router plans decided again, by reason
+
+
+@dataclass
+class _PullUnderway:
+    """A pull this replica is making: the prompt prefix it brings, and until when."""
+
+    tokens: tuple[int, ...]
+    deadline: float  # time.perf_counter()
+    done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class PrefixPuller:
@@ -77,6 +93,7 @@ class PrefixPuller:
         self.stats = stats
         self.off_loop = off_loop
         self.on_index_error: Callable[[], None] = lambda: None
+        self._underway: list[_PullUnderway] = []
 
     async def prepare(self, request: ReplicaRequest, telemetry: RequestTelemetry) -> None:
         """Get the prompt's prefix as the router planned (`request.plan`), with no index
@@ -87,9 +104,13 @@ class PrefixPuller:
         plan = request.plan
         if plan is not None and plan.replica_id != self.replica_id:
             plan = None  # meant for another replica: not evidence of anything here
+        tokens = request.generation.prompt.tokens
+        if plan is not None and plan.kind in (IN_FLIGHT, PULL):
+            needed = plan.reused_tokens if plan.kind == IN_FLIGHT else plan.donor_tokens
+            if await self._join_pull_underway(tokens, needed, telemetry):
+                return
         if self.peers is None or (plan is not None and plan.kind not in (CACHED, PULL)):
             return  # computing it, or joining the prefix this engine computes now
-        tokens = request.generation.prompt.tokens
         local, restore_s = await self.off_loop.run(
             self.engine.local_reuse, tokens, request.prefix_hashes
         )
@@ -178,13 +199,44 @@ class PrefixPuller:
             "baton.pull.wait_s": wait_s,
         }
         floor = local + gain - 1 if ready_at > 0 else local
-        with tracing.span("pull", parent=telemetry.context, attributes=attributes) as span:
-            outcome = await self._pull(
-                peer, tokens, local, floor, deadline, span, telemetry.request_id
-            )
-            span.set_attribute("baton.pull.outcome", outcome)
+        underway = _PullUnderway(tokens[: local + gain], time.perf_counter() + deadline)
+        self._underway.append(underway)
+        try:
+            with tracing.span("pull", parent=telemetry.context, attributes=attributes) as span:
+                outcome = await self._pull(
+                    peer, tokens, local, floor, deadline, span, telemetry.request_id
+                )
+                span.set_attribute("baton.pull.outcome", outcome)
+        finally:
+            self._underway.remove(underway)
+            underway.done.set()
         metrics.PULLS.inc(outcome=outcome)
         return outcome
+
+    async def _join_pull_underway(
+        self, tokens: tuple[int, ...], needed: int, telemetry: RequestTelemetry
+    ) -> bool:
+        """Wait (until its deadline) for the deepest pull under way here of a prefix of
+        `tokens` that brings at least `needed` of them (the plan's) or all it can use; True
+        if there was one. Whether it succeeded or not, the engine then finds what is here."""
+        usable = len(tokens) - MIN_PIECE
+        enough = max(min(needed, usable), self.policy.cost.min_gain_tokens)
+        joined = max(
+            (
+                u
+                for u in self._underway
+                if len(u.tokens) >= enough and tokens[: len(u.tokens)] == u.tokens
+            ),
+            key=lambda u: len(u.tokens),
+            default=None,
+        )
+        if joined is None:
+            return False
+        telemetry.span.set_attribute("baton.pull.joined_tokens", len(joined.tokens))
+        with contextlib.suppress(asyncio.TimeoutError):
+            remaining_s = max(0.0, joined.deadline - time.perf_counter())
+            await asyncio.wait_for(joined.done.wait(), remaining_s + JOIN_GRACE_S)
+        return True
 
     async def _pull(
         self,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncGenerator
 
 from pydantic import BaseModel, ConfigDict
@@ -142,6 +143,7 @@ class ReplicaDeployment:
         lag = self.replica.loop_lag.snapshot()
         return {
             "replica_id": self.replica_id,
+            "sampled_at": time.time(),  # a router counts its own requests since then itself
             "queued": load.queued,
             "running": load.running,
             "free_slots": load.free_slots,

@@ -18,7 +18,7 @@ import numpy as np
 import ray
 
 from baton_serve.cache_store.checkpoints.checkpoint import Checkpoint
-from baton_serve.cache_store.pull_cost import ShipCost, pull_pays
+from baton_serve.cache_store.pull_cost import ShipCost, pull_budget_s, pull_pays
 from baton_serve.replicas.state_stream import STREAMED, StateReceiver, StreamOffer
 
 # A signed state blob as it arrives from a peer: its head (header and token ids) and the
@@ -128,10 +128,12 @@ class ShipPolicy:
     def deadline(
         self, gain_tokens: int, measured_prefill: float | None, *, wait_s: float = 0.0
     ) -> float:
-        """Wait at most the time recomputing would take, and never more than `deadline_s`
-        past the time the peer's state is expected."""
-        recompute_s = gain_tokens / (measured_prefill or self.prefill_tokens_per_s)
-        return min(wait_s + self.deadline_s, recompute_s)
+        """Wait at most the pull's budget (`pull_budget_s`: the time recomputing would take,
+        a share more for a state the peer is still computing), and never more than
+        `deadline_s` past the time the peer's state is expected."""
+        speed = measured_prefill or self.prefill_tokens_per_s
+        budget_s = pull_budget_s(gain_tokens, wait_s, speed, self.cost)
+        return min(wait_s + self.deadline_s, budget_s)
 
     def record_pull(self, nbytes: int, seconds: float) -> None:
         """A pull that fetched `nbytes` in `seconds`, just now."""

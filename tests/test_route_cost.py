@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 from ray.serve._private.common import (
     DeploymentHandleSource,
@@ -37,7 +38,7 @@ from baton_serve.router.routing.route_cost import (
     rank,
 )
 from baton_serve.router.routing.route_decision import plan_of
-from baton_serve.router.routing.routing_ledger import RoutingLedger
+from baton_serve.router.routing.routing_ledger import LOAD_HISTORY_S, RoutingLedger
 
 SETTINGS = CostSettings()
 NOW = 1_000_000.0
@@ -110,6 +111,31 @@ def test_waiting_for_an_in_flight_prefix_and_pulling_it_beats_computing_it() -> 
     assert 2.0 < estimates[0].seconds < 4.0
 
 
+def test_a_prefix_being_computed_is_waited_for_rather_than_computed_twice() -> None:
+    """r1 is idle; r0 computes a 1000-token prefix. Waiting for it is slower than
+    computing it on r1 (10 s) by the pull: r1 waits and pulls, and its replica's deadline
+    lets it. Past `in_flight_slack` of the 10 s, r1 computes it; a prefix held now gets
+    no slack."""
+
+    def best_for(holding: Holding) -> str:
+        replicas = [
+            ReplicaState("r0", 1, 1000, 100.0, holding),
+            ReplicaState("r1", 0, 0, 100.0, None),
+        ]
+        best = [e for e in rank(replicas, 1050, NOW, SETTINGS) if e.replica_id == "r1"][0]
+        return best.plan
+
+    assert SETTINGS.ship.in_flight_slack == 0.25
+    assert best_for(Holding(1000, 20_000_000, ready_at=NOW + 10.5, holder="r0")) == PULL
+    assert ShipPolicy().deadline(1000, 100.0, wait_s=10.5) > 10.5 + 0.1
+    assert best_for(Holding(1000, 20_000_000, ready_at=NOW + 12.6, holder="r0")) == COMPUTE
+    slow_link = ShipCost(bandwidth_bytes_per_s=2e6)  # 10 s to ship a state held now
+    settings = CostSettings(ship=slow_link)
+    idle = ReplicaState("r1", 0, 0, 100.0, None)
+    held = Holding(1000, 20_000_000, holder="r0")
+    assert estimate(idle, 1050, [held], NOW, settings).plan == COMPUTE
+
+
 def test_a_pull_takes_the_cheapest_donor_whatever_the_order() -> None:
     """Two replicas hold the same depth, one in a smaller state: an idle third pulls the
     smaller one, whichever comes first (the first acceptable donor used to block the
@@ -176,6 +202,69 @@ def test_the_ledger_knows_its_decisions_at_once() -> None:
     assert hybrid.lookup(chain) == {} and hybrid.load("b") == 0
 
 
+def test_a_replica_report_counts_only_what_this_router_has_not_seen_finish() -> None:
+    """A report is a second old: requests this router saw finish since are not counted
+    again; other callers' requests in it are (as of the report)."""
+    wall = [100.0]
+    ledger = RoutingLedger(64, every_block=True, wall=lambda: wall[0])
+    ledger.sent("a", "r1", [], tokens=10, ready_at=0.0)
+    ledger.sent("a", "r2", [], tokens=10, ready_at=0.0)
+    wall[0] = 100.6  # the replica reports: both running, plus one request of another router
+    report_at, reported = 100.5, 3
+    wall[0] = 101.0
+    ledger.completed("a", "r1")  # the report still counts it
+    assert ledger.load_given_report("a", reported, report_at) == 1 + 1  # r2, the other's
+    assert ledger.load_given_report("a", 2, report_at) == 1  # only this router's: r2
+    ledger.sent("a", "r3", [], tokens=10, ready_at=0.0)  # after the report: counted once
+    assert ledger.load_given_report("a", 2, report_at) == 2
+    # a report from before this router sent anything counts the others' then
+    assert ledger.load_given_report("a", 1, 99.0) == 2 + 1
+    # a report with no time, or older than the ledger's history: the larger count
+    assert ledger.load_given_report("a", 5, None) == 5
+    wall[0] = 101.0 + LOAD_HISTORY_S + 1
+    ledger.completed("a", "r2")  # drops the changes of 100-101 from the history
+    assert ledger.load_given_report("a", 4, report_at) == 4
+    assert ledger.load_given_report("a", 0, wall[0] - 0.1) == 1  # recent reports still work
+
+
+def test_a_follow_up_goes_to_its_holder_while_the_report_still_counts_its_last_step() -> None:
+    """An agent's next step arrives the moment its last one finished, before the holder's
+    routing stats (a report every 0.5 s) say so: the router knows its own request finished
+    and sends the step to the holder, not to an idle replica that would recompute it."""
+    deployment = DeploymentID(name="Replica", app_name="follow-up")
+    router = BatonRouter(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(
+        index="redis://127.0.0.1:1", fingerprint_hex="ab" * 32, follow_index=False
+    )
+    holder, idle = _Replica("a", deployment), _Replica("b", deployment)
+    speed = {"prefill_tokens_per_s": 2000.0}  # counting the finished step costs more than
+    idle.routing_stats = holder.routing_stats = speed  # pulling the holder's state
+    chain = tuple(PrefixHasher(b"fp", 64).chain(range(1100)))
+
+    def request(n: int) -> ReplicaRequest:
+        return ReplicaRequest(
+            generation=GenerationRequest(prompt=Prompt(tokens=tuple(range(n)))),
+            prefix_hashes=chain[: n // 64],
+        )
+
+    async def steps() -> str:
+        first = PendingRequest(
+            args=[request(1000)], kwargs={}, metadata=RequestMetadata("s1", "s1")
+        )
+        ranks = await router.choose_replicas([holder], first)
+        router.request_routed(first, ranks[0][0])
+        # the holder's last report, sampled while the first step ran
+        holder.routing_stats = {"running": 1, "sampled_at": time.time(), **speed}
+        router.on_request_completed(holder.replica_id, "s1")
+        follow = PendingRequest(
+            args=[request(1100)], kwargs={}, metadata=RequestMetadata("s2", "s2")
+        )
+        ranks = await router.choose_replicas([holder, idle], follow)
+        return ranks[0][0].replica_id.unique_id
+
+    assert asyncio.run(steps()) == "a"
+
+
 class _Replica:
     """What `BatonRouter` reads of a `RunningReplica`: its id and routing stats (a live
     replica actor is not needed to rank)."""
@@ -210,18 +299,24 @@ def test_a_burst_ranked_before_any_request_is_sent_still_spreads() -> None:
             firsts.append(ranks[0][0].replica_id.unique_id)
         return firsts
 
-    assert sorted(asyncio.run(burst())) == ["a", "a", "b", "b"]
+    # one replica computes the prompt; the other waits for it and pulls it (computing it
+    # again would be faster only by the pull's shipping time), and takes the rest
+    firsts = asyncio.run(burst())
+    assert sorted(firsts.count(rid) for rid in ("a", "b")) == [1, 3]
+    computing = sorted(router._ledger.queued_tokens(rid) for rid in ("a", "b"))
+    assert computing == [3 * (1000 - 960), 1000]  # a pull gives the 15 whole 64-token blocks
 
 
 # (gain tokens, state bytes, wait s, prefill tok/s): cheap, a gain too short to bother,
 # a big state on a fast prefill, a long wait, and close to the line on either side of it
+# (5 s of recompute, 6.25 s with the in-flight slack; the pull adds 0.04 s)
 PULL_CASES = [
     (1000, 20_000_000, 0.0, 100.0),
     (63, 1_000, 0.0, 10.0),
     (2000, 4_000_000_000, 0.0, 10_000.0),
-    (500, 10_000_000, 6.0, 100.0),
-    (500, 10_000_000, 4.97, 100.0),
-    (500, 10_000_000, 4.94, 100.0),
+    (500, 10_000_000, 7.0, 100.0),
+    (500, 10_000_000, 6.22, 100.0),
+    (500, 10_000_000, 6.20, 100.0),
 ]
 
 

@@ -398,6 +398,60 @@ def test_a_prefix_being_computed_is_waited_for_and_pulled(
             ray.kill(actor)
 
 
+def test_a_request_planned_to_join_a_pull_under_way_waits_for_it(
+    redis_server, ray_cluster, tiny_model
+) -> None:
+    """The router counts a pull it planned as a prefix in flight at the puller, and plans
+    the next request of a burst to join it there: that request waits for the pull (one
+    fetch for both) instead of computing the prefix a second time."""
+    path = str(tiny_model("qwen35"))
+    spec = redis_server.url
+    holder = spawn_replica("join-a", path, CONFIG, hmac_key=KEY, index=spec, heartbeat_s=0.2)
+    puller = spawn_replica(
+        "join-b", path, CONFIG, hmac_key=KEY, index=spec, policy=EAGER, heartbeat_s=0.2
+    )
+    try:
+        ray.get([holder.start.remote(), puller.start.remote()])
+        prompt = _long_prompt(seed=8) + _long_prompt(seed=9)[:500]  # 1,200 tokens
+        busy = [  # both of the holder's slots, so the prompt is computed a while from now
+            holder.generate.remote(
+                _request(
+                    tuple(range(500 + i, 800)), SamplingParams(max_tokens=300, ignore_eos=True)
+                )
+            )
+            for i in range(2)
+        ]
+        computing = holder.generate.remote(_request(prompt))
+        held = len(prompt) - 2  # the holder's checkpoint two tokens before the prompt's end
+        expected = time.time() + 5.0
+        pull = RoutePlan(
+            replica_id="join-b",
+            kind="pull",
+            reused_tokens=held,
+            donor_id="join-a",
+            donor_tokens=held,
+            ready_at=expected,
+        )
+        join = RoutePlan(
+            replica_id="join-b", kind="in_flight", reused_tokens=held, ready_at=expected
+        )
+        first = puller.generate.remote(
+            ReplicaRequest(generation=_request(prompt + (7, 8, 9)), plan=pull)
+        )
+        time.sleep(0.2)  # the pull is under way (the holder is still busy)
+        second = puller.generate.remote(
+            ReplicaRequest(generation=_request(prompt + (4, 5, 6)), plan=join)
+        )
+        done = ray.get([first, second])
+        ray.get([*busy, computing])
+        stats, _ = ray.get(puller.stats.remote())
+        assert stats.pulls == 1 and stats.replans == {}
+        assert [d.usage.cached_tokens for d in done] == [held, held]
+    finally:
+        for actor in (holder, puller):
+            ray.kill(actor)
+
+
 def test_a_shared_state_leaves_as_an_object_ref_and_arrives_as_its_bytes(ray_cluster) -> None:
     state = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)
     checkpoint = Checkpoint(prefix_hash=bytes(16), tokens=[1, 2, 3], state=state)

@@ -232,8 +232,14 @@ class BatonRouter(SafeRequestRouter):
     def _state(self, replica: RunningReplica, match: IndexMatch | None) -> ReplicaState:
         stats = replica.routing_stats or {}
         speed = float(stats.get("prefill_tokens_per_s") or self._default_prefill_speed)
+        sampled_at = stats.get("sampled_at")
         return replica_state(
-            replica.replica_id.unique_id, self._ledger, _load(replica), speed, match
+            replica.replica_id.unique_id,
+            self._ledger,
+            _load(replica),
+            speed,
+            match,
+            reported_at=float(sampled_at) if sampled_at is not None else None,
         )
 
     async def _holdings(

@@ -10,7 +10,9 @@ compute, at its measured prefill speed — with three ways to compute fewer:
   request joining it waits for that state);
 - **pull**: another replica holds (or is computing) a longer prefix, and waiting for it,
   then shipping it, pays (`cache_store/pull_cost.pull_pays`, the rule the replica and the
-  simulator use too) and beats the replica's other plans.
+  simulator use too) and beats the replica's other plans; a prefix still being computed
+  is waited for even when that is slower than computing it a second time, by up to
+  `ShipCost.in_flight_slack` of that computation.
 
 Replicas whose load reaches a bound of `(1 + load_slack)` × the mean come last, so a hot
 prefix spreads once its holder is busy instead of piling every request onto it.
@@ -95,7 +97,9 @@ def estimate(
             continue
         pulled_s = max(queue_s, wait_s) + pull_seconds(donor.nbytes, settings.ship)
         pulled_s += (n_prompt - donor.n_tokens) / speed
-        if pulled_s < seconds:
+        # computing what a peer is computing right now (`ShipCost.in_flight_slack`)
+        duplicate_s = (donor.n_tokens - held) / speed if wait_s > 0 and plan != PULL else 0.0
+        if pulled_s < seconds + settings.ship.in_flight_slack * duplicate_s:
             seconds, plan, reused, holding = pulled_s, PULL, donor.n_tokens, donor
     return Estimate(replica.replica_id, seconds, plan, reused, holding=holding)
 

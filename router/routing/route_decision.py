@@ -45,13 +45,15 @@ def replica_state(
     reported_load: int,
     prefill_tokens_per_s: float,
     match: IndexMatch | None,
+    reported_at: float | None = None,
 ) -> ReplicaState:
-    """A candidate as the cost model sees it: the larger of the ledger's and the replica's
-    own in-flight count, the ledger's queued tokens, and its best match."""
+    """A candidate as the cost model sees it: its in-flight count (the ledger's, with the
+    other callers' share of the replica's own report sampled at `reported_at`,
+    `RoutingLedger.load_given_report`), the ledger's queued tokens, and its best match."""
     holding = Holding(match.n_tokens, match.nbytes, match.ready_at, replica_id) if match else None
     return ReplicaState(
         replica_id=replica_id,
-        load=max(ledger.load(replica_id), reported_load),
+        load=ledger.load_given_report(replica_id, reported_load, reported_at),
         queued_tokens=ledger.queued_tokens(replica_id),
         prefill_tokens_per_s=prefill_tokens_per_s,
         holding=holding,

@@ -3,7 +3,10 @@ index has heard of it (a decision is recorded when it is made, and moved if Ray 
 the request to another replica of the ranking).
 
 - Per replica, the requests in flight and the prompt tokens they still make it compute:
-  exact for this router, where routing stats are a second old.
+  exact for this router, where routing stats are a second old. A replica's report counts
+  every caller's requests as they were when it sampled them; `load_given_report` adds the
+  other callers' share of it to this router's count now (a request this router has seen
+  finish is not counted again until the next report).
 - The prefixes those requests make the replicas hold, as index entries: *in flight*
   (`ready_at` > 0) until the request completes, held after; they expire `ttl_s` after
   completion, by which time the replica's own publications have reached the index.
@@ -14,7 +17,9 @@ the request to another replica of the ranking).
 
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +27,9 @@ from baton_serve.cache_store.index.index import IndexEntry, IndexMatch
 from baton_serve.cache_store.index.memory_index import ModelIndex
 from baton_serve.replicas.engine.checkpoint_policy import prefill_checkpoints
 from baton_serve.replicas.wire.prompt_types import Prompt
+
+LOAD_HISTORY_S = 5.0  # how far back this router can tell its own in-flight count
+LOAD_HISTORY_CHANGES = 4096  # per replica, whichever bound comes first
 
 
 @dataclass
@@ -41,20 +49,56 @@ class RoutingLedger:
         every_block: bool,
         ttl_s: float = 30.0,
         now: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.block_tokens = block_tokens
         self.every_block = every_block
         self.ttl_s = ttl_s
         self._now = now
+        self._wall = wall  # the clock replicas stamp their reports with
         self._prefixes = ModelIndex()
         # (replica, request id) -> what was sent; a list, as sibling calls of one parent
         # request share its id
         self._sent: dict[tuple[str, str], list[_Sent]] = {}
         self._load: dict[str, int] = {}
         self._tokens: dict[str, int] = {}
+        # replica -> (wall time, +1 sent / -1 finished or withdrawn), oldest first
+        self._changes: dict[str, deque[tuple[float, int]]] = {}
+        self._history_from: dict[str, float] = {}  # the newest change dropped from it
 
     def load(self, replica_id: str) -> int:
         return self._load.get(replica_id, 0)
+
+    def load_given_report(self, replica_id: str, reported: int, reported_at: float | None) -> int:
+        """Requests in flight at `replica_id`: this router's now, plus the other callers'
+        as of the replica's last report (`reported` requests at wall time `reported_at`,
+        less this router's own then). Where that time is unknown or older than this
+        router's history, the larger of the two counts."""
+        mine = self.load(replica_id)
+        mine_then = None if reported_at is None else self._load_at(replica_id, reported_at)
+        if mine_then is None:
+            return max(mine, reported)
+        return mine + max(0, reported - mine_then)
+
+    def _load_at(self, replica_id: str, at: float) -> int | None:
+        if at < self._history_from.get(replica_id, -math.inf):
+            return None
+        load = self.load(replica_id)
+        for t, delta in reversed(self._changes.get(replica_id, ())):  # newest first
+            if t <= at:
+                break
+            load -= delta
+        return load
+
+    def _count(self, replica_id: str, delta: int) -> None:
+        self._load[replica_id] = self.load(replica_id) + delta
+        now = self._wall()
+        changes = self._changes.setdefault(replica_id, deque())
+        changes.append((now, delta))
+        while changes and (
+            changes[0][0] < now - LOAD_HISTORY_S or len(changes) > LOAD_HISTORY_CHANGES
+        ):
+            self._history_from[replica_id] = changes.popleft()[0]
 
     def queued_tokens(self, replica_id: str) -> int:
         return self._tokens.get(replica_id, 0)
@@ -85,7 +129,7 @@ class RoutingLedger:
         self._sent.setdefault((replica_id, request_key), []).append(
             _Sent(replica_id, entries, tokens)
         )
-        self._load[replica_id] = self.load(replica_id) + 1
+        self._count(replica_id, +1)
         self._tokens[replica_id] = self.queued_tokens(replica_id) + tokens
         expires = now + self.ttl_s + max(0.0, ready_at - time.time())
         self._prefixes.alive[replica_id] = max(self._prefixes.alive.get(replica_id, 0), expires)
@@ -99,7 +143,7 @@ class RoutingLedger:
         sent = siblings.pop(0)
         if not siblings:
             del self._sent[(replica_id, request_key)]
-        self._load[replica_id] -= 1
+        self._count(replica_id, -1)
         self._tokens[replica_id] -= sent.tokens
         expires = self._now() + self.ttl_s
         held = [IndexEntry(e.prefix_hash, e.n_tokens, e.nbytes) for e in sent.entries]
@@ -115,7 +159,7 @@ class RoutingLedger:
         sent = siblings.pop()
         if not siblings:
             del self._sent[(replica_id, request_key)]
-        self._load[replica_id] -= 1
+        self._count(replica_id, -1)
         self._tokens[replica_id] -= sent.tokens
         self._prefixes.forget(replica_id, [e.prefix_hash for e in sent.entries])
         expires = self._now() + self.ttl_s
@@ -130,6 +174,8 @@ class RoutingLedger:
             del self._sent[key]
         self._load.pop(replica_id, None)
         self._tokens.pop(replica_id, None)
+        self._changes.pop(replica_id, None)
+        self._history_from.pop(replica_id, None)
         self._prefixes.forget(replica_id, None)
 
     def lookup(self, hashes: Sequence[bytes]) -> dict[str, IndexMatch]:
