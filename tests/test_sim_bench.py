@@ -70,6 +70,18 @@ def test_one_shared_prefix_is_computed_at_most_once_per_replica_under_baton() ->
     assert len({r.replica for r in run.records}) == replicas  # and the burst spread
 
 
+def test_a_burst_on_two_replicas_computes_its_new_prefix_once_and_uses_both() -> None:
+    """One replica computes the shared prefix; the other waits for it and pulls it (a
+    second computation would gain only the shipping time), and its later requests join
+    that pull rather than computing the prefix again."""
+    sessions, shared, own = 4, 1000, 40
+    run = Cluster(CPU, 2, BATON).run(_burst(sessions, shared, own))
+    computed = sum(r.computed_tokens for r in run.records)
+    assert (computed - sessions * own) / shared == pytest.approx(1.0)
+    assert len({r.replica for r in run.records}) == 2
+    assert run.reasons["peer_pull"] == 1 and run.reasons["in_flight"] == 2
+
+
 def test_round_robin_spreads_equal_work_exactly() -> None:
     run = Cluster(CPU, 4, ROUND_ROBIN).run(_burst(40, 10, 500))
     assert summarize(run)["load_imbalance"] == pytest.approx(1.0)
