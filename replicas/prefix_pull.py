@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from opentelemetry.trace import Span
@@ -111,26 +111,35 @@ class PrefixPuller:
                 return
         if self.peers is None or (plan is not None and plan.kind not in (CACHED, PULL)):
             return  # computing it, or joining the prefix this engine computes now
-        local, restore_s = await self.off_loop.run(
-            self.engine.local_reuse, tokens, request.prefix_hashes
-        )
-        if plan is None:
-            await self._decide(request, local, restore_s, telemetry)
-            return
         usable = len(tokens) - MIN_PIECE  # the engine always computes the last piece itself
         least = self.policy.cost.min_gain_tokens
         reason = None
-        if plan.kind == PULL and plan.donor_id:
-            gain = min(plan.donor_tokens, usable) - local
-            if gain < least:
-                reason = "held_here"
-            else:
-                outcome = await self._pull_from(
-                    plan.donor_id, tokens, local, gain, plan.ready_at, telemetry
+        if plan is not None and plan.kind == PULL and plan.donor_id:
+            # announced before the lookup below, so a request planned a moment later to
+            # join this pull finds it
+            wait_s = max(0.0, plan.ready_at - time.time())
+            until = time.perf_counter() + wait_s + self.policy.deadline_s
+            with self._pull_underway(tokens[: min(plan.donor_tokens, usable)], until) as underway:
+                local, restore_s = await self.off_loop.run(
+                    self.engine.local_reuse, tokens, request.prefix_hashes
                 )
-                reason = None if outcome == "pulled" else f"donor_{outcome}"
-        elif plan.kind == CACHED and min(plan.reused_tokens, usable) - local >= least:
-            reason = "state_gone"
+                gain = min(plan.donor_tokens, usable) - local
+                if gain < least:
+                    reason = "held_here"
+                else:
+                    outcome = await self._pull_from(
+                        plan.donor_id, tokens, local, gain, plan.ready_at, telemetry, underway
+                    )
+                    reason = None if outcome == "pulled" else f"donor_{outcome}"
+        else:
+            local, restore_s = await self.off_loop.run(
+                self.engine.local_reuse, tokens, request.prefix_hashes
+            )
+            if plan is None:
+                await self._decide(request, local, restore_s, telemetry)
+                return
+            if plan.kind == CACHED and min(plan.reused_tokens, usable) - local >= least:
+                reason = "state_gone"
         if reason is None:
             return
         self.stats.replans[reason] = self.stats.replans.get(reason, 0) + 1
@@ -187,10 +196,12 @@ class PrefixPuller:
         gain: int,
         ready_at: float,
         telemetry: RequestTelemetry,
+        underway: _PullUnderway | None = None,
     ) -> str:
         """Pull `gain` more tokens than `local` from `peer`, whose state is expected at Unix
         time `ready_at` (0: held now; one still being computed is waited for whole, not
-        taken in part on the way); the outcome (see `_pull`)."""
+        taken in part on the way); the outcome (see `_pull`). `underway`: the pull as
+        already announced to other requests here."""
         wait_s = max(0.0, ready_at - time.time())
         deadline = self.policy.deadline(gain, self.engine.stats.prefill_tokens_per_s, wait_s=wait_s)
         attributes = {
@@ -199,19 +210,30 @@ class PrefixPuller:
             "baton.pull.wait_s": wait_s,
         }
         floor = local + gain - 1 if ready_at > 0 else local
-        underway = _PullUnderway(tokens[: local + gain], time.perf_counter() + deadline)
-        self._underway.append(underway)
-        try:
+        with contextlib.ExitStack() as stack:
+            if underway is None:
+                underway = stack.enter_context(self._pull_underway(tokens, 0.0))
+            underway.tokens = tokens[: local + gain]
+            underway.deadline = time.perf_counter() + deadline
             with tracing.span("pull", parent=telemetry.context, attributes=attributes) as span:
                 outcome = await self._pull(
                     peer, tokens, local, floor, deadline, span, telemetry.request_id
                 )
                 span.set_attribute("baton.pull.outcome", outcome)
+        metrics.PULLS.inc(outcome=outcome)
+        return outcome
+
+    @contextlib.contextmanager
+    def _pull_underway(self, tokens: tuple[int, ...], deadline: float) -> Iterator[_PullUnderway]:
+        """A pull of `tokens` (a prompt prefix) under way here until the block ends, for
+        other requests to join (`_join_pull_underway`)."""
+        underway = _PullUnderway(tokens, deadline)
+        self._underway.append(underway)
+        try:
+            yield underway
         finally:
             self._underway.remove(underway)
             underway.done.set()
-        metrics.PULLS.inc(outcome=outcome)
-        return outcome
 
     async def _join_pull_underway(
         self, tokens: tuple[int, ...], needed: int, telemetry: RequestTelemetry

@@ -71,6 +71,7 @@ class Estimate:
     reused_tokens: int
     within_bound: bool = True
     holding: Holding | None = None
+    prefill_tokens_per_s: float = 0.0  # the replica's, as the estimate counted it
 
 
 def estimate(
@@ -101,7 +102,9 @@ def estimate(
         duplicate_s = (donor.n_tokens - held) / speed if wait_s > 0 and plan != PULL else 0.0
         if pulled_s < seconds + settings.ship.in_flight_slack * duplicate_s:
             seconds, plan, reused, holding = pulled_s, PULL, donor.n_tokens, donor
-    return Estimate(replica.replica_id, seconds, plan, reused, holding=holding)
+    return Estimate(
+        replica.replica_id, seconds, plan, reused, holding=holding, prefill_tokens_per_s=speed
+    )
 
 
 def rank(

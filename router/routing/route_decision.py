@@ -103,12 +103,14 @@ def record_sent(
     now: float,
 ) -> None:
     """Count a request for the replica `chosen` names: the prompt tokens it computes
-    there, and the prefixes (`held`, `RoutingLedger.entries_for`) it leaves, in flight
-    until `now` + the estimate."""
+    there, and the prefixes (`held`, `RoutingLedger.entries_for`) it leaves, each in
+    flight until the estimate says the replica's prefill passes it."""
     ledger.sent(
         chosen.replica_id,
         key,
         held,
         tokens=n_prompt - chosen.reused_tokens,
         ready_at=now + chosen.seconds,
+        reused=chosen.reused_tokens,
+        prefill_tokens_per_s=chosen.prefill_tokens_per_s,
     )

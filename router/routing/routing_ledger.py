@@ -121,11 +121,23 @@ class RoutingLedger:
         held: list[tuple[bytes, int]],
         tokens: int,
         ready_at: float,
+        *,
+        reused: int = 0,
+        prefill_tokens_per_s: float = 0.0,
     ) -> None:
-        """Record a request routed to `replica_id` that will compute `tokens` prompt
-        tokens and hold `held` by `ready_at` (Unix time)."""
+        """Record a request routed to `replica_id` that reuses `reused` prompt tokens,
+        computes the next `tokens` and gives its first token at `ready_at` (Unix time);
+        each prefix of `held` is ready then — or, given the replica's prefill speed, as
+        its prefill passes it (a shared system prompt long before the request's end)."""
         now = self._now()
-        entries = [IndexEntry(h, n, 0, ready_at) for h, n in held]
+
+        def ready(n_tokens: int) -> float:
+            if prefill_tokens_per_s <= 0:
+                return ready_at
+            after = reused + tokens - max(n_tokens, reused)  # prompt tokens computed after it
+            return ready_at - after / prefill_tokens_per_s  # never before the prefill starts
+
+        entries = [IndexEntry(h, n, 0, ready(n)) for h, n in held]
         self._sent.setdefault((replica_id, request_key), []).append(
             _Sent(replica_id, entries, tokens)
         )
