@@ -9,6 +9,7 @@ import asyncio
 import math
 import time
 
+import pytest
 from ray.serve._private.common import (
     DeploymentHandleSource,
     DeploymentID,
@@ -200,6 +201,22 @@ def test_the_ledger_knows_its_decisions_at_once() -> None:
     assert hybrid.lookup(chain[:4])["b"].n_tokens == 300  # ...one at 300 (anchored at 256)
     hybrid.forget_replica("b")
     assert hybrid.lookup(chain) == {} and hybrid.load("b") == 0
+
+
+def test_a_prefix_a_request_leaves_is_ready_when_its_prefill_passes_it() -> None:
+    """A 1,000-token prompt computed at 100 tok/s, first token at NOW + 10: its 300-token
+    system prompt is ready 7 s sooner; a pull plan's prefixes up to what it pulls arrive
+    with the pull."""
+    chain = PrefixHasher(b"fp", 100).chain(range(1000))
+    ledger = RoutingLedger(100, every_block=True)
+    held = [(chain[2], 300), (chain[9], 1000)]
+    ledger.sent("a", "r1", held, tokens=1000, ready_at=NOW + 10, prefill_tokens_per_s=100.0)
+    found = ledger.lookup(chain[:3])["a"]
+    assert (found.n_tokens, found.ready_at) == (300, pytest.approx(NOW + 3))
+    ledger.sent(
+        "b", "r2", held, tokens=200, ready_at=NOW + 4, reused=800, prefill_tokens_per_s=100.0
+    )
+    assert ledger.lookup(chain[:3])["b"].ready_at == pytest.approx(NOW + 2)  # with the pull
 
 
 def test_a_replica_report_counts_only_what_this_router_has_not_seen_finish() -> None:
