@@ -15,17 +15,12 @@ prefix cache of checkpoints under a byte budget, and peer pulls by the replica's
   under every block it covers (as the replica's `index_publisher` does); a prefill in
   progress is announced there as in flight, with its expected end (under Baton's router,
   the index's only reader; the others never look it up).
-- **The same prefix twice**: a request whose prompt extends what another slot is
-  prefilling right now waits in the queue (letting others pass) and reuses it then; so
-  does one the router planned to join a prefix in flight here that a pull under way here
-  brings (`PrefixPuller`'s join).
-- **Pulls** (`replicas/prefix_pull.py`'s; only under Baton's router, as deployed: a
-  replica reaches a given peer through `target_replica=`, which only it honours): before
-  queueing, the router's plan is executed — the planned donor's state pulled — and decided
-  again only when the donor no longer has it or the state the plan counts on is gone here;
-  then (and without a plan) a peer's state is pulled when `pull_pays` (`pull_cost`: waiting
-  for it plus shipping it — latency + bytes over the link + restore — against recomputing
-  what it gives).
+- **The same prefix twice**: a request extending what another slot is prefilling, or
+  (planned in flight here) what a pull under way here brings, waits in the queue.
+- **Pulls** (`replicas/prefix_pull.py`'s; only under Baton's router, which alone honours
+  `target_replica=`): before queueing, the router's plan is executed (the planned donor's
+  state pulled), decided again only when the donor or the state the plan counts on is gone;
+  then (and without a plan) a peer's state is pulled when `pull_pays` (`pull_cost`).
 """
 
 from __future__ import annotations
@@ -226,8 +221,7 @@ class SimReplica:
         """Ship `peer`'s state for `job` now, or once the prefill it is waiting for ends;
         False if `peer` is computing nothing of it."""
         if in_flight:
-            computing = peer.computing(job)
-            if computing is None:
+            if (computing := peer.computing(job)) is None:
                 return False
             computing.on_prefilled.append(lambda: self._ship_from(peer, job))
         self._pulling.append(job)
@@ -315,12 +309,10 @@ class SimReplica:
         """Another slot is prefilling more of `job`'s prompt than is held here, or (for a
         job planned to join a prefix in flight here) a pull under way here brings it."""
         local, _ = self.cache.match(job.keys, job.lengths)
-        computing = self.computing(job)
-        if computing is not None and shared_tokens(computing, job.keys, job.lengths) > local:
-            return True
-        if job.plan is None or job.plan.kind != IN_FLIGHT:
-            return False
-        return any(shared_tokens(p, job.keys, job.lengths) > local for p in self._pulling)
+        pending = [c] if (c := self.computing(job)) is not None else []
+        if job.plan is not None and job.plan.kind == IN_FLIGHT:
+            pending += self._pulling
+        return any(shared_tokens(p, job.keys, job.lengths) > local for p in pending)
 
     def _start(self, job: Job) -> None:
         local, cid = self.cache.match(job.keys, job.lengths)
