@@ -183,7 +183,10 @@ class PrefixPuller:
         if self.policy.pays(
             gain, best.nbytes, prefill_speed, wait_s=wait_s, local_restore_s=restore_s
         ):
-            await self._pull_from(best.replica_id, tokens, local, gain, best.ready_at, telemetry)
+            with self._pull_underway(tokens[: local + gain], 0.0) as underway:
+                await self._pull_from(
+                    best.replica_id, tokens, local, gain, best.ready_at, telemetry, underway
+                )
         elif gain > 0:
             self.stats.pulls_skipped += 1
             metrics.PULLS.inc(outcome="skipped")
@@ -196,12 +199,12 @@ class PrefixPuller:
         gain: int,
         ready_at: float,
         telemetry: RequestTelemetry,
-        underway: _PullUnderway | None = None,
+        underway: _PullUnderway,
     ) -> str:
         """Pull `gain` more tokens than `local` from `peer`, whose state is expected at Unix
         time `ready_at` (0: held now; one still being computed is waited for whole, not
         taken in part on the way); the outcome (see `_pull`). `underway`: the pull as
-        already announced to other requests here."""
+        announced to other requests here, given its prefix and deadline now."""
         wait_s = max(0.0, ready_at - time.time())
         deadline = self.policy.deadline(gain, self.engine.stats.prefill_tokens_per_s, wait_s=wait_s)
         attributes = {
@@ -210,16 +213,13 @@ class PrefixPuller:
             "baton.pull.wait_s": wait_s,
         }
         floor = local + gain - 1 if ready_at > 0 else local
-        with contextlib.ExitStack() as stack:
-            if underway is None:
-                underway = stack.enter_context(self._pull_underway(tokens, 0.0))
-            underway.tokens = tokens[: local + gain]
-            underway.deadline = time.perf_counter() + deadline
-            with tracing.span("pull", parent=telemetry.context, attributes=attributes) as span:
-                outcome = await self._pull(
-                    peer, tokens, local, floor, deadline, span, telemetry.request_id
-                )
-                span.set_attribute("baton.pull.outcome", outcome)
+        underway.tokens = tokens[: local + gain]
+        underway.deadline = time.perf_counter() + deadline
+        with tracing.span("pull", parent=telemetry.context, attributes=attributes) as span:
+            outcome = await self._pull(
+                peer, tokens, local, floor, deadline, span, telemetry.request_id
+            )
+            span.set_attribute("baton.pull.outcome", outcome)
         metrics.PULLS.inc(outcome=outcome)
         return outcome
 
