@@ -8,7 +8,8 @@ could not have — the state the plan counts on is not here, or the donor failed
 sent a bad blob — each counted (`baton_replans`, `ReplicaStats.replans`); then, and for a
 request without a plan (another router, a direct call), it looks the gateway's hash chain
 up in the index and pulls when `pull_pays` (the router's and the simulator's rule). A
-pull never fails a request: a dead or slow peer or a bad blob only costs a recompute.
+pull never fails a request: a dead or slow peer or a bad blob only costs a recompute. A
+peer still computing the state at the deadline is waited for on while that still pays.
 
 A pull under way here counts as a prefix in flight here (the router records it so): a
 request planned to join it (in flight), or to pull as much of the same prompt, waits for
@@ -32,7 +33,13 @@ from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.off_loop import OffLoop, lookup_chain
 from baton_serve.replicas.request_telemetry import RequestTelemetry
-from baton_serve.replicas.shipping import PeerDirectory, ShipPolicy, shipped_nbytes
+from baton_serve.replicas.shipping import (
+    PeerDirectory,
+    ShippedBlob,
+    ShipPolicy,
+    StillComputing,
+    shipped_nbytes,
+)
 from baton_serve.replicas.telemetry import metrics, tracing
 from baton_serve.replicas.telemetry.logs import request_fields
 from baton_serve.replicas.wire.protocol import EngineError, ReplicaRequest
@@ -41,6 +48,7 @@ from baton_serve.replicas.wire.route_plan import CACHED, IN_FLIGHT, PULL
 logger = logging.getLogger("baton.replica")
 
 JOIN_GRACE_S = 0.5  # past a joined pull's deadline: its blob may still be being stored
+REPLY_MARGIN_S = 0.25  # a peer's answer at its wait's end must reach the puller in time
 
 
 @dataclass
@@ -52,6 +60,7 @@ class ReplicaStats:
     pulls_skipped: int = 0  # a peer had more, but recomputing was estimated cheaper
     pull_misses: int = 0  # the peer had nothing better after all
     pull_failures: int = 0  # peer dead, unreachable or past the deadline
+    pull_waits_extended: int = 0  # a peer still computing the state was waited for longer
     pulls_rejected: int = 0  # the blob failed validation
     exports: int = 0
     exported_bytes: int = 0
@@ -216,12 +225,48 @@ class PrefixPuller:
         underway.tokens = tokens[: local + gain]
         underway.deadline = time.perf_counter() + deadline
         with tracing.span("pull", parent=telemetry.context, attributes=attributes) as span:
-            outcome = await self._pull(
-                peer, tokens, local, floor, deadline, span, telemetry.request_id
-            )
+            outcome = await self._pull(peer, tokens, local, floor, underway, span, telemetry)
             span.set_attribute("baton.pull.outcome", outcome)
         metrics.PULLS.inc(outcome=outcome)
         return outcome
+
+    async def _fetch(
+        self,
+        peer: str,
+        tokens: tuple[int, ...],
+        local: int,
+        floor: int,
+        underway: _PullUnderway,
+        span: Span,
+    ) -> ShippedBlob | None:
+        """The peer's blob giving more than `floor` tokens, or None. A peer still computing
+        it at the deadline says how far it is: the wait so far is spent, so the pull waits
+        on (to a new deadline, `underway`'s too) while the rest of the wait still pays
+        against computing those tokens here now, and the peer's prefill keeps moving."""
+        assert self.peers is not None
+        gain, computed = len(underway.tokens) - local, -1
+        while True:
+            wait_s = max(0.0, underway.deadline - time.perf_counter())
+            # The peer stops waiting a little early, so its answer is here in time.
+            reply = await asyncio.wait_for(
+                self.peers.fetch(
+                    peer, tokens, floor, wait_s=wait_s - min(REPLY_MARGIN_S, wait_s / 4)
+                ),
+                wait_s,
+            )
+            if not isinstance(reply, StillComputing):
+                return reply
+            speed = self.engine.stats.prefill_tokens_per_s
+            nbytes = self.engine.state_bytes(floor + 1)
+            if reply.computed <= computed or not self.policy.pays(
+                gain, nbytes, speed, wait_s=reply.eta_s
+            ):
+                return None
+            computed = reply.computed
+            deadline = self.policy.deadline(gain, speed, wait_s=reply.eta_s)
+            underway.deadline = time.perf_counter() + deadline
+            self.stats.pull_waits_extended += 1
+            span.add_event("baton.pull.wait_extended", {"baton.pull.eta_s": reply.eta_s})
 
     @contextlib.contextmanager
     def _pull_underway(self, tokens: tuple[int, ...], deadline: float) -> Iterator[_PullUnderway]:
@@ -255,9 +300,12 @@ class PrefixPuller:
         if joined is None:
             return False
         telemetry.span.set_attribute("baton.pull.joined_tokens", len(joined.tokens))
-        with contextlib.suppress(asyncio.TimeoutError):
-            remaining_s = max(0.0, joined.deadline - time.perf_counter())
-            await asyncio.wait_for(joined.done.wait(), remaining_s + JOIN_GRACE_S)
+        while not joined.done.is_set():  # its deadline may move on (`_fetch`)
+            remaining_s = joined.deadline + JOIN_GRACE_S - time.perf_counter()
+            if remaining_s <= 0:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(joined.done.wait(), remaining_s)
         return True
 
     async def _pull(
@@ -266,25 +314,23 @@ class PrefixPuller:
         tokens: tuple[int, ...],
         local: int,
         floor: int,
-        deadline: float,
+        underway: _PullUnderway,
         span: Span,
-        request_id: str,
+        telemetry: RequestTelemetry,
     ) -> str:
         """Fetch a state giving more than `floor` (≥ `local`, what is here) tokens of `tokens`
-        from the peer (waiting for it up to `deadline`), check it and store it; the outcome:
-        pulled, miss, failed or rejected."""
-        assert self.peers is not None
+        from the peer (waiting for it until `underway.deadline`), check it and store it; the
+        outcome: pulled, miss, failed or rejected."""
         started = time.perf_counter()
         try:
-            fetch = self.peers.fetch(peer, tokens, floor, wait_s=deadline)
-            blob = await asyncio.wait_for(fetch, deadline)
+            blob = await self._fetch(peer, tokens, local, floor, underway, span)
         except Exception as exc:  # a dead, slow or unreachable peer only costs a recompute
             self.stats.pull_failures += 1
             logger.info(
                 "pull from %s failed (%s)",
                 peer,
                 type(exc).__name__,
-                extra=request_fields(request_id),
+                extra=request_fields(telemetry.request_id),
             )
             return "failed"
         if blob is None:
@@ -305,7 +351,7 @@ class PrefixPuller:
                 "rejected a state blob from %s: %s",
                 peer,
                 exc,
-                extra=request_fields(request_id),
+                extra=request_fields(telemetry.request_id),
             )
             return "rejected"
         self.stats.pulls += 1

@@ -31,6 +31,7 @@ from baton_serve.replicas.shipping import (
     PeerDirectory,
     PeerReply,
     ShipPolicy,
+    StillComputing,
     received_blob,
     shipped_blob,
     shipped_nbytes,
@@ -230,9 +231,10 @@ class Replica:
         min_tokens: int,
         wait_s: float = 0.0,
         offer: StreamOffer | None = None,
-    ) -> PeerReply | str | None:
+    ) -> PeerReply | StillComputing | str | None:
         """For a peer: our checkpoint giving the longest prefix of `tokens`, signed, waiting
-        up to `wait_s` for one being computed or replayed here. Sent over the peer's stream
+        up to `wait_s` for one being computed or replayed here (`StillComputing` if one
+        being computed is not done by then). Sent over the peer's stream
         `offer` when it is on another node (then `STREAMED`); otherwise its state is the
         ObjectRef of its copy in the object store (see `share_in_object_store`), or a uint8
         view of the stored one (Ray copies it into the object store then)."""
@@ -254,8 +256,19 @@ class Replica:
                     return STREAMED
                 return self._shipped(found)
             if time.monotonic() >= deadline:
-                return None
+                return self._still_computing(tokens, min_tokens)
             await asyncio.sleep(EXPORT_POLL_S)
+
+    def _still_computing(self, tokens: tuple[int, ...], min_tokens: int) -> StillComputing | None:
+        """How far a prefill here is from the state a peer asked for, if one is computing it
+        (the peer decides whether to wait on); None if none is."""
+        progress = self.engine.prefill_progress(tokens, min_tokens)
+        if progress is None:
+            return None
+        computed, position = progress
+        return StillComputing(
+            computed, max(0, position - computed) / self.engine.stats.prefill_speed
+        )
 
     def _shipped(self, found: tuple[tuple[bytes, memoryview], object | None]) -> PeerReply:
         """A stored checkpoint's signed blob parts and shared handle in their travelling

@@ -22,6 +22,7 @@ from baton_serve.replicas.shipping import (
     PeerReply,
     ShippedBlob,
     ShipPolicy,
+    StillComputing,
     fetch_offering_stream,
     share_in_object_store,
 )
@@ -47,7 +48,7 @@ class ActorPeers:
 
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
-    ) -> ShippedBlob | None:
+    ) -> ShippedBlob | StillComputing | None:
         self._receiver = self._receiver or StateReceiver()
         with self._forgotten_on_error(replica_id):
             peer = await self._peer(replica_id)
@@ -136,7 +137,7 @@ class ReplicaHost:
         min_tokens: int,
         wait_s: float = 0.0,
         offer: StreamOffer | None = None,
-    ) -> PeerReply | str | None:
+    ) -> PeerReply | StillComputing | str | None:
         return await self._replica.export_when_ready(tuple(tokens), min_tokens, wait_s, offer)
 
     async def adopt(self, blob: PeerReply) -> bool:

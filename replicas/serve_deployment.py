@@ -25,6 +25,7 @@ from baton_serve.replicas.replica import Replica
 from baton_serve.replicas.shipping import (
     PeerReply,
     ShippedBlob,
+    StillComputing,
     fetch_offering_stream,
     share_in_object_store,
 )
@@ -68,7 +69,7 @@ class ServePeers:
 
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
-    ) -> ShippedBlob | None:
+    ) -> ShippedBlob | StillComputing | None:
         self._receiver = self._receiver or StateReceiver()
         return await fetch_offering_stream(
             self._receiver,
@@ -130,7 +131,7 @@ class ReplicaDeployment:
         wait_s: float = 0.0,
         offer: StreamOffer | None = None,
         target_replica: str | None = None,
-    ) -> PeerReply | str | None:
+    ) -> PeerReply | StillComputing | str | None:
         """For a peer (the router already sent this call to `target_replica`)."""
         return await self.replica.export_when_ready(tuple(tokens), min_tokens, wait_s, offer)
 

@@ -30,6 +30,16 @@ ShippedBlob = tuple[bytes, np.ndarray]
 PeerReply = tuple[bytes, np.ndarray | ray.ObjectRef]
 
 
+@dataclass(frozen=True)
+class StillComputing:
+    """A peer's answer when the state asked for was not there by the pull's deadline but
+    one of its slots is computing it now: `computed` tokens of the prompt done, the state
+    expected in `eta_s` at its measured prefill speed."""
+
+    computed: int
+    eta_s: float
+
+
 def shipped_blob(head: bytes, state: memoryview, shared: object | None = None) -> PeerReply:
     """The travelling form of `encode_parts`' output (no copy): the state's `shared`
     ObjectRef where it has one, a uint8 view of it otherwise."""
@@ -57,16 +67,19 @@ def share_in_object_store(checkpoint: Checkpoint) -> None:
 
 
 async def fetch_offering_stream(
-    receiver: StateReceiver, ask: Callable[[StreamOffer], Awaitable[PeerReply | str | None]]
-) -> ShippedBlob | None:
+    receiver: StateReceiver,
+    ask: Callable[[StreamOffer], Awaitable[PeerReply | StillComputing | str | None]],
+) -> ShippedBlob | StillComputing | None:
     """Ask a peer for a blob (`ask`), offering it a stream to `receiver`: a peer on another
     node sends the blob over it and answers `STREAMED`; one on this node answers through the
-    object store."""
+    object store; one still computing the state past its wait says how far it is."""
     offer, received = receiver.offer()
     try:
         reply = await ask(offer)
         if reply == STREAMED:
             return await asyncio.wrap_future(received)
+        if isinstance(reply, StillComputing):
+            return reply
         return await received_blob(reply)  # type: ignore[arg-type]
     finally:
         receiver.forget(offer.ticket)
@@ -86,10 +99,11 @@ class PeerDirectory(Protocol):
 
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
-    ) -> ShippedBlob | None:
+    ) -> ShippedBlob | StillComputing | None:
         """The peer's signed blob for its longest checkpoint sharing a prefix with `tokens`,
         if it gives more than `min_tokens`, waiting up to `wait_s` for one the peer is
-        computing; None if it has none. Raises if the peer is unreachable."""
+        computing; `StillComputing` if that is not done by then; None if it has none.
+        Raises if the peer is unreachable."""
         ...
 
     async def offer(self, replica_id: str, blob: PeerReply) -> bool:
@@ -130,7 +144,8 @@ class ShipPolicy:
     ) -> float:
         """Wait at most the pull's budget (`pull_budget_s`: the time recomputing would take,
         a share more for a state the peer is still computing), and never more than
-        `deadline_s` past the time the peer's state is expected."""
+        `deadline_s` past the time the peer's state is expected (`wait_s` from now; a peer
+        still computing it then tells how much longer, and the puller decides again)."""
         speed = measured_prefill or self.prefill_tokens_per_s
         budget_s = pull_budget_s(gain_tokens, wait_s, speed, self.cost)
         return min(wait_s + self.deadline_s, budget_s)

@@ -26,8 +26,10 @@ from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_context import BatchEntry, ContextParams, StateRestoreError
 from baton_serve.replicas.replica import Replica
+from baton_serve.replicas.shipping import ShipPolicy
 from baton_serve.replicas.wire.prompt_types import Prompt
 from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.replicas.wire.route_plan import RoutePlan
 from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 HMAC_KEY = b"test-cluster-key"
@@ -151,6 +153,80 @@ def test_a_peer_asking_during_a_replay_gets_the_whole_conversation(tiny_model) -
         assert replaying == history
         assert 0.1 < waited < 5.0  # the replay's end, not the deadline
         assert len(taker.import_checkpoint(blob).tokens) == history  # not turn one's state
+
+
+class _DirectPeer:
+    """Reaches a donor `Replica` in this process: its own `export_when_ready`, no Ray (the
+    emulated engines' step times are what this test needs to control)."""
+
+    def __init__(self, donor: Replica) -> None:
+        self.donor = donor
+
+    async def fetch(self, replica_id, tokens, min_tokens, wait_s=0.0):
+        return await self.donor.export_when_ready(tokens, min_tokens, wait_s)
+
+    async def offer(self, replica_id, blob) -> bool:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("own_prefill", "waits_on"),
+    [(None, True), (5_000.0, False)],
+    ids=["recompute-slower-waits-on", "recompute-faster-gives-up"],
+)
+def test_a_pull_past_its_deadline_waits_on_while_the_donor_still_computes(
+    own_prefill, waits_on, tiny_model
+) -> None:
+    """The router planned a pull of a prefix the donor is computing, expected in 0.2 s; the
+    donor runs late (it needs ~2 s more). At the puller's deadline the donor says how far
+    it is, and the puller — its wait spent — waits on while the rest beats computing the
+    prefix itself (~3 s), instead of computing it all again after the wait; a puller that
+    computes faster than the rest of the wait gives up at the deadline, as before."""
+    slow = FAST.model_copy(update={"prefill_tokens_per_s": 300.0})  # the prompt: ~3 s
+    config = EngineConfig(**SETTINGS | {"emulated": slow})
+    path = str(tiny_model("qwen35"))
+    policy = ShipPolicy(deadline_s=0.3)
+    if own_prefill is not None:  # the puller's own measured speed, as if known already
+        policy = ShipPolicy(deadline_s=0.3, prefill_tokens_per_s=own_prefill)
+    with (
+        Engine(path, config, hmac_key=HMAC_KEY) as donor_engine,
+        Engine(path, config, hmac_key=HMAC_KEY) as taker_engine,
+    ):
+        donor = Replica("donor", donor_engine)
+        taker = Replica("taker", taker_engine, peers=_DirectPeer(donor), policy=policy)
+        rng = np.random.default_rng(11)
+        prompt = tuple(rng.integers(1, donor_engine.model.n_vocab, 900).tolist())
+        held = max(donor_engine.checkpoint_positions(Prompt(tokens=prompt)))
+
+        def request(tokens: tuple[int, ...], plan: RoutePlan | None = None) -> ReplicaRequest:
+            generation = GenerationRequest(prompt=Prompt(tokens=tokens), params=REPLY)
+            return ReplicaRequest(generation=generation, plan=plan)
+
+        async def pull_while_the_donor_computes() -> int:
+            await donor.generate(request(tuple(range(1, 200))))  # measures its own speed
+            computing = asyncio.ensure_future(donor.generate(request(prompt)))
+            await asyncio.sleep(1.0)  # a third of it computed
+            plan = RoutePlan(
+                replica_id="taker",
+                kind="pull",
+                reused_tokens=held,
+                donor_id="donor",
+                donor_tokens=held,
+                ready_at=time.time() + 0.2,  # the router's estimate: far too early
+            )
+            done = await taker.generate(request(prompt + (7, 8, 9), plan))
+            await computing
+            return done.usage.cached_tokens
+
+        cached = asyncio.run(pull_while_the_donor_computes())
+    if waits_on:
+        assert taker.stats.pull_waits_extended >= 1
+        assert taker.stats.pulls == 1 and cached == held
+        assert taker_engine.stats.prompt_tokens_computed == len(prompt) + 3 - held
+    else:
+        assert taker.stats.pull_waits_extended == 0 and taker.stats.pulls == 0
+        assert cached == 0 and taker.stats.replans == {"donor_miss": 1}
+        assert taker_engine.stats.prompt_tokens_computed == len(prompt) + 3
 
 
 def test_the_context_refuses_what_llama_cpp_refuses(tiny_model) -> None:

@@ -94,6 +94,31 @@ class EngineFace:
                 best = max(best, shared)
         return best
 
+    def prefill_progress(self, tokens: Sequence[int], min_tokens: int) -> tuple[int, int] | None:
+        """For a prompt being computed here that will store a checkpoint giving more than
+        `min_tokens` of `tokens`: the tokens computed so far and that checkpoint's position
+        (the nearest such); None if no slot is computing one. Any thread (a racy read: at
+        worst a peer waits, within its budget, for a state that comes later)."""
+        whole_only = self._cache.states.kind.needs_checkpoints  # a recurrent state is not cut
+        best: tuple[int, int] | None = None
+        for slot in self._slots:
+            run = slot.running
+            if run is None or run.phase is not Phase.PREFILL:
+                continue
+            shared = common_prefix_length(run.feed, tokens)
+            if shared <= min_tokens:
+                continue
+            ahead = [
+                p
+                for p in tuple(run.checkpoints)  # one C-level copy: the engine may add one
+                if p > min_tokens and (p <= shared or not whole_only)
+            ]
+            if ahead:
+                progress = len(slot.tokens), min(ahead)
+                if best is None or progress[1] - progress[0] < best[1] - best[0]:
+                    best = progress
+        return best
+
     def checkpoint_positions(self, prompt: Prompt) -> list[int]:
         """Where computing `prompt` from scratch would save checkpoints."""
         return self._cache.checkpoints_for(prompt, 0)
