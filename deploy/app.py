@@ -67,6 +67,7 @@ def router_config(config: BatonConfig, model_path: Path) -> RequestRouterConfig:
             "block_tokens": config.engine.block_tokens,
             # Attention states serve every prefix of themselves; hybrid ones only their own.
             "every_block": not kind.needs_checkpoints,
+            "pull_bandwidth_bytes_per_s": config.pull_bandwidth_gb_s * 1e9,
         }
     return RequestRouterConfig(
         request_router_class=_ROUTERS[config.router],
@@ -171,6 +172,7 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
             hmac_key_file=replica_key_file(config),
             index=config.index,
             ship=config.router is RouterPolicy.BATON,
+            pull_bandwidth_bytes_per_s=config.pull_bandwidth_gb_s * 1e9,
             heartbeat_s=config.heartbeat_s,
             liveness_ttl_s=config.liveness_ttl_s,
             handoff_s=config.handoff_seconds,

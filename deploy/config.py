@@ -33,6 +33,7 @@ from baton_serve.cache_store.index.redis_address import (
     parse_redis_address,
     redact,
 )
+from baton_serve.cache_store.pull_cost import ShipCost
 from baton_serve.deploy.config_sources import (
     ConfigError,
     from_env,
@@ -227,6 +228,16 @@ class BatonConfig(BaseModel):
         "state to a chosen replica: a handoff_s set with one is refused, and the default does "
         "nothing)",
     )
+    pull_bandwidth_gb_s: float = Field(
+        default=ShipCost.bandwidth_bytes_per_s / 1e9,
+        gt=0,
+        le=10_000,
+        allow_inf_nan=False,
+        description="GB/s a state pull is assumed to move until each replica has measured its "
+        "own: whether pulling a prefix beats computing it. The default is the slowest path "
+        "measured (Ray's object managers between nodes); on a fast fabric set the link's, or "
+        "a large model's long prefixes may never look worth pulling; router baton only",
+    )
     stream_ping_s: float = Field(
         default=15.0,
         ge=0,
@@ -302,28 +313,26 @@ class BatonConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _check_one_key(self) -> BatonConfig:
+    def _check_together(self) -> BatonConfig:
+        """Settings that must agree: one key source, liveness over heartbeats, and what only
+        Baton's router acts on refused with another."""
         if self.hmac_key is not None and self.hmac_key_file is not None:
             raise ValueError("set hmac_key (BATON_HMAC_KEY) or hmac_key_file, not both")
-        return self
-
-    @model_validator(mode="after")
-    def _check_liveness(self) -> BatonConfig:
         if self.liveness_ttl_s <= self.heartbeat_s:
             raise ValueError(
                 f"liveness_ttl_s ({self.liveness_ttl_s:g}) must exceed heartbeat_s "
                 f"({self.heartbeat_s:g}), or live replicas drop out of the index"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _check_handoff(self) -> BatonConfig:
-        if "handoff_s" in self.model_fields_set and self.handoff_s > 0:
-            if self.router is not RouterPolicy.BATON:
-                raise ValueError(
-                    f"handoff_s ({self.handoff_s:g}) needs router 'baton': only Baton's router "
-                    f"sends a state to a chosen replica (set handoff_s to 0 for {self.router.value})"
-                )
+        given, router = self.model_fields_set, self.router
+        if router is not RouterPolicy.BATON and "handoff_s" in given and self.handoff_s > 0:
+            raise ValueError(
+                f"handoff_s ({self.handoff_s:g}) needs router 'baton': only Baton's router "
+                f"sends a state to a chosen replica (set handoff_s to 0 for {router.value})"
+            )
+        if router is not RouterPolicy.BATON and "pull_bandwidth_gb_s" in given:
+            raise ValueError(
+                f"pull_bandwidth_gb_s needs router 'baton': {router.value} never pulls"
+            )
         return self
 
     @property

@@ -131,6 +131,7 @@ SERVE_FLAGS = (
         help_suffix="suffixes K, M, G, T: binary",
     ),
     SettingFlag("--handoff-s", "handoff_s", metavar="SECONDS"),
+    SettingFlag("--pull-bandwidth-gb-s", "pull_bandwidth_gb_s", metavar="GB_S"),
     SettingFlag("--index", "index"),
     SettingFlag("--router", "router"),
     SettingFlag("--api-key", "api_keys", repeatable=True, help_suffix="repeatable"),

@@ -99,9 +99,16 @@ class BatonPolicy(Policy):
         if job.chain:
             found = self.index.lookup(job.chain, now)
             holdings, reason = merge_ledger(found, self.ledger.lookup(job.chain)), "load_fallback"
+        # Each replica reports its prefill speed and pull bandwidth, as a real one does
+        # (here the profile's: as if measured, or set by `pull_bandwidth_gb_s`).
         states = [
             replica_state(
-                rid, self.ledger, r.in_flight, r.profile.prefill_tokens_per_s, holdings.get(rid)
+                rid,
+                self.ledger,
+                r.in_flight,
+                r.profile.prefill_tokens_per_s,
+                holdings.get(rid),
+                pull_bytes_per_s=r.ship.bandwidth_bytes_per_s,
             )
             for rid, r in self.replicas.items()
         ]

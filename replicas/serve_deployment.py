@@ -18,6 +18,7 @@ from ray.serve.handle import DeploymentHandle
 from baton_serve.cache_store.checkpoints.cluster_key import read_cluster_key
 from baton_serve.cache_store.index.index import IndexUnavailable
 from baton_serve.cache_store.index.index_connect import connect_cluster_index
+from baton_serve.cache_store.pull_cost import ShipCost
 from baton_serve.replicas.device_assignment import assign_ray_devices
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
@@ -25,6 +26,7 @@ from baton_serve.replicas.replica import Replica
 from baton_serve.replicas.shipping import (
     PeerReply,
     ShippedBlob,
+    ShipPolicy,
     StillComputing,
     fetch_offering_stream,
     share_in_object_store,
@@ -53,6 +55,8 @@ class ReplicaSettings(BaseModel):
     hmac_key_file: str | None = None
     index: str | None = "embedded"
     ship: bool = True  # pull from peers (needs Baton's router to reach a given replica)
+    # what a pull is assumed to move per second until this replica has measured its own
+    pull_bandwidth_bytes_per_s: float = ShipCost.bandwidth_bytes_per_s
     heartbeat_s: float = 5.0
     liveness_ttl_s: float = 15.0  # written with each heartbeat: the index's readers follow it
     handoff_s: float = 10.0  # leaving, hand the hottest checkpoints to peers for this long
@@ -109,8 +113,14 @@ class ReplicaDeployment:
         if settings.ship and index is not None:
             peers = ServePeers(serve.get_deployment_handle(context.deployment, context.app_name))
             engine.share_states(share_in_object_store)  # peers may pull its states
+        cost = ShipCost(bandwidth_bytes_per_s=settings.pull_bandwidth_bytes_per_s)
         self.replica = Replica(
-            self.replica_id, engine, index=index, peers=peers, heartbeat_s=settings.heartbeat_s
+            self.replica_id,
+            engine,
+            index=index,
+            peers=peers,
+            policy=ShipPolicy(cost=cost),
+            heartbeat_s=settings.heartbeat_s,
         )
         await self.replica.start()
         report_stage(settings.startup_dir, self.replica_id, "ready")
@@ -154,6 +164,8 @@ class ReplicaDeployment:
             "pulled_bytes": self.replica.stats.pulled_bytes,
             "streamed_exports": self.replica.stats.streamed_exports,
             "prefill_tokens_per_s": self.replica.engine.stats.prefill_tokens_per_s or 0.0,
+            # the bandwidth it decides pulls by (measured once it has pulled): the router too
+            "pull_bytes_per_s": self.replica.policy.cost.bandwidth_bytes_per_s,
             "loop_stall_max_ms": lag.max_ms,  # the event loop's longest stall, lately
             "loop_stall_p99_ms": lag.p99_ms,
             "gpu_ids": self.gpu_ids,  # Ray's assignment, visible to its llama.cpp

@@ -171,6 +171,11 @@ def test_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
             "config: handoff_s (5) needs router 'baton': only Baton's router sends a state",
         ),
         ({"handoff_s": -1}, "handoff_s: Input should be greater than or equal to 0"),
+        (
+            {"router": "round-robin", "pull_bandwidth_gb_s": 25},
+            "config: pull_bandwidth_gb_s needs router 'baton': round-robin never pulls",
+        ),
+        ({"pull_bandwidth_gb_s": 0}, "pull_bandwidth_gb_s: Input should be greater than 0"),
         ({"replica_resources": {"CPU": 1}}, "replica_resources: 'CPU' is not a custom resource"),
         ({"gateway_resources": {"node:__internal_head__": 1}}, "is not a custom resource"),
         ({"replica_resources": {"gpu_node": 0}}, "'gpu_node': the amount must be positive, got 0"),

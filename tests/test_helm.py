@@ -733,9 +733,13 @@ def test_a_deleted_worker_drains_its_node_so_replicas_hand_off(
     """A worker pod's preStop drains its Ray node (Serve then moves the replicas and stops
     these gracefully) and waits for them before `ray stop`, within the grace period; the
     hand-off settings reach the app."""
-    docs = render_with({"replicas": {"handoffSeconds": 20, "rolloutSurgePercent": 25}})
+    docs = render_with(
+        {"replicas": {"handoffSeconds": 20, "rolloutSurgePercent": 25, "pullBandwidthGBs": 25}}
+    )
     args = serve_config_v2(docs)["applications"][0]["args"]
     assert (args["handoff_s"], args["rollout_surge_percent"]) == (20, 25)
+    assert args["pull_bandwidth_gb_s"] == 25
+    assert "pull_bandwidth_gb_s" not in serve_config_v2(render_with({}))["applications"][0]["args"]
     worker = ray_pods(docs)["worker"]["spec"]
     (container,) = worker["containers"]
     shell, flag, script = container["lifecycle"]["preStop"]["exec"]["command"]

@@ -137,6 +137,32 @@ def test_a_prefix_being_computed_is_waited_for_rather_than_computed_twice() -> N
     assert estimate(idle, 1050, [held], NOW, settings).plan == COMPUTE
 
 
+def test_a_replica_is_planned_to_pull_at_the_bandwidth_its_own_pulls_measured() -> None:
+    """A GPU replica computes 10,000 tokens a second; a 2,000-token state of an 8B fp16
+    model is 262 MB. At the configured 0.5 GB/s a pull looks slower than computing; a
+    replica whose pulls measured 25 GB/s (its report's `pull_bytes_per_s`) is planned to
+    pull, and the router's own figure comes from `pull_bandwidth_gb_s`."""
+    held = Holding(2000, 2000 * 131_072, holder="r0")
+    configured = ReplicaState("r1", 0, 0, 10_000.0, None)
+    measured = ReplicaState("r1", 0, 0, 10_000.0, None, pull_bytes_per_s=25e9)
+    assert estimate(configured, 2100, [held], NOW, SETTINGS).plan == COMPUTE
+    assert estimate(measured, 2100, [held], NOW, SETTINGS).plan == PULL
+    fast_fabric = CostSettings(ship=ShipCost(bandwidth_bytes_per_s=25e9))
+    assert estimate(configured, 2100, [held], NOW, fast_fabric).plan == PULL
+    deployment = DeploymentID(name="Replica", app_name="bandwidth")
+    router = BatonRouter(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(
+        index="redis://127.0.0.1:1",
+        fingerprint_hex="ab" * 32,
+        follow_index=False,
+        pull_bandwidth_bytes_per_s=25e9,
+    )
+    replica = _Replica("r1", deployment)
+    assert router._settings.ship.bandwidth_bytes_per_s == 25e9
+    replica.routing_stats = {"prefill_tokens_per_s": 10_000.0, "pull_bytes_per_s": 3e9}
+    assert router._state(replica, None).pull_bytes_per_s == 3e9
+
+
 def test_a_pull_takes_the_cheapest_donor_whatever_the_order() -> None:
     """Two replicas hold the same depth, one in a smaller state: an idle third pulls the
     smaller one, whichever comes first (the first acceptable donor used to block the

@@ -82,6 +82,15 @@ def test_a_burst_on_two_replicas_computes_its_new_prefix_once_and_uses_both() ->
     assert run.reasons["peer_pull"] == 1 and run.reasons["in_flight"] == 2
 
 
+def test_the_router_plans_pulls_at_the_bandwidth_replicas_report() -> None:
+    """On the gpu profile a 2,000-token state is 262 MB: at the router's default 0.5 GB/s
+    a pull never beats a 10,000 tok/s prefill, at the 25 GB/s link the replicas report it
+    does (the router planned none before replicas reported their bandwidth)."""
+    run = Cluster(PROFILES["gpu"], 4, BATON).run(_burst(32, 2000, 40))
+    assert run.reasons["peer_pull"] >= 1
+    assert summarize(run)["shipped_gb"] > 0
+
+
 def test_round_robin_spreads_equal_work_exactly() -> None:
     run = Cluster(CPU, 4, ROUND_ROBIN).run(_burst(40, 10, 500))
     assert summarize(run)["load_imbalance"] == pytest.approx(1.0)

@@ -33,6 +33,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from baton_serve.cache_store.index.index import CheckpointIndex, IndexMatch, IndexUnavailable
 from baton_serve.cache_store.index.index_connect import connect_cluster_index
 from baton_serve.cache_store.index.index_view import IndexView
+from baton_serve.cache_store.pull_cost import ShipCost
 from baton_serve.cache_store.supervised import supervised
 from baton_serve.replicas.telemetry import tracing
 from baton_serve.replicas.telemetry.logs import request_fields
@@ -151,6 +152,7 @@ class BatonRouter(SafeRequestRouter):
         load_slack: float = 0.25,
         tokens_per_queued_request: int = 256,
         prefill_tokens_per_s: float = 200.0,
+        pull_bandwidth_bytes_per_s: float = ShipCost.bandwidth_bytes_per_s,
         follow_index: bool = True,
         max_view_age_s: float = MAX_VIEW_AGE_S,
     ) -> None:
@@ -160,7 +162,9 @@ class BatonRouter(SafeRequestRouter):
         self._fingerprint = bytes.fromhex(fingerprint_hex)
         self._lookup_timeout_s = lookup_timeout_s
         self._settings = CostSettings(
-            load_slack=load_slack, tokens_per_request=tokens_per_queued_request
+            load_slack=load_slack,
+            tokens_per_request=tokens_per_queued_request,
+            ship=ShipCost(bandwidth_bytes_per_s=pull_bandwidth_bytes_per_s),
         )
         self._default_prefill_speed = prefill_tokens_per_s
         self._index: CheckpointIndex | None = None
@@ -240,6 +244,7 @@ class BatonRouter(SafeRequestRouter):
             speed,
             match,
             reported_at=float(sampled_at) if sampled_at is not None else None,
+            pull_bytes_per_s=float(stats.get("pull_bytes_per_s") or 0.0) or None,
         )
 
     async def _holdings(

@@ -50,6 +50,7 @@ class ReplicaState:
     queued_tokens: int  # prompt tokens it was sent and has not finished
     prefill_tokens_per_s: float
     holding: Holding | None = None
+    pull_bytes_per_s: float | None = None  # its pulls' measured bandwidth (None: not reported)
 
 
 @dataclass(frozen=True)
@@ -92,15 +93,18 @@ def estimate(
     seconds = max(queue_s, ready_s) + (n_prompt - reused) / speed
     held = reused  # each donor is weighed against what the replica holds itself
     holding = own
+    ship = settings.ship
+    if replica.pull_bytes_per_s:  # what the replica's own pulls measured, as it decides by
+        ship = replace(ship, bandwidth_bytes_per_s=replica.pull_bytes_per_s)
     for donor in donors:
         wait_s = max(donor.ready_at - now, 0.0)
-        if not pull_pays(donor.n_tokens - held, donor.nbytes, wait_s, speed, settings.ship):
+        if not pull_pays(donor.n_tokens - held, donor.nbytes, wait_s, speed, ship):
             continue
-        pulled_s = max(queue_s, wait_s) + pull_seconds(donor.nbytes, settings.ship)
+        pulled_s = max(queue_s, wait_s) + pull_seconds(donor.nbytes, ship)
         pulled_s += (n_prompt - donor.n_tokens) / speed
         # computing what a peer is computing right now (`ShipCost.in_flight_slack`)
         duplicate_s = (donor.n_tokens - held) / speed if wait_s > 0 and plan != PULL else 0.0
-        if pulled_s < seconds + settings.ship.in_flight_slack * duplicate_s:
+        if pulled_s < seconds + ship.in_flight_slack * duplicate_s:
             seconds, plan, reused, holding = pulled_s, PULL, donor.n_tokens, donor
     return Estimate(
         replica.replica_id, seconds, plan, reused, holding=holding, prefill_tokens_per_s=speed

@@ -46,10 +46,12 @@ def replica_state(
     prefill_tokens_per_s: float,
     match: IndexMatch | None,
     reported_at: float | None = None,
+    pull_bytes_per_s: float | None = None,
 ) -> ReplicaState:
     """A candidate as the cost model sees it: its in-flight count (the ledger's, with the
     other callers' share of the replica's own report sampled at `reported_at`,
-    `RoutingLedger.load_given_report`), the ledger's queued tokens, and its best match."""
+    `RoutingLedger.load_given_report`), the ledger's queued tokens, its best match, and the
+    bandwidth its pulls measured (as reported; None: the router's configured figure)."""
     holding = Holding(match.n_tokens, match.nbytes, match.ready_at, replica_id) if match else None
     return ReplicaState(
         replica_id=replica_id,
@@ -57,6 +59,7 @@ def replica_state(
         queued_tokens=ledger.queued_tokens(replica_id),
         prefill_tokens_per_s=prefill_tokens_per_s,
         holding=holding,
+        pull_bytes_per_s=pull_bytes_per_s,
     )
 
 

@@ -22,6 +22,9 @@ a password reach the app builder as BATON_* environment variables (see baton.ray
 }}
 {{- if eq .Values.router "baton" }}{{/* only Baton's router reaches a chosen replica */}}
 {{- $_ := set $args "handoff_s" .Values.replicas.handoffSeconds }}
+{{- with .Values.replicas.pullBandwidthGBs }}
+{{- $_ := set $args "pull_bandwidth_gb_s" . }}
+{{- end }}
 {{- end }}
 {{- if .Values.diskTier.enabled }}
 {{- $_ := set $args.engine "checkpoint_dir" .Values.diskTier.path }}
