@@ -27,11 +27,11 @@ from baton_serve.loadtests.routing_workload import (
     RequestRecord,
 )
 
-BASELINE = RouterPolicy.POW2
-ANCHOR = RouterPolicy.PREFIX_AFFINITY
 OTHERS = (RouterPolicy.POW2, RouterPolicy.PREFIX_AFFINITY, RouterPolicy.ROUND_ROBIN)
-TTFT_RATIO_TARGET = 0.3  # Baton's TTFT p50 over power-of-two's
-TAIL_RATIO_TARGET = 0.8  # Baton's TTFT p95 and p99 over the best other policy's
+# Never behind a peer: Baton's TTFT p50, p95 and p99 each at most the best other policy's,
+# and its computed prompt tokens at most 1.05 times the least any policy computed.
+TTFT_OVER_BEST_TARGET = 1.0
+COMPUTED_OVER_LEAST_TARGET = 1.05
 COMPUTED_OVER_NEW_TARGET = 1.2
 KEPT_TARGET = 0.95  # agent follow-ups that keep their cache
 ALL = "all"
@@ -136,22 +136,16 @@ def policy_targets(policies: dict[str, dict], replicas: int = 2) -> dict[str, di
             baton[AGENT].get("kept_share"), KEPT_TARGET, at_least=True
         ),
     }
-    for other, name, bound in (
-        (BASELINE, "ttft_p50_over_pow2", TTFT_RATIO_TARGET),
-        (ANCHOR, "ttft_p50_over_prefix_affinity", 1.0),
-    ):
-        theirs = policies.get(other.value, {}).get(ALL, {}).get("ttft_p50_s")
-        if theirs and mine["ttft_p50_s"] is not None:
-            targets[name] = _target(mine["ttft_p50_s"] / theirs, bound)
-    for tail in ("ttft_p95_s", "ttft_p99_s"):
-        others = [
-            policies[o.value][ALL][tail]
-            for o in OTHERS
-            if o.value in policies and policies[o.value][ALL][tail]
-        ]
-        if others and mine[tail] is not None:
-            name = f"{tail.removesuffix('_s')}_over_best_other"
-            targets[name] = _target(mine[tail] / min(others), TAIL_RATIO_TARGET)
+    others = [policies[o.value][ALL] for o in OTHERS if o.value in policies]
+    for ttft in ("ttft_p50_s", "ttft_p95_s", "ttft_p99_s"):
+        theirs = [other[ttft] for other in others if other[ttft]]
+        if theirs and mine[ttft] is not None:
+            name = f"{ttft.removesuffix('_s')}_over_best_other"
+            targets[name] = _target(mine[ttft] / min(theirs), TTFT_OVER_BEST_TARGET)
+    least = min((o["computed_prompt_tokens"] for o in others), default=0)
+    if least:
+        ratio = mine["computed_prompt_tokens"] / least
+        targets["computed_over_least_other"] = _target(ratio, COMPUTED_OVER_LEAST_TARGET)
     return {name: target for name, target in targets.items() if target is not None}
 
 
