@@ -33,7 +33,7 @@ from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.serve_app import replica_stats, serve_app
 from baton_serve.loadtests.sim_bench import AGREEMENT, P99_RATIO_TARGET, PROFILES, summarize
 from baton_serve.loadtests.sim_cluster import Cluster
-from baton_serve.loadtests.sim_replica import Profile
+from baton_serve.loadtests.sim_replica import Profile, ship_cost
 from baton_serve.loadtests.sim_workload import ClusterWorkload, Session, cluster_workload
 from baton_serve.loadtests.sse import StreamError, aresponse_events
 from baton_serve.replicas.engine.emulated_compute import STATE_PER_TOKEN, EmulatedModel
@@ -245,11 +245,14 @@ def emulated_routing_benchmark(
                 heartbeat_s=HEARTBEAT_S,
                 hmac_key=secrets.token_hex(16),
             )
+            # Baton's: the link the simulator's replicas pull over, as an operator sets it
+            link = {"pull_bandwidth_gb_s": ship_cost(profile).bandwidth_bytes_per_s / 1e9}
             for policy in policies:
                 progress.step(
                     f"{policy.value}: {replicas} emulated replicas, {len(sessions)} sessions"
                 )
-                config = base.model_copy(update={"router": policy})
+                only_baton = link if policy is RouterPolicy.BATON else {}
+                config = base.model_copy(update={"router": policy, **only_baton})
                 app = f"emulated-{policy.value}"
                 with serve_app(config, app, None) as url:
                     run = _policy_run(url, app, model, config.served_model_name, sessions)
