@@ -243,6 +243,8 @@ class Replica:
         # (for up to half of `wait_s`, leaving time to ship) rather than an older state now.
         coming = self.engine.replay_share(tokens)
         wanted, settle_by = max(min_tokens, coming - 1), time.monotonic() + wait_s / 2
+        if wait_s > 0:  # a prefill computing the prefix here saves it where the prompts part
+            self.engine.keep_for_peer(tokens, min_tokens, wait_s)
         while True:
             if wanted > min_tokens and time.monotonic() >= settle_by:
                 wanted = min_tokens  # not stored in time: the best there is now

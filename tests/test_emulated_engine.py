@@ -136,7 +136,7 @@ def test_a_peer_asking_during_a_replay_gets_the_whole_conversation(tiny_model) -
         async def ask_during_the_second_replay() -> tuple[int, int, float, object]:
             def request(tokens: tuple[int, ...]) -> ReplicaRequest:
                 prompt = Prompt(tokens=tokens)
-                return ReplicaRequest(generation=GenerationRequest(prompt=prompt, params=params))
+                return ReplicaRequest(generation=GenerationRequest(prompt=prompt, sampling=params))
 
             one = await replica.generate(request(first.tokens))
             assert await asyncio.to_thread(donor.wait_idle, 10)  # turn one stored, replayed
@@ -199,7 +199,7 @@ def test_a_pull_past_its_deadline_waits_on_while_the_donor_still_computes(
         held = max(donor_engine.checkpoint_positions(Prompt(tokens=prompt)))
 
         def request(tokens: tuple[int, ...], plan: RoutePlan | None = None) -> ReplicaRequest:
-            generation = GenerationRequest(prompt=Prompt(tokens=tokens), params=REPLY)
+            generation = GenerationRequest(prompt=Prompt(tokens=tokens), sampling=REPLY)
             return ReplicaRequest(generation=generation, plan=plan)
 
         async def pull_while_the_donor_computes() -> int:
@@ -221,12 +221,60 @@ def test_a_pull_past_its_deadline_waits_on_while_the_donor_still_computes(
         cached = asyncio.run(pull_while_the_donor_computes())
     if waits_on:
         assert taker.stats.pull_waits_extended >= 1
-        assert taker.stats.pulls == 1 and cached == held
-        assert taker_engine.stats.prompt_tokens_computed == len(prompt) + 3 - held
+        # at least the last checkpoint it planned; the peer's ask saves where the prompts part
+        assert taker.stats.pulls == 1 and cached >= held
+        assert taker_engine.stats.prompt_tokens_computed == len(prompt) + 3 - cached
     else:
         assert taker.stats.pull_waits_extended == 0 and taker.stats.pulls == 0
         assert cached == 0 and taker.stats.replans == {"donor_miss": 1}
         assert taker_engine.stats.prompt_tokens_computed == len(prompt) + 3
+
+
+def test_a_peer_waiting_for_a_prefix_gets_it_saved_where_the_prompts_part(tiny_model) -> None:
+    """A token-id prompt on an attention model has no known system-prompt end, so its engine
+    stores it only when its reply's replay ends. A peer planned to pull the 500 tokens its
+    own prompt shares with it (in flight, expected soon) would wait past its deadline; asked
+    for them, the donor's prefill saves its state at the 500th token too, and the peer pulls
+    that while the donor is still computing."""
+    slow = FAST.model_copy(update={"prefill_tokens_per_s": 200.0})  # 1,000 tokens: ~5 s
+    config = EngineConfig(**SETTINGS | {"emulated": slow})
+    path = str(tiny_model("llama"))
+    with (
+        Engine(path, config, hmac_key=HMAC_KEY) as donor_engine,
+        Engine(path, config, hmac_key=HMAC_KEY) as taker_engine,
+    ):
+        donor = Replica("donor", donor_engine)
+        taker = Replica("taker", taker_engine, peers=_DirectPeer(donor))
+        rng = np.random.default_rng(12)
+        shared = tuple(rng.integers(1, donor_engine.model.n_vocab, 500).tolist())
+        own = tuple(rng.integers(1, donor_engine.model.n_vocab, 500).tolist())
+        theirs = tuple(rng.integers(1, donor_engine.model.n_vocab, 60).tolist())
+        assert donor_engine.checkpoint_positions(Prompt(tokens=shared + own)) == []
+
+        def request(tokens: tuple[int, ...], plan: RoutePlan | None = None) -> ReplicaRequest:
+            generation = GenerationRequest(prompt=Prompt(tokens=tokens), sampling=REPLY)
+            return ReplicaRequest(generation=generation, plan=plan)
+
+        async def pull_while_the_donor_computes() -> tuple[int, float]:
+            await donor.generate(request(tuple(range(1, 200))))  # measures its own speed
+            computing = asyncio.ensure_future(donor.generate(request(shared + own)))
+            await asyncio.sleep(0.3)
+            plan = RoutePlan(
+                replica_id="taker",
+                kind="pull",
+                reused_tokens=500,
+                donor_id="donor",
+                donor_tokens=500,
+                ready_at=time.time() + 2.2,  # the donor's prefill passes the 500th token
+            )
+            done = await taker.generate(request(shared + theirs, plan))
+            donor_busy = not computing.done()
+            await computing
+            return done.usage.cached_tokens, donor_busy
+
+        cached, donor_busy = asyncio.run(pull_while_the_donor_computes())
+    assert taker.stats.pulls == 1 and taker.stats.replans == {}
+    assert cached == 500 and donor_busy  # pulled before the donor's prompt was done
 
 
 def test_the_context_refuses_what_llama_cpp_refuses(tiny_model) -> None:

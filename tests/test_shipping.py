@@ -390,7 +390,8 @@ def test_a_prefix_being_computed_is_waited_for_and_pulled(
         ray.get([*busy, computing])
         stats, _ = ray.get(puller.stats.remote())
         assert stats.pulls == 1 and stats.pull_failures == 0
-        assert pulled.usage.cached_tokens == len(prompt) - 2
+        # the holder's last checkpoint, or where the prompts part if asked before it passed
+        assert pulled.usage.cached_tokens >= len(prompt) - 2
         assert pulled.tokens == scratch.tokens
         assert float(np.abs(pulled.logits - scratch.logits).max()) == 0.0
     finally:
@@ -446,7 +447,9 @@ def test_a_request_planned_to_join_a_pull_under_way_waits_for_it(
         ray.get([*busy, computing])
         stats, _ = ray.get(puller.stats.remote())
         assert stats.pulls == 1 and stats.replans == {}
-        assert [d.usage.cached_tokens for d in done] == [held, held]
+        # at least the holder's own last checkpoint; asked, it also saves where they part
+        first_cached, second_cached = (d.usage.cached_tokens for d in done)
+        assert first_cached == second_cached >= held
     finally:
         for actor in (holder, puller):
             ray.kill(actor)

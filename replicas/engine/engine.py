@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -94,6 +95,7 @@ class Engine(EngineFace):
         self._wakeup = threading.Condition()
         self._closed = False
         self._idle = threading.Event()
+        self._peer_asks = deque()
         self._last_step_was_prefill = False
         self._guard = StepGuard(self._context, self.stats)
         self._heartbeat = Heartbeat(self.config.stall_timeout_s)
@@ -235,6 +237,7 @@ class Engine(EngineFace):
     def _step(self) -> None:
         """Execute `plan_step`'s plan: its admissions, then one decode or prefill step."""
         self._drop_cancelled()
+        self._cache.checkpoint_for_peers(self._peer_asks, self._running())
         plan = self._plan()
         while (handle := plan.admit) is not None:
             free = [s for s in self._slots if s.running is None]

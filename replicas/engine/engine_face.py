@@ -7,13 +7,15 @@ Nothing outside `replicas/engine/` touches the prefix cache, its store, codec or
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from baton_serve.cache_store.checkpoints.checkpoint_store import Checkpoint, Stored
 from baton_serve.cache_store.checkpoints.state_blob import BlobParts, Buffer
 from baton_serve.cache_store.prefix_hash import common_prefix_length
-from baton_serve.replicas.engine.prefix_cache import PrefixCache
+from baton_serve.replicas.engine.prefix_cache import PeerAsk, PrefixCache
 from baton_serve.replicas.engine.prefix_states import CheckpointListener
 from baton_serve.replicas.engine.slots import Phase, Slot
 from baton_serve.replicas.wire.prompt_types import Prompt
@@ -35,6 +37,7 @@ class EngineFace:
 
     _cache: PrefixCache
     _slots: list[Slot]
+    _peer_asks: deque[PeerAsk]  # read by the engine loop
 
     # ---- what the store holds ------------------------------------------------------------
 
@@ -118,6 +121,13 @@ class EngineFace:
                 if best is None or progress[1] - progress[0] < best[1] - best[0]:
                     best = progress
         return best
+
+    def keep_for_peer(self, tokens: Sequence[int], min_tokens: int, wait_s: float) -> None:
+        """A peer waits `wait_s` for more than `min_tokens` of `tokens`: a prompt computed
+        here meanwhile that shares more of them also saves its state where the two part, so
+        the peer need not wait for the whole prompt's reply and replay (an attention prompt
+        with no known system-prompt end is otherwise stored only then). Any thread."""
+        self._peer_asks.append(PeerAsk(tuple(tokens), min_tokens, time.monotonic() + wait_s))
 
     def checkpoint_positions(self, prompt: Prompt) -> list[int]:
         """Where computing `prompt` from scratch would save checkpoints."""

@@ -14,7 +14,10 @@ runs on the engine thread, except `local_reuse` (a read-only estimate).
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 
 from baton_serve.cache_store.prefix_hash import common_prefix_length
 from baton_serve.replicas.engine.checkpoint_policy import (
@@ -27,6 +30,17 @@ from baton_serve.replicas.engine.prefix_states import PrefixStates
 from baton_serve.replicas.engine.slots import Phase, Running, Slot
 from baton_serve.replicas.engine.stats import EngineStats
 from baton_serve.replicas.wire.prompt_types import Prompt
+
+
+@dataclass
+class PeerAsk:
+    """A peer waiting until `until` (time.monotonic()) for more than `min_tokens` of
+    `tokens`; `seen`: the prefills already looked at for it."""
+
+    tokens: tuple[int, ...]
+    min_tokens: int
+    until: float
+    seen: set[int] = field(default_factory=set)
 
 
 class PrefixCache:
@@ -146,6 +160,23 @@ class PrefixCache:
             return None
         run, shared = best
         return best if run.checkpoint_at(shared, self.config.prefill_chunk) else None
+
+    def checkpoint_for_peers(self, asks: deque[PeerAsk], running: list[Running]) -> None:
+        """For each live ask (`EngineFace.keep_for_peer`), a checkpoint where the asked
+        prompt parts from each prefill (once per run, also one admitted after the ask) that
+        shares more than the tokens asked for and has not passed that point. Engine thread."""
+        now = time.monotonic()
+        for _ in range(len(asks)):
+            ask = asks.popleft()
+            if ask.until < now:
+                continue
+            for run in running:
+                if run.phase is Phase.PREFILL and id(run) not in ask.seen:
+                    ask.seen.add(id(run))
+                    shared = common_prefix_length(run.feed, ask.tokens)
+                    if shared > ask.min_tokens:
+                        run.checkpoint_at(shared, self.config.prefill_chunk)
+            asks.append(ask)
 
     # ---- placement -----------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ TARGET_REPLICA_KWARG = "target_replica"  # a replica call carrying it goes to th
 class GenerationRequest(BaseModel):
     """One generation: prompt tokens (with message boundaries) and sampling parameters."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")  # a misnamed field is no default
 
     prompt: Prompt
     sampling: SamplingParams = SamplingParams()
