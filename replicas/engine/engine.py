@@ -237,7 +237,8 @@ class Engine(EngineFace):
     def _step(self) -> None:
         """Execute `plan_step`'s plan: its admissions, then one decode or prefill step."""
         self._drop_cancelled()
-        self._cache.checkpoint_for_peers(self._peer_asks, self._running())
+        if self._peer_asks:  # rare: no work on the decode loop without one
+            self._cache.checkpoint_for_peers(self._peer_asks, self._running())
         plan = self._plan()
         while (handle := plan.admit) is not None:
             free = [s for s in self._slots if s.running is None]

@@ -93,9 +93,11 @@ def estimate(
     seconds = max(queue_s, ready_s) + (n_prompt - reused) / speed
     held = reused  # each donor is weighed against what the replica holds itself
     holding = own
-    ship = settings.ship
-    if replica.pull_bytes_per_s:  # what the replica's own pulls measured, as it decides by
-        ship = replace(ship, bandwidth_bytes_per_s=replica.pull_bytes_per_s)
+    ship, measured = settings.ship, replica.pull_bytes_per_s
+    # what the replica's own pulls measured, as it decides by (a new cost only when it can
+    # matter: this runs for every candidate of every decision)
+    if donors and measured and measured != ship.bandwidth_bytes_per_s:
+        ship = replace(ship, bandwidth_bytes_per_s=measured)
     for donor in donors:
         wait_s = max(donor.ready_at - now, 0.0)
         if not pull_pays(donor.n_tokens - held, donor.nbytes, wait_s, speed, ship):
