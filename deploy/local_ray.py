@@ -24,6 +24,24 @@ import ray  # noqa: E402
 
 NAMESPACE = "baton"
 
+# The environment of the cluster's processes (the job's runtime_env: the Serve controller, the
+# proxy, the replicas), not of this driver: Serve's calls (proxy to gateway, gateway to
+# replicas) go over gRPC, and a replica runs its code and its handles' request router on its
+# own event loop rather than on threads of their own. This is Ray's
+# RAY_SERVE_THROUGHPUT_OPTIMIZED less direct ingress (it needs a load balancer that follows
+# Serve's target groups) and less its quiet logs; together they cut `baton bench gateway`'s
+# added latency by 12-25% (docs/benchmarks.md). A driver keeps Ray's defaults: a handle whose
+# router shares the caller's loop cannot be used outside asyncio. The chart's Ray pods set
+# the same (helm/baton/templates/_ray_pod.tpl); a variable already set here is kept.
+SERVE_PROCESS_ENV = {
+    name: os.environ.get(name, value)
+    for name, value in (
+        ("RAY_SERVE_USE_GRPC_BY_DEFAULT", "1"),
+        ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "0"),
+        ("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "0"),
+    )
+}
+
 
 @contextlib.contextmanager
 def local_ray(
@@ -36,7 +54,12 @@ def local_ray(
         yield
         return
     if address:
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        ray.init(
+            address=address,
+            namespace=NAMESPACE,
+            log_to_driver=False,
+            runtime_env={"env_vars": SERVE_PROCESS_ENV},
+        )
     else:
         start_local_ray(num_cpus, metrics_port=metrics_port)
     try:
@@ -55,6 +78,7 @@ def start_local_ray(num_cpus: int | None, *, metrics_port: int | None = None) ->
         include_dashboard=False,
         log_to_driver=False,
         namespace=NAMESPACE,
+        runtime_env={"env_vars": SERVE_PROCESS_ENV},
         _metrics_export_port=metrics_port,
     )
 

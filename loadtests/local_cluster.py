@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import ray
 from ray.cluster_utils import Cluster
 
-from baton_serve.deploy.local_ray import NAMESPACE
+from baton_serve.deploy.local_ray import NAMESPACE, SERVE_PROCESS_ENV
 
 NODE_CPUS = 1
 OBJECT_STORE_BYTES = 512 << 20  # each node's own store
@@ -52,7 +52,12 @@ def local_cluster(workers: int = 2) -> Iterator[Cluster]:
                     object_store_memory=OBJECT_STORE_BYTES,
                 )
             cluster.wait_for_nodes()
-            ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+            ray.init(
+                address=cluster.address,
+                namespace=NAMESPACE,
+                log_to_driver=False,
+                runtime_env={"env_vars": SERVE_PROCESS_ENV},
+            )
             try:
                 yield cluster
             finally:

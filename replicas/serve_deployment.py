@@ -67,8 +67,11 @@ class ServePeers:
     """Reaches a peer replica through a handle to this deployment, targeted by id."""
 
     def __init__(self, handle: DeploymentHandle) -> None:
-        self._handle = handle.options(method_name="export_best")
-        self._adopt = handle.options(method_name="adopt")
+        # By reference whatever Serve's default transport: a peer on this node answers with
+        # an ObjectRef to its state in the object store, and blobs are too large for gRPC's
+        # 4 MB replica messages.
+        self._handle = handle.options(method_name="export_best", _by_reference=True)
+        self._adopt = handle.options(method_name="adopt", _by_reference=True)
         self._receiver: StateReceiver | None = None  # opened by the first pull
 
     async def fetch(

@@ -222,3 +222,39 @@ def test_the_checked_in_serve_config_builds_through_serves_own_loader(
         assert response.json()["usage"]["completion_tokens"] == 3
     finally:
         serve.delete("from-yaml")
+
+
+@serve.deployment(ray_actor_options={"runtime_env": {"env_vars": {"BATON_PROBE": "kept"}}})
+class ServeSettingsProbe:
+    """What a replica's Serve runs by; with an environment of its own, as `replica_env` gives
+    Baton's replicas."""
+
+    def __call__(self) -> dict:
+        import os
+
+        from ray.serve._private import constants
+
+        return {
+            "grpc": constants.RAY_SERVE_USE_GRPC_BY_DEFAULT,
+            "user_code_thread": constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD,
+            "router_loop": constants.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP,
+            "own_env": os.environ.get("BATON_PROBE"),
+        }
+
+
+def test_serve_processes_run_by_the_low_latency_settings(serve_port) -> None:
+    """The local cluster's Serve processes call each other over gRPC and run user code and
+    request routers on their own loop (`local_ray.SERVE_PROCESS_ENV`), also where a
+    deployment sets variables of its own; this driver keeps Ray's defaults, so a handle
+    still works outside asyncio."""
+    handle = serve.run(ServeSettingsProbe.bind(), name="serve-settings", route_prefix=None)
+    try:
+        seen = handle.remote().result(timeout_s=60)
+    finally:
+        serve.delete("serve-settings")
+    assert seen == {
+        "grpc": True,
+        "user_code_thread": False,
+        "router_loop": False,
+        "own_env": "kept",
+    }

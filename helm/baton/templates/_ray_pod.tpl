@@ -4,8 +4,16 @@
 under the Serve config's args, wherever Serve builds the app. Each replica reads BATON_HMAC_KEY
 from its own pod's environment: the cluster key is never in the Serve config or a deployment's
 arguments (cache_store/checkpoints/cluster_key.py). The index's password is not in REDIS_PASSWORD: KubeRay
-sets that one for GCS fault tolerance, and refuses a head that has it. */}}
+sets that one for GCS fault tolerance, and refuses a head that has it. The RAY_SERVE_* settings are
+`baton serve`'s local cluster's (deploy/local_ray.py: Serve's calls over gRPC, user code and
+request router on each replica's own event loop). */}}
 {{- define "baton.rayEnv" -}}
+- name: RAY_SERVE_USE_GRPC_BY_DEFAULT
+  value: "1"
+- name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD
+  value: "0"
+- name: RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP
+  value: "0"
 - name: BATON_HMAC_KEY
   valueFrom:
     secretKeyRef: {name: {{ include "baton.authSecretName" . }}, key: hmac-key}
