@@ -32,15 +32,18 @@ NAMESPACE = "baton"
 # Serve's target groups) and less its quiet logs; together they cut `baton bench gateway`'s
 # added latency by 12-25% (docs/benchmarks.md). A driver keeps Ray's defaults: a handle whose
 # router shares the caller's loop cannot be used outside asyncio. The chart's Ray pods set
-# the same (helm/baton/templates/_ray_pod.tpl); a variable already set here is kept.
+# the same (helm/baton/templates/_ray_pod.tpl).
 SERVE_PROCESS_ENV = {
-    name: os.environ.get(name, value)
-    for name, value in (
-        ("RAY_SERVE_USE_GRPC_BY_DEFAULT", "1"),
-        ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "0"),
-        ("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "0"),
-    )
+    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
 }
+
+
+def cluster_runtime_env() -> dict[str, dict[str, str]]:
+    """The `runtime_env` of a job that starts the cluster's processes: `SERVE_PROCESS_ENV`,
+    each variable as this process's environment has it where it sets one."""
+    return {"env_vars": {name: os.environ.get(name, v) for name, v in SERVE_PROCESS_ENV.items()}}
 
 
 @contextlib.contextmanager
@@ -58,7 +61,7 @@ def local_ray(
             address=address,
             namespace=NAMESPACE,
             log_to_driver=False,
-            runtime_env={"env_vars": SERVE_PROCESS_ENV},
+            runtime_env=cluster_runtime_env(),
         )
     else:
         start_local_ray(num_cpus, metrics_port=metrics_port)
@@ -78,7 +81,7 @@ def start_local_ray(num_cpus: int | None, *, metrics_port: int | None = None) ->
         include_dashboard=False,
         log_to_driver=False,
         namespace=NAMESPACE,
-        runtime_env={"env_vars": SERVE_PROCESS_ENV},
+        runtime_env=cluster_runtime_env(),
         _metrics_export_port=metrics_port,
     )
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import ray
 from ray.cluster_utils import Cluster
 
-from baton_serve.deploy.local_ray import NAMESPACE, SERVE_PROCESS_ENV
+from baton_serve.deploy.local_ray import NAMESPACE, cluster_runtime_env
 
 NODE_CPUS = 1
 OBJECT_STORE_BYTES = 512 << 20  # each node's own store
@@ -56,7 +56,7 @@ def local_cluster(workers: int = 2) -> Iterator[Cluster]:
                 address=cluster.address,
                 namespace=NAMESPACE,
                 log_to_driver=False,
-                runtime_env={"env_vars": SERVE_PROCESS_ENV},
+                runtime_env=cluster_runtime_env(),
             )
             try:
                 yield cluster

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import threading
 import time
 
 import httpx
@@ -228,6 +229,73 @@ def test_a_pull_past_its_deadline_waits_on_while_the_donor_still_computes(
         assert taker.stats.pull_waits_extended == 0 and taker.stats.pulls == 0
         assert cached == 0 and taker.stats.replans == {"donor_miss": 1}
         assert taker_engine.stats.prompt_tokens_computed == len(prompt) + 3
+
+
+def test_a_pull_from_a_donor_whose_prefill_stalls_gives_up_and_computes(
+    tiny_model, monkeypatch
+) -> None:
+    """The donor of a planned pull stops computing mid-prompt (its engine's step hangs: a
+    fault injected into the emulated compute, as a wedged device or a starved host would
+    cause). At the deadline it says how far it is and the puller waits on once; the next
+    answer shows no progress, so the puller gives up and computes the prompt itself — it
+    does not wait on the stalled donor, which is still stuck when the request is answered."""
+    slow = FAST.model_copy(update={"prefill_tokens_per_s": 300.0})  # the prompt: ~3 s
+    config = EngineConfig(**SETTINGS | {"emulated": slow})
+    path = str(tiny_model("qwen35"))
+    with (
+        Engine(path, config, hmac_key=HMAC_KEY) as donor_engine,
+        Engine(path, config, hmac_key=HMAC_KEY) as taker_engine,
+    ):
+        donor = Replica("donor", donor_engine)
+        taker = Replica(
+            "taker", taker_engine, peers=_DirectPeer(donor), policy=ShipPolicy(deadline_s=0.3)
+        )
+        rng = np.random.default_rng(13)
+        prompt = tuple(rng.integers(1, donor_engine.model.n_vocab, 900).tolist())
+        held = max(donor_engine.checkpoint_positions(Prompt(tokens=prompt)))
+        stalled, release = threading.Event(), threading.Event()
+        donor_context = donor_engine._context
+        step = donor_context._sleep
+
+        def stall_when_told(seconds: float) -> None:
+            if stalled.is_set():
+                assert release.wait(60), "the test never released the donor"
+            step(seconds)
+
+        monkeypatch.setattr(donor_context, "_sleep", stall_when_told)
+
+        def request(tokens: tuple[int, ...], plan: RoutePlan | None = None) -> ReplicaRequest:
+            generation = GenerationRequest(prompt=Prompt(tokens=tokens), sampling=REPLY)
+            return ReplicaRequest(generation=generation, plan=plan)
+
+        async def pull_from_a_stalled_donor() -> tuple[int, float, bool]:
+            await donor.generate(request(tuple(range(1, 200))))
+            computing = asyncio.ensure_future(donor.generate(request(prompt)))
+            await asyncio.sleep(1.0)  # a third of it computed
+            stalled.set()
+            plan = RoutePlan(
+                replica_id="taker",
+                kind="pull",
+                reused_tokens=held,
+                donor_id="donor",
+                donor_tokens=held,
+                ready_at=time.time() + 0.2,
+            )
+            started = time.perf_counter()
+            done = await taker.generate(request(prompt + (7, 8, 9), plan))
+            took = time.perf_counter() - started
+            still_stuck = not computing.done()
+            release.set()
+            await computing
+            return done.usage.cached_tokens, took, still_stuck
+
+        cached, took, still_stuck = asyncio.run(pull_from_a_stalled_donor())
+    assert still_stuck  # the taker's answer did not wait for the donor
+    assert taker.stats.pull_waits_extended == 1 and taker.stats.pulls == 0
+    assert cached == 0 and taker.stats.replans == {"donor_miss": 1}
+    assert taker_engine.stats.prompt_tokens_computed == len(prompt) + 3
+    # the deadline, one extension (at most its own prefill time) and its own prefill
+    assert took < 0.3 + 2 * (len(prompt) + 3) / 300.0 + 1.0
 
 
 def test_a_peer_waiting_for_a_prefix_gets_it_saved_where_the_prompts_part(tiny_model) -> None:

@@ -908,6 +908,20 @@ def test_the_index_can_be_a_sentinel_or_a_cluster(render: Callable[[Path | None]
         assert "gcsFaultToleranceOptions" not in one(docs, "RayService")["spec"]["rayClusterConfig"]
 
 
+def test_ray_pods_run_serve_as_baton_serves_local_cluster_does(
+    render: Callable[[Path | None], Docs],
+) -> None:
+    """Every Ray pod's environment holds the Serve settings `baton serve` gives its own
+    cluster's processes (Serve's calls over gRPC, user code on the replica's loop)."""
+    from baton_serve.deploy.local_ray import SERVE_PROCESS_ENV
+
+    docs = render(None)
+    for pod in ray_pods(docs).values():
+        (container,) = pod["spec"]["containers"]
+        env = container_env(container, secret_values(docs))
+        assert {name: env.get(name) for name in SERVE_PROCESS_ENV} == SERVE_PROCESS_ENV
+
+
 def test_upgrade_strategy(render: Callable[[Path | None], Docs]) -> None:
     assert one(render(None), "RayService")["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
     off = one(render(CHART / "ci" / "lockdown-off-values.yaml"), "RayService")

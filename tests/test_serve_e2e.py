@@ -224,7 +224,9 @@ def test_the_checked_in_serve_config_builds_through_serves_own_loader(
         serve.delete("from-yaml")
 
 
-@serve.deployment(ray_actor_options={"runtime_env": {"env_vars": {"BATON_PROBE": "kept"}}})
+@serve.deployment(
+    ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": {"BATON_PROBE": "kept"}}}
+)
 class ServeSettingsProbe:
     """What a replica's Serve runs by; with an environment of its own, as `replica_env` gives
     Baton's replicas."""
