@@ -48,6 +48,26 @@ SETTINGS |= {"prefill_chunk": 64, "checkpoint_interval": 64}
 REPLY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
+def _request(
+    tokens: tuple[int, ...], plan: RoutePlan | None = None, sampling: SamplingParams = REPLY
+) -> ReplicaRequest:
+    """A replica request for `tokens` (token ids), with the router's plan if any."""
+    generation = GenerationRequest(prompt=Prompt(tokens=tokens), sampling=sampling)
+    return ReplicaRequest(generation=generation, plan=plan)
+
+
+def _pull_plan(tokens: int, ready_in_s: float) -> RoutePlan:
+    """The router's plan for "taker": pull `tokens` from "donor", ready in `ready_in_s`."""
+    return RoutePlan(
+        replica_id="taker",
+        kind="pull",
+        reused_tokens=tokens,
+        donor_id="donor",
+        donor_tokens=tokens,
+        ready_at=time.time() + ready_in_s,
+    )
+
+
 def _engine(path: object, *, emulated: bool, **config: object) -> Engine:
     settings = SETTINGS | config | ({"emulated": FAST} if emulated else {})
     return Engine(str(path), EngineConfig(**settings), hmac_key=HMAC_KEY)
@@ -135,14 +155,10 @@ def test_a_peer_asking_during_a_replay_gets_the_whole_conversation(tiny_model) -
         first, added = _turns(donor.model.n_vocab, 2)
 
         async def ask_during_the_second_replay() -> tuple[int, int, float, object]:
-            def request(tokens: tuple[int, ...]) -> ReplicaRequest:
-                prompt = Prompt(tokens=tokens)
-                return ReplicaRequest(generation=GenerationRequest(prompt=prompt, sampling=params))
-
-            one = await replica.generate(request(first.tokens))
+            one = await replica.generate(_request(first.tokens, sampling=params))
             assert await asyncio.to_thread(donor.wait_idle, 10)  # turn one stored, replayed
             second = first.tokens + tuple(one.tokens) + added.tokens[len(first) :]
-            two = await replica.generate(request(second))
+            two = await replica.generate(_request(second, sampling=params))
             history = second + tuple(two.tokens)
             asked = history + (5, 6, 7)  # the next step: the conversation and a tool result
             replaying = donor.replay_share(asked)
@@ -199,23 +215,12 @@ def test_a_pull_past_its_deadline_waits_on_while_the_donor_still_computes(
         prompt = tuple(rng.integers(1, donor_engine.model.n_vocab, 900).tolist())
         held = max(donor_engine.checkpoint_positions(Prompt(tokens=prompt)))
 
-        def request(tokens: tuple[int, ...], plan: RoutePlan | None = None) -> ReplicaRequest:
-            generation = GenerationRequest(prompt=Prompt(tokens=tokens), sampling=REPLY)
-            return ReplicaRequest(generation=generation, plan=plan)
-
         async def pull_while_the_donor_computes() -> int:
-            await donor.generate(request(tuple(range(1, 200))))  # measures its own speed
-            computing = asyncio.ensure_future(donor.generate(request(prompt)))
+            await donor.generate(_request(tuple(range(1, 200))))  # measures its own speed
+            computing = asyncio.ensure_future(donor.generate(_request(prompt)))
             await asyncio.sleep(1.0)  # a third of it computed
-            plan = RoutePlan(
-                replica_id="taker",
-                kind="pull",
-                reused_tokens=held,
-                donor_id="donor",
-                donor_tokens=held,
-                ready_at=time.time() + 0.2,  # the router's estimate: far too early
-            )
-            done = await taker.generate(request(prompt + (7, 8, 9), plan))
+            plan = _pull_plan(held, ready_in_s=0.2)  # the router's estimate: far too early
+            done = await taker.generate(_request(prompt + (7, 8, 9), plan))
             await computing
             return done.usage.cached_tokens
 
@@ -264,25 +269,14 @@ def test_a_pull_from_a_donor_whose_prefill_stalls_gives_up_and_computes(
 
         monkeypatch.setattr(donor_context, "_sleep", stall_when_told)
 
-        def request(tokens: tuple[int, ...], plan: RoutePlan | None = None) -> ReplicaRequest:
-            generation = GenerationRequest(prompt=Prompt(tokens=tokens), sampling=REPLY)
-            return ReplicaRequest(generation=generation, plan=plan)
-
         async def pull_from_a_stalled_donor() -> tuple[int, float, bool]:
-            await donor.generate(request(tuple(range(1, 200))))
-            computing = asyncio.ensure_future(donor.generate(request(prompt)))
+            await donor.generate(_request(tuple(range(1, 200))))
+            computing = asyncio.ensure_future(donor.generate(_request(prompt)))
             await asyncio.sleep(1.0)  # a third of it computed
             stalled.set()
-            plan = RoutePlan(
-                replica_id="taker",
-                kind="pull",
-                reused_tokens=held,
-                donor_id="donor",
-                donor_tokens=held,
-                ready_at=time.time() + 0.2,
-            )
+            plan = _pull_plan(held, ready_in_s=0.2)
             started = time.perf_counter()
-            done = await taker.generate(request(prompt + (7, 8, 9), plan))
+            done = await taker.generate(_request(prompt + (7, 8, 9), plan))
             took = time.perf_counter() - started
             still_stuck = not computing.done()
             release.set()
@@ -319,23 +313,12 @@ def test_a_peer_waiting_for_a_prefix_gets_it_saved_where_the_prompts_part(tiny_m
         theirs = tuple(rng.integers(1, donor_engine.model.n_vocab, 60).tolist())
         assert donor_engine.checkpoint_positions(Prompt(tokens=shared + own)) == []
 
-        def request(tokens: tuple[int, ...], plan: RoutePlan | None = None) -> ReplicaRequest:
-            generation = GenerationRequest(prompt=Prompt(tokens=tokens), sampling=REPLY)
-            return ReplicaRequest(generation=generation, plan=plan)
-
         async def pull_while_the_donor_computes() -> tuple[int, float]:
-            await donor.generate(request(tuple(range(1, 200))))  # measures its own speed
-            computing = asyncio.ensure_future(donor.generate(request(shared + own)))
+            await donor.generate(_request(tuple(range(1, 200))))  # measures its own speed
+            computing = asyncio.ensure_future(donor.generate(_request(shared + own)))
             await asyncio.sleep(0.3)
-            plan = RoutePlan(
-                replica_id="taker",
-                kind="pull",
-                reused_tokens=500,
-                donor_id="donor",
-                donor_tokens=500,
-                ready_at=time.time() + 2.2,  # the donor's prefill passes the 500th token
-            )
-            done = await taker.generate(request(shared + theirs, plan))
+            plan = _pull_plan(500, ready_in_s=2.2)  # the donor's prefill passes the 500th token
+            done = await taker.generate(_request(shared + theirs, plan))
             donor_busy = not computing.done()
             await computing
             return done.usage.cached_tokens, donor_busy
