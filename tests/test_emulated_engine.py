@@ -6,9 +6,11 @@ gateway, router and index in a Serve app.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import numpy as np
@@ -66,6 +68,20 @@ def _pull_plan(tokens: int, ready_in_s: float) -> RoutePlan:
         donor_tokens=tokens,
         ready_at=time.time() + ready_in_s,
     )
+
+
+@contextlib.contextmanager
+def _donor_and_taker(
+    path: str, config: EngineConfig, policy: ShipPolicy | None = None
+) -> Iterator[tuple[Replica, Replica]]:
+    """Two in-process replicas on engines of `config`: "donor", and "taker" pulling from it
+    directly (shipping `policy`, or the default)."""
+    with (
+        Engine(path, config, hmac_key=HMAC_KEY) as donor_engine,
+        Engine(path, config, hmac_key=HMAC_KEY) as taker_engine,
+    ):
+        donor = Replica("donor", donor_engine)
+        yield donor, Replica("taker", taker_engine, peers=_DirectPeer(donor), policy=policy)
 
 
 def _engine(path: object, *, emulated: bool, **config: object) -> Engine:
@@ -205,12 +221,8 @@ def test_a_pull_past_its_deadline_waits_on_while_the_donor_still_computes(
     policy = ShipPolicy(deadline_s=0.3)
     if own_prefill is not None:  # the puller's own measured speed, as if known already
         policy = ShipPolicy(deadline_s=0.3, prefill_tokens_per_s=own_prefill)
-    with (
-        Engine(path, config, hmac_key=HMAC_KEY) as donor_engine,
-        Engine(path, config, hmac_key=HMAC_KEY) as taker_engine,
-    ):
-        donor = Replica("donor", donor_engine)
-        taker = Replica("taker", taker_engine, peers=_DirectPeer(donor), policy=policy)
+    with _donor_and_taker(path, config, policy) as (donor, taker):
+        donor_engine, taker_engine = donor.engine, taker.engine
         rng = np.random.default_rng(11)
         prompt = tuple(rng.integers(1, donor_engine.model.n_vocab, 900).tolist())
         held = max(donor_engine.checkpoint_positions(Prompt(tokens=prompt)))
@@ -247,14 +259,8 @@ def test_a_pull_from_a_donor_whose_prefill_stalls_gives_up_and_computes(
     slow = FAST.model_copy(update={"prefill_tokens_per_s": 300.0})  # the prompt: ~3 s
     config = EngineConfig(**SETTINGS | {"emulated": slow})
     path = str(tiny_model("qwen35"))
-    with (
-        Engine(path, config, hmac_key=HMAC_KEY) as donor_engine,
-        Engine(path, config, hmac_key=HMAC_KEY) as taker_engine,
-    ):
-        donor = Replica("donor", donor_engine)
-        taker = Replica(
-            "taker", taker_engine, peers=_DirectPeer(donor), policy=ShipPolicy(deadline_s=0.3)
-        )
+    with _donor_and_taker(path, config, ShipPolicy(deadline_s=0.3)) as (donor, taker):
+        donor_engine, taker_engine = donor.engine, taker.engine
         rng = np.random.default_rng(13)
         prompt = tuple(rng.integers(1, donor_engine.model.n_vocab, 900).tolist())
         held = max(donor_engine.checkpoint_positions(Prompt(tokens=prompt)))
@@ -301,12 +307,8 @@ def test_a_peer_waiting_for_a_prefix_gets_it_saved_where_the_prompts_part(tiny_m
     slow = FAST.model_copy(update={"prefill_tokens_per_s": 200.0})  # 1,000 tokens: ~5 s
     config = EngineConfig(**SETTINGS | {"emulated": slow})
     path = str(tiny_model("llama"))
-    with (
-        Engine(path, config, hmac_key=HMAC_KEY) as donor_engine,
-        Engine(path, config, hmac_key=HMAC_KEY) as taker_engine,
-    ):
-        donor = Replica("donor", donor_engine)
-        taker = Replica("taker", taker_engine, peers=_DirectPeer(donor))
+    with _donor_and_taker(path, config) as (donor, taker):
+        donor_engine = donor.engine
         rng = np.random.default_rng(12)
         shared = tuple(rng.integers(1, donor_engine.model.n_vocab, 500).tolist())
         own = tuple(rng.integers(1, donor_engine.model.n_vocab, 500).tolist())

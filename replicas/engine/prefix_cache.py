@@ -35,12 +35,13 @@ from baton_serve.replicas.wire.prompt_types import Prompt
 @dataclass
 class PeerAsk:
     """A peer waiting until `until` (time.monotonic()) for more than `min_tokens` of
-    `tokens`; `seen`: the prefills already looked at for it."""
+    `tokens`; `seen`: the prefills already looked at for it (held, not their ids: a new
+    run may take a finished one's id)."""
 
     tokens: tuple[int, ...]
     min_tokens: int
     until: float
-    seen: set[int] = field(default_factory=set)
+    seen: list[Running] = field(default_factory=list)
 
 
 class PrefixCache:
@@ -171,8 +172,8 @@ class PrefixCache:
             if ask.until < now:
                 continue
             for run in running:
-                if run.phase is Phase.PREFILL and id(run) not in ask.seen:
-                    ask.seen.add(id(run))
+                if run.phase is Phase.PREFILL and all(run is not s for s in ask.seen):
+                    ask.seen.append(run)
                     shared = common_prefix_length(run.feed, ask.tokens)
                     if shared > ask.min_tokens:
                         run.checkpoint_at(shared, self.config.prefill_chunk)
