@@ -160,7 +160,7 @@ def test_a_replica_is_planned_to_pull_at_the_bandwidth_its_own_pulls_measured() 
     replica = _Replica("r1", deployment)
     assert router._settings.ship.bandwidth_bytes_per_s == 25e9
     replica.routing_stats = {"prefill_tokens_per_s": 10_000.0, "pull_bytes_per_s": 3e9}
-    assert router._state(replica, None).pull_bytes_per_s == 3e9
+    assert router._state(replica, None, 10_000.0).pull_bytes_per_s == 3e9
 
 
 def test_a_pull_takes_the_cheapest_donor_whatever_the_order() -> None:
@@ -348,6 +348,89 @@ def test_a_burst_ranked_before_any_request_is_sent_still_spreads() -> None:
     assert sorted(firsts.count(rid) for rid in ("a", "b")) == [1, 3]
     computing = sorted(router._ledger.queued_tokens(rid) for rid in ("a", "b"))
     assert computing == [3 * (1000 - 960), 1000]  # a pull gives the 15 whole 64-token blocks
+
+
+def _chat_opening(
+    speeds: dict[str, float], extra_at_donor: int = 0
+) -> tuple[list[str], BatonRouter]:
+    """Four chat sessions opening at once on a new 1,000-token system prompt, each with 856
+    tokens of its own (`bench routing`'s opening), ranked by one router over replicas
+    reporting `speeds` (0: not measured yet). With `extra_at_donor`, the replica computing
+    the prompt reports that many more requests once the second is ranked (another caller's,
+    e.g. the puller's export call, counted by its next routing report)."""
+    deployment = DeploymentID(name="Replica", app_name="opening")
+    router = BatonRouter(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(
+        index="redis://127.0.0.1:1", fingerprint_hex="ab" * 32, follow_index=False
+    )
+    candidates = [_Replica(rid, deployment) for rid in speeds]
+    for replica in candidates:
+        replica.routing_stats = {"prefill_tokens_per_s": speeds[replica.replica_id.unique_id]}
+    hasher = PrefixHasher(b"fp", 64)
+
+    async def opening() -> list[str]:
+        firsts, pendings = [], []
+        for i in range(4):
+            own = range(10_000 * (i + 1), 10_000 * (i + 1) + 856)
+            tokens = (*range(1000), *own)
+            request = ReplicaRequest(
+                generation=GenerationRequest(prompt=Prompt(tokens=tokens)),
+                prefix_hashes=tuple(hasher.chain(tokens)),
+            )
+            metadata = RequestMetadata(request_id=f"s{i}", internal_request_id=f"s{i}")
+            pendings.append(PendingRequest(args=[request], kwargs={}, metadata=metadata))
+            chosen = (await router.choose_replicas(candidates, pendings[-1]))[0][0]
+            router.request_routed(pendings[-1], chosen)
+            firsts.append(chosen.replica_id.unique_id)
+            if i == 1 and extra_at_donor:
+                donor = next(r for r in candidates if r.replica_id.unique_id == firsts[0])
+                donor.routing_stats = {
+                    **donor.routing_stats,
+                    "running": 1 + extra_at_donor,
+                    "sampled_at": time.time(),
+                }
+        return firsts
+
+    return asyncio.run(opening()), router
+
+
+@pytest.mark.parametrize("extra_at_donor", [0, 1, 2])
+def test_a_chat_opening_splits_two_and_two_whatever_the_donor_reports(
+    extra_at_donor: int,
+) -> None:
+    """One replica computes the system prompt, the other pulls it once computed; the other
+    two first turns go one to each. The puller's queue waits for the donor: it is busy until
+    the state arrives and then with its first turn, not just for that turn's tokens — before
+    that was counted, one more request in the donor's report sent the fourth turn to the
+    puller too (three first turns, 8.6 s apart, on one replica: `bench routing`'s p99)."""
+    firsts, router = _chat_opening({"a": 110.0, "b": 110.0}, extra_at_donor)
+    assert sorted(firsts.count(rid) for rid in ("a", "b")) == [2, 2], firsts
+    puller = firsts[1]
+    assert puller != firsts[0]
+    assert len(router._ledger.gated(puller)) == 2  # its pull and the turn that joins it
+
+
+def test_a_replica_not_yet_measured_is_taken_at_its_measured_peers_speed() -> None:
+    """A new replica has no prefill speed of its own yet: taken at the router's default
+    (200 tokens/s, here twice its peer's), it drew three of the opening's four first turns."""
+    firsts, _ = _chat_opening({"a": 100.0, "b": 0.0})
+    assert sorted(firsts.count(rid) for rid in ("a", "b")) == [2, 2], firsts
+
+
+def test_a_request_waiting_for_a_state_holds_the_queue_from_its_arrival() -> None:
+    """A replica's queue: 200 tokens it can compute now, and 800 of a request whose state
+    arrives in 5 s (100 tokens/s, nothing else in flight). A request that needs no state
+    starts after the 200; one whose own state arrives in 6 s, after the other's 800."""
+    replica = ReplicaState("r", 0, 1000, 100.0, gated=((NOW + 5, 800),))
+    assert route_cost.prefill_start(replica, 0.0, NOW, SETTINGS) == pytest.approx(2.0)
+    assert route_cost.prefill_start(replica, 4.0, NOW, SETTINGS) == pytest.approx(4.0)
+    assert route_cost.prefill_start(replica, 6.0, NOW, SETTINGS) == pytest.approx(13.0)
+    ledger = RoutingLedger(64, every_block=True)
+    ledger.sent("r", "waits", [], tokens=800, ready_at=NOW + 13, state_at=NOW + 5)
+    ledger.sent("r", "now", [], tokens=200, ready_at=NOW + 2)
+    assert ledger.gated("r") == ((NOW + 5, 800),) and ledger.queued_tokens("r") == 1000
+    ledger.completed("r", "waits")
+    assert ledger.gated("r") == () and ledger.queued_tokens("r") == 200
 
 
 # (gain tokens, state bytes, wait s, prefill tok/s): cheap, a gain too short to bother,

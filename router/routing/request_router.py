@@ -126,6 +126,11 @@ def _load(replica: RunningReplica) -> int:
     return int(stats.get("queued", 0)) + int(stats.get("running", 0))
 
 
+def _prefill_speed(replica: RunningReplica) -> float:
+    """The prefill speed a replica reports (0: not measured yet)."""
+    return float((replica.routing_stats or {}).get("prefill_tokens_per_s") or 0.0)
+
+
 def _target_of(pending_request: PendingRequest | None) -> str | None:
     if pending_request is None:
         return None
@@ -229,13 +234,22 @@ class BatonRouter(SafeRequestRouter):
                 reason, holdings = "index_timeout", self._ledger.lookup(request.prefix_hashes)
             else:
                 reason, holdings = "load_fallback", found
-        states = [self._state(r, holdings.get(r.replica_id.unique_id)) for r in candidates]
+        # a replica that has not measured its prefill yet is taken at its measured peers'
+        # mean: at the default figure it could look far faster and draw a whole burst
+        speeds = [_prefill_speed(r) for r in candidates]
+        known = [speed for speed in speeds if speed]
+        unmeasured = sum(known) / len(known) if known else self._default_prefill_speed
+        states = [
+            self._state(r, holdings.get(r.replica_id.unique_id), speed or unmeasured)
+            for r, speed in zip(candidates, speeds, strict=True)
+        ]
         n_prompt = len(request.generation.prompt)
         return decide(states, n_prompt, time.time(), self._settings, reason)
 
-    def _state(self, replica: RunningReplica, match: IndexMatch | None) -> ReplicaState:
+    def _state(
+        self, replica: RunningReplica, match: IndexMatch | None, speed: float
+    ) -> ReplicaState:
         stats = replica.routing_stats or {}
-        speed = float(stats.get("prefill_tokens_per_s") or self._default_prefill_speed)
         sampled_at = stats.get("sampled_at")
         return replica_state(
             replica.replica_id.unique_id,

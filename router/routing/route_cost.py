@@ -3,7 +3,10 @@
 Pure functions over plain data, so the router, its tests and a simulator all rank with the
 same code. A replica's estimate is its queue (prompt tokens it was sent and has not
 finished, plus a fixed cost per request in flight), then the prompt tokens it would still
-compute, at its measured prefill speed — with three ways to compute fewer:
+compute, at its measured prefill speed. A queued request that waits for a state (a prefix
+in flight there, or a pull) is computed no sooner than the state arrives: a replica whose
+queue waits on a donor is busy until then and after, not just for its queued tokens. Three
+ways to compute fewer:
 
 - **cached**: it holds a prefix now;
 - **in flight**: it is computing a prefix right now (it will not compute it twice: a
@@ -51,6 +54,9 @@ class ReplicaState:
     prefill_tokens_per_s: float
     holding: Holding | None = None
     pull_bytes_per_s: float | None = None  # its pulls' measured bandwidth (None: not reported)
+    # (Unix time, prompt tokens) of queued requests that compute only once the state they
+    # reuse arrives then, soonest first; their tokens are among `queued_tokens`
+    gated: tuple[tuple[float, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ class Estimate:
     within_bound: bool = True
     holding: Holding | None = None
     prefill_tokens_per_s: float = 0.0  # the replica's, as the estimate counted it
+    state_at: float = 0.0  # Unix time the state it reuses arrives, if it waits for one
 
 
 def estimate(
@@ -85,12 +92,12 @@ def estimate(
     """`replica`'s best plan for an `n_prompt`-token prompt; `donors` are other replicas'
     holdings it could pull."""
     speed = max(replica.prefill_tokens_per_s, 1e-6)
-    queue_s = (replica.queued_tokens + settings.tokens_per_request * replica.load) / speed
     own = replica.holding
     reused = own.n_tokens if own else 0
     ready_s = max(own.ready_at - now, 0.0) if own else 0.0
     plan = (IN_FLIGHT if ready_s > 0 else CACHED) if reused else COMPUTE
-    seconds = max(queue_s, ready_s) + (n_prompt - reused) / speed
+    seconds = prefill_start(replica, ready_s, now, settings) + (n_prompt - reused) / speed
+    state_s = ready_s
     held = reused  # each donor is weighed against what the replica holds itself
     holding = own
     ship, measured = settings.ship, replica.pull_bytes_per_s
@@ -102,15 +109,38 @@ def estimate(
         wait_s = max(donor.ready_at - now, 0.0)
         if not pull_pays(donor.n_tokens - held, donor.nbytes, wait_s, speed, ship):
             continue
-        pulled_s = max(queue_s, wait_s) + pull_seconds(donor.nbytes, ship)
+        pulled_s = prefill_start(replica, wait_s, now, settings) + pull_seconds(donor.nbytes, ship)
         pulled_s += (n_prompt - donor.n_tokens) / speed
         # computing what a peer is computing right now (`ShipCost.in_flight_slack`)
         duplicate_s = (donor.n_tokens - held) / speed if wait_s > 0 and plan != PULL else 0.0
         if pulled_s < seconds + ship.in_flight_slack * duplicate_s:
-            seconds, plan, reused, holding = pulled_s, PULL, donor.n_tokens, donor
+            seconds, plan, reused, holding, state_s = pulled_s, PULL, donor.n_tokens, donor, wait_s
     return Estimate(
-        replica.replica_id, seconds, plan, reused, holding=holding, prefill_tokens_per_s=speed
+        replica.replica_id,
+        seconds,
+        plan,
+        reused,
+        holding=holding,
+        prefill_tokens_per_s=speed,
+        state_at=now + state_s if state_s > 0 else 0.0,
     )
+
+
+def prefill_start(
+    replica: ReplicaState, state_s: float, now: float, settings: CostSettings
+) -> float:
+    """Seconds until `replica` could start computing a request whose reused state is there
+    `state_s` from now: after its queue — each queued request that waits for a state
+    (`ReplicaState.gated`) computed once that arrives, and only if it arrives no later
+    than this request's (the replica computes requests as their states arrive)."""
+    speed = max(replica.prefill_tokens_per_s, 1e-6)
+    waiting = sum(tokens for _, tokens in replica.gated)
+    start = (replica.queued_tokens - waiting + settings.tokens_per_request * replica.load) / speed
+    for at, tokens in replica.gated:
+        if at - now > state_s:
+            break
+        start = max(start, at - now) + tokens / speed
+    return max(start, state_s)
 
 
 def rank(

@@ -50,8 +50,9 @@ def replica_state(
 ) -> ReplicaState:
     """A candidate as the cost model sees it: its in-flight count (the ledger's, with the
     other callers' share of the replica's own report sampled at `reported_at`,
-    `RoutingLedger.load_given_report`), the ledger's queued tokens, its best match, and the
-    bandwidth its pulls measured (as reported; None: the router's configured figure)."""
+    `RoutingLedger.load_given_report`), the ledger's queued tokens and which of them wait
+    for a state, its best match, and the bandwidth its pulls measured (as reported; None:
+    the router's configured figure)."""
     holding = Holding(match.n_tokens, match.nbytes, match.ready_at, replica_id) if match else None
     return ReplicaState(
         replica_id=replica_id,
@@ -60,6 +61,7 @@ def replica_state(
         prefill_tokens_per_s=prefill_tokens_per_s,
         holding=holding,
         pull_bytes_per_s=pull_bytes_per_s,
+        gated=ledger.gated(replica_id),
     )
 
 
@@ -116,4 +118,5 @@ def record_sent(
         ready_at=now + chosen.seconds,
         reused=chosen.reused_tokens,
         prefill_tokens_per_s=chosen.prefill_tokens_per_s,
+        state_at=chosen.state_at,
     )

@@ -3,7 +3,8 @@ index has heard of it (a decision is recorded when it is made, and moved if Ray 
 the request to another replica of the ranking).
 
 - Per replica, the requests in flight and the prompt tokens they still make it compute:
-  exact for this router, where routing stats are a second old. A replica's report counts
+  exact for this router, where routing stats are a second old; and of those, the ones
+  that compute only once a state they wait for arrives (`gated`). A replica's report counts
   every caller's requests as they were when it sampled them; `load_given_report` adds the
   other callers' share of it to this router's count now (a request this router has seen
   finish is not counted again until the next report).
@@ -37,6 +38,7 @@ class _Sent:
     replica_id: str
     entries: list[IndexEntry]
     tokens: int  # prompt tokens the replica computes for it
+    state_at: float = 0.0  # Unix time the state it reuses arrives, if it waits for one
 
 
 class RoutingLedger:
@@ -62,6 +64,7 @@ class RoutingLedger:
         self._sent: dict[tuple[str, str], list[_Sent]] = {}
         self._load: dict[str, int] = {}
         self._tokens: dict[str, int] = {}
+        self._gated: dict[str, list[_Sent]] = {}  # replica -> its sends that wait for a state
         # replica -> (wall time, +1 sent / -1 finished or withdrawn), oldest first
         self._changes: dict[str, deque[tuple[float, int]]] = {}
         self._history_from: dict[str, float] = {}  # the newest change dropped from it
@@ -103,6 +106,11 @@ class RoutingLedger:
     def queued_tokens(self, replica_id: str) -> int:
         return self._tokens.get(replica_id, 0)
 
+    def gated(self, replica_id: str) -> tuple[tuple[float, int], ...]:
+        """(Unix time, prompt tokens) of the requests in flight at `replica_id` that
+        compute once the state they wait for arrives then, soonest first."""
+        return tuple(sorted((s.state_at, s.tokens) for s in self._gated.get(replica_id, ())))
+
     def entries_for(self, prompt: Prompt, chain: Sequence[bytes]) -> list[tuple[bytes, int]]:
         """(block hash, tokens) the replica serving `prompt` will hold: every block for
         attention; else the positions the engine checkpoints (`prefill_checkpoints`, less
@@ -124,11 +132,13 @@ class RoutingLedger:
         *,
         reused: int = 0,
         prefill_tokens_per_s: float = 0.0,
+        state_at: float = 0.0,
     ) -> None:
-        """Record a request routed to `replica_id` that reuses `reused` prompt tokens,
-        computes the next `tokens` and gives its first token at `ready_at` (Unix time);
-        each prefix of `held` is ready then — or, given the replica's prefill speed, as
-        its prefill passes it (a shared system prompt long before the request's end)."""
+        """Record a request routed to `replica_id` that reuses `reused` prompt tokens
+        (arriving at `state_at` if it waits for them), computes the next `tokens` and gives
+        its first token at `ready_at` (Unix time); each prefix of `held` is ready then —
+        or, given the replica's prefill speed, as its prefill passes it (a shared system
+        prompt long before the request's end)."""
         now = self._now()
 
         def ready(n_tokens: int) -> float:
@@ -138,9 +148,10 @@ class RoutingLedger:
             return ready_at - after / prefill_tokens_per_s  # never before the prefill starts
 
         entries = [IndexEntry(h, n, 0, ready(n)) for h, n in held]
-        self._sent.setdefault((replica_id, request_key), []).append(
-            _Sent(replica_id, entries, tokens)
-        )
+        sent = _Sent(replica_id, entries, tokens, state_at)
+        self._sent.setdefault((replica_id, request_key), []).append(sent)
+        if state_at > 0:
+            self._gated.setdefault(replica_id, []).append(sent)
         self._count(replica_id, +1)
         self._tokens[replica_id] = self.queued_tokens(replica_id) + tokens
         expires = now + self.ttl_s + max(0.0, ready_at - time.time())
@@ -155,8 +166,7 @@ class RoutingLedger:
         sent = siblings.pop(0)
         if not siblings:
             del self._sent[(replica_id, request_key)]
-        self._count(replica_id, -1)
-        self._tokens[replica_id] -= sent.tokens
+        self._settle(sent)
         expires = self._now() + self.ttl_s
         held = [IndexEntry(e.prefix_hash, e.n_tokens, e.nbytes) for e in sent.entries]
         self._prefixes.alive[replica_id] = max(self._prefixes.alive.get(replica_id, 0), expires)
@@ -171,8 +181,7 @@ class RoutingLedger:
         sent = siblings.pop()
         if not siblings:
             del self._sent[(replica_id, request_key)]
-        self._count(replica_id, -1)
-        self._tokens[replica_id] -= sent.tokens
+        self._settle(sent)
         self._prefixes.forget(replica_id, [e.prefix_hash for e in sent.entries])
         expires = self._now() + self.ttl_s
         for (rid, _), others in self._sent.items():  # what other requests there still leave
@@ -180,12 +189,21 @@ class RoutingLedger:
                 for other in others:
                     self._prefixes.publish(replica_id, other.entries, expires)
 
+    def _settle(self, sent: _Sent) -> None:
+        """`sent` is no longer in flight at its replica."""
+        self._count(sent.replica_id, -1)
+        self._tokens[sent.replica_id] -= sent.tokens
+        gated = self._gated.get(sent.replica_id, [])
+        if any(s is sent for s in gated):
+            gated[:] = [s for s in gated if s is not sent]
+
     def forget_replica(self, replica_id: str) -> None:
         """A replica died: nothing it was sent counts any more."""
         for key in [k for k in self._sent if k[0] == replica_id]:
             del self._sent[key]
         self._load.pop(replica_id, None)
         self._tokens.pop(replica_id, None)
+        self._gated.pop(replica_id, None)
         self._changes.pop(replica_id, None)
         self._history_from.pop(replica_id, None)
         self._prefixes.forget(replica_id, None)
