@@ -46,7 +46,7 @@ OBJECT_STORE_BYTES = 80 << 20  # each node's own store (Ray's minimum is 75 MiB)
 # A store budget that fits each node's object store (`baton serve` refuses one that does not).
 STORE_BUDGET_BYTES = 32 << 20
 ENGINE = {
-    "n_ctx": 1024,
+    "n_ctx": 2048,
     "n_slots": 1,
     "n_threads": 1,
     "prefill_chunk": 128,
@@ -228,8 +228,11 @@ def _chat(url: str, model: str, messages: list[dict], max_tokens: int = 8) -> ht
 
 
 def test_a_conversation_moved_to_the_other_node_pulls_its_state_across(app: App) -> None:
+    # ~700 tokens: pulling them beats computing them again even at the tiny model's prefill
+    # speed (10-26k tokens/s here; the router takes a replica that has not measured its own
+    # at its peers' speed), by the rule router and replicas share (`pull_pays`)
     messages = [
-        {"role": "system", "content": SYSTEM + f" ({app.index})"},
+        {"role": "system", "content": SYSTEM * 4 + f" ({app.index})"},
         {"role": "user", "content": "Start."},
     ]
     first = _chat(app.url, app.name, messages)

@@ -4,9 +4,9 @@ Pure functions over plain data, so the router, its tests and a simulator all ran
 same code. A replica's estimate is its queue (prompt tokens it was sent and has not
 finished, plus a fixed cost per request in flight), then the prompt tokens it would still
 compute, at its measured prefill speed. A queued request that waits for a state (a prefix
-in flight there, or a pull) is computed no sooner than the state arrives: a replica whose
-queue waits on a donor is busy until then and after, not just for its queued tokens. Three
-ways to compute fewer:
+in flight there, or a donor's still being computed) is computed no sooner than that state is
+ready: a replica whose queue waits on a donor is busy until then and after, not just for its
+queued tokens. Three ways to compute fewer:
 
 - **cached**: it holds a prefix now;
 - **in flight**: it is computing a prefix right now (it will not compute it twice: a
@@ -55,7 +55,7 @@ class ReplicaState:
     holding: Holding | None = None
     pull_bytes_per_s: float | None = None  # its pulls' measured bandwidth (None: not reported)
     # (Unix time, prompt tokens) of queued requests that compute only once the state they
-    # reuse arrives then, soonest first; their tokens are among `queued_tokens`
+    # reuse is ready then, soonest first; their tokens are among `queued_tokens`
     gated: tuple[tuple[float, int], ...] = ()
 
 
@@ -79,7 +79,8 @@ class Estimate:
     within_bound: bool = True
     holding: Holding | None = None
     prefill_tokens_per_s: float = 0.0  # the replica's, as the estimate counted it
-    state_at: float = 0.0  # Unix time the state it reuses arrives, if it waits for one
+    # Unix time the state it reuses is ready (a donor's, for a pull), if it waits for it
+    state_at: float = 0.0
 
 
 def estimate(
@@ -129,10 +130,10 @@ def estimate(
 def prefill_start(
     replica: ReplicaState, state_s: float, now: float, settings: CostSettings
 ) -> float:
-    """Seconds until `replica` could start computing a request whose reused state is there
+    """Seconds until `replica` could start computing a request whose reused state is ready
     `state_s` from now: after its queue — each queued request that waits for a state
-    (`ReplicaState.gated`) computed once that arrives, and only if it arrives no later
-    than this request's (the replica computes requests as their states arrive)."""
+    (`ReplicaState.gated`) computed once that is ready, and ahead of this request only if
+    it is ready no later (the replica computes requests as their states come)."""
     speed = max(replica.prefill_tokens_per_s, 1e-6)
     waiting = sum(tokens for _, tokens in replica.gated)
     start = (replica.queued_tokens - waiting + settings.tokens_per_request * replica.load) / speed

@@ -38,7 +38,7 @@ class _Sent:
     replica_id: str
     entries: list[IndexEntry]
     tokens: int  # prompt tokens the replica computes for it
-    state_at: float = 0.0  # Unix time the state it reuses arrives, if it waits for one
+    state_at: float = 0.0  # Unix time the state it reuses is ready, if it waits for one
 
 
 class RoutingLedger:
@@ -108,7 +108,7 @@ class RoutingLedger:
 
     def gated(self, replica_id: str) -> tuple[tuple[float, int], ...]:
         """(Unix time, prompt tokens) of the requests in flight at `replica_id` that
-        compute once the state they wait for arrives then, soonest first."""
+        compute once the state they wait for is ready then, soonest first."""
         return tuple(sorted((s.state_at, s.tokens) for s in self._gated.get(replica_id, ())))
 
     def entries_for(self, prompt: Prompt, chain: Sequence[bytes]) -> list[tuple[bytes, int]]:
@@ -135,7 +135,7 @@ class RoutingLedger:
         state_at: float = 0.0,
     ) -> None:
         """Record a request routed to `replica_id` that reuses `reused` prompt tokens
-        (arriving at `state_at` if it waits for them), computes the next `tokens` and gives
+        (ready at `state_at` if it waits for them), computes the next `tokens` and gives
         its first token at `ready_at` (Unix time); each prefix of `held` is ready then —
         or, given the replica's prefill speed, as its prefill passes it (a shared system
         prompt long before the request's end)."""
