@@ -149,14 +149,7 @@ def test_a_replica_is_planned_to_pull_at_the_bandwidth_its_own_pulls_measured() 
     assert estimate(measured, 2100, [held], NOW, SETTINGS).plan == PULL
     fast_fabric = CostSettings(ship=ShipCost(bandwidth_bytes_per_s=25e9))
     assert estimate(configured, 2100, [held], NOW, fast_fabric).plan == PULL
-    deployment = DeploymentID(name="Replica", app_name="bandwidth")
-    router = BatonRouter(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(
-        index="redis://127.0.0.1:1",
-        fingerprint_hex="ab" * 32,
-        follow_index=False,
-        pull_bandwidth_bytes_per_s=25e9,
-    )
+    router, deployment = _router("bandwidth", pull_bandwidth_bytes_per_s=25e9)
     replica = _Replica("r1", deployment)
     assert router._settings.ship.bandwidth_bytes_per_s == 25e9
     replica.routing_stats = {"prefill_tokens_per_s": 10_000.0, "pull_bytes_per_s": 3e9}
@@ -274,11 +267,7 @@ def test_a_follow_up_goes_to_its_holder_while_the_report_still_counts_its_last_s
     """An agent's next step arrives the moment its last one finished, before the holder's
     routing stats (a report every 0.5 s) say so: the router knows its own request finished
     and sends the step to the holder, not to an idle replica that would recompute it."""
-    deployment = DeploymentID(name="Replica", app_name="follow-up")
-    router = BatonRouter(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(
-        index="redis://127.0.0.1:1", fingerprint_hex="ab" * 32, follow_index=False
-    )
+    router, deployment = _router("follow-up")
     holder, idle = _Replica("a", deployment), _Replica("b", deployment)
     speed = {"prefill_tokens_per_s": 2000.0}  # counting the finished step costs more than
     idle.routing_stats = holder.routing_stats = speed  # pulling the holder's state
@@ -317,14 +306,20 @@ class _Replica:
         self.routing_stats: dict = {}
 
 
+def _router(app_name: str, **settings: object) -> tuple[BatonRouter, DeploymentID]:
+    """A `BatonRouter` built as Ray builds one, with no index to reach (its ledger only)."""
+    deployment = DeploymentID(name="Replica", app_name=app_name)
+    router = BatonRouter(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(
+        index="redis://127.0.0.1:1", fingerprint_hex="ab" * 32, follow_index=False, **settings
+    )
+    return router, deployment
+
+
 def test_a_burst_ranked_before_any_request_is_sent_still_spreads() -> None:
     """Ray ranks the requests of a burst before it sends the first: each decision is in the
     ledger the moment it is made, so the next one sees it (no index answers here)."""
-    deployment = DeploymentID(name="Replica", app_name="burst")
-    router = BatonRouter(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(
-        index="redis://127.0.0.1:1", fingerprint_hex="ab" * 32, follow_index=False
-    )
+    router, deployment = _router("burst")
     candidates = [_Replica("a", deployment), _Replica("b", deployment)]
     chain = tuple(PrefixHasher(b"fp", 64).chain(range(1000)))
     request = ReplicaRequest(
@@ -356,13 +351,9 @@ def _chat_opening(
     """Four chat sessions opening at once on a new 1,000-token system prompt, each with 856
     tokens of its own (`bench routing`'s opening), ranked by one router over replicas
     reporting `speeds` (0: not measured yet). With `extra_at_donor`, the replica computing
-    the prompt reports that many more requests once the second is ranked (another caller's,
-    e.g. the puller's export call, counted by its next routing report)."""
-    deployment = DeploymentID(name="Replica", app_name="opening")
-    router = BatonRouter(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(
-        index="redis://127.0.0.1:1", fingerprint_hex="ab" * 32, follow_index=False
-    )
+    the prompt reports that many more requests (another caller's) once the second is
+    ranked."""
+    router, deployment = _router("opening")
     candidates = [_Replica(rid, deployment) for rid in speeds]
     for replica in candidates:
         replica.routing_stats = {"prefill_tokens_per_s": speeds[replica.replica_id.unique_id]}
