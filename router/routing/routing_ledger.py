@@ -109,7 +109,8 @@ class RoutingLedger:
     def gated(self, replica_id: str) -> tuple[tuple[float, int], ...]:
         """(Unix time, prompt tokens) of the requests in flight at `replica_id` that
         compute once the state they wait for is ready then, soonest first."""
-        return tuple(sorted((s.state_at, s.tokens) for s in self._gated.get(replica_id, ())))
+        gated = self._gated.get(replica_id)  # every candidate of every decision: mostly none
+        return tuple(sorted((s.state_at, s.tokens) for s in gated)) if gated else ()
 
     def entries_for(self, prompt: Prompt, chain: Sequence[bytes]) -> list[tuple[bytes, int]]:
         """(block hash, tokens) the replica serving `prompt` will hold: every block for
@@ -193,8 +194,8 @@ class RoutingLedger:
         """`sent` is no longer in flight at its replica."""
         self._count(sent.replica_id, -1)
         self._tokens[sent.replica_id] -= sent.tokens
-        gated = self._gated.get(sent.replica_id, [])
-        if any(s is sent for s in gated):
+        if sent.state_at > 0:
+            gated = self._gated.get(sent.replica_id, [])
             gated[:] = [s for s in gated if s is not sent]
 
     def forget_replica(self, replica_id: str) -> None:
