@@ -168,10 +168,20 @@ class LlamaContext:
         """
         sizes = []
         done = 0
-        for n in (2, 4, 8):
-            self.decode([BatchEntry(seq_id, token, p, False) for p in range(done, n)])
-            done = n
-            sizes.append(llama_cpp.llama_state_seq_get_size(self.pointer, seq_id))
+        # Measured on the caller's thread, not the engine loop's, so on one thread: llama.cpp's
+        # OpenMP build gives each thread that computes with several threads a team of its own,
+        # and once a process holds more team threads than cores, OpenMP stops spinning at
+        # ggml's barriers and sleeps at each one (measured: SmolLM2 decode at 2 threads on 2
+        # cores 37 ms a token with a second team, 16 ms without).
+        llama_cpp.llama_set_n_threads(self.pointer, 1, 1)
+        try:
+            for n in (2, 4, 8):
+                self.decode([BatchEntry(seq_id, token, p, False) for p in range(done, n)])
+                done = n
+                sizes.append(llama_cpp.llama_state_seq_get_size(self.pointer, seq_id))
+        finally:
+            threads = self.params.n_threads
+            llama_cpp.llama_set_n_threads(self.pointer, threads, threads)
         self.clear(seq_id)
         per_token = (sizes[1] - sizes[0]) // 2
         if sizes[2] - sizes[1] != 4 * per_token:
