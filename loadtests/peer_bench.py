@@ -183,12 +183,14 @@ class Setup:
     slots: int
     replicas: int
     n_ctx: int
+    exact_reuse: bool = True
 
     def engine(self) -> EngineConfig:
         return EngineConfig(
             n_ctx=self.n_ctx,
             n_slots=max(1, self.slots // self.replicas),
             n_threads=max(1, self.threads // self.replicas),
+            exact_reuse=self.exact_reuse,
         )
 
     def baton(self, model: Path) -> BatonConfig:
@@ -288,17 +290,20 @@ def peer_benchmark(
     threads: int | None = None,
     slots: int | None = None,
     replicas: int | None = None,
+    exact_reuse: bool = True,
     traced: bool = True,
     progress: Progress = SILENT,
 ) -> tuple[dict, list[PeerRecord]]:
     """Run `workload` against llama-server, then Baton (and Baton traced, unless not
     `traced`). Threads default to the CPU count, slots to the concurrency, replicas to
-    `baton serve`'s default. Returns the summary and every request."""
+    `baton serve`'s default; Baton's engines replay replies unless not `exact_reuse`.
+    Returns the summary and every request."""
     setup = Setup(
         threads=threads or usable_cpus(),  # what `baton serve` shares out
         slots=slots or workload.concurrency,
         replicas=replicas or BatonConfig.model_fields["replicas"].default,
         n_ctx=workload.n_ctx(),
+        exact_reuse=exact_reuse,
     )
     model = LlamaModel(model_path, vocab_only=True)
     try:
@@ -326,7 +331,9 @@ def peer_benchmark(
         "workload": asdict(workload),
         "script": script_digest(sessions),
         "setup": asdict(setup),
-        "engine": setup.engine().model_dump(include={"n_ctx", "n_slots", "n_threads"}),
+        "engine": setup.engine().model_dump(
+            include={"n_ctx", "n_slots", "n_threads", "exact_reuse"}
+        ),
         LLAMA_SERVER: summarize(peer_rows, peer_wall),
         BATON: summarize(baton_rows, baton_wall),
     }

@@ -44,6 +44,12 @@ def add_peer_command(benches: argparse._SubParsersAction) -> None:
     peer.add_argument(
         "--replicas", type=positive_int, help="Baton replicas (default: baton serve's, 2)"
     )
+    peer.add_argument(
+        "--no-exact-reuse",
+        action="store_true",
+        help="Baton's engines keep the states their decode built, as llama-server does, "
+        "instead of replaying each reply (engine.exact_reuse false)",
+    )
     for name, what in _WORKLOAD_FLAGS.items():
         kind = int if name in ("seed", "chat-sessions", "agent-sessions") else positive_int
         peer.add_argument(f"--{name}", type=kind, help=what)
@@ -72,6 +78,7 @@ def _bench_peer(args: argparse.Namespace) -> int:
             threads=args.threads,
             slots=args.slots,
             replicas=args.replicas,
+            exact_reuse=not args.no_exact_reuse,
             traced=not args.no_breakdown,
             progress=progress,
         )

@@ -43,7 +43,8 @@ def format_report(result: dict) -> str:
         f" script {result['script']})",
         f"  llama-server: -t {setup['threads']} -np {setup['slots']} --jinja",
         f"  baton: {setup['replicas']} replicas x {engine['n_threads']} thread(s)"
-        f" x {engine['n_slots']} slot(s)",
+        f" x {engine['n_slots']} slot(s)"
+        + ("" if engine.get("exact_reuse", True) else ", exact_reuse off (no replays)"),
         "",
         f"  {'figure':<14}{'llama-server':>14}{'baton':>12}{'baton/llama':>13}  target",
     ]

@@ -91,6 +91,40 @@ def test_checkpoint_exported_to_a_second_engine_is_bit_exact(arch, tiny_model, m
     assert float(np.abs(on_second.logits - from_scratch.logits).max()) == 0.0
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_with_exact_reuse_off_a_reply_is_computed_once(arch, tiny_model, make_engine) -> None:
+    """`exact_reuse` off (llama-server's way): no replay; the state the decode built is
+    stored, the next turn continues from it computing only its own tokens, and a second
+    engine that imports it continues bit for bit as the first does."""
+    path = tiny_model(arch)
+    settings = {"exact_reuse": False, "prefill_chunk": 48, "block_tokens": 32}
+    engine, peer = make_engine(path, **settings), make_engine(path, **settings)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello there."}]
+    prompt = engine.chat_prompt(messages)
+    reply = engine.generate(prompt, GREEDY)
+    assert engine.wait_idle(30)
+
+    kept = max(engine.checkpoints(), key=lambda c: c.n_tokens)
+    history = prompt.tokens + tuple(reply.tokens)
+    assert engine.stats.replayed_tokens == 0
+    # Every token fed to the decode: all but a last one sampled and never fed.
+    assert kept.n_tokens >= len(history) - 1
+    assert tuple(kept.tokens.tolist()) == history[: kept.n_tokens]
+
+    follow_up = Prompt(tokens=history + tuple(engine.model.tokenize(" Go on, please.")))
+    blob = engine.export_checkpoint(kept.prefix_hash)
+    assert blob is not None and peer.import_checkpoint(blob).n_tokens == kept.n_tokens
+    here = engine.generate(follow_up, GREEDY, return_logits=True)
+    there = peer.generate(follow_up, GREEDY, return_logits=True)
+
+    for result in (here, there):
+        assert result.usage.cached_tokens == kept.n_tokens
+        assert result.usage.computed_tokens == len(follow_up) - kept.n_tokens
+    assert engine.stats.prompt_tokens_computed == len(prompt) + here.usage.computed_tokens
+    assert here.tokens == there.tokens
+    assert float(np.abs(here.logits - there.logits).max()) == 0.0
+
+
 def test_attention_state_serves_prompts_sharing_only_its_beginning(tiny_model, make_engine) -> None:
     """An evicted conversation's KV serves another conversation with the same header (an
     agent's tool list): restored, cut back to the shared prefix, bit-exact."""

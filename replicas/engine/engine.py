@@ -12,7 +12,8 @@ the least left goes first, aged); the loop executes it. Which cached state serve
 is `prefix_cache`'s job. The loop keeps those states exact: prompts are computed in pieces
 of two or more tokens, and after a reply is sent it is recomputed as a prefill (a *replay*)
 instead of keeping the state built one token at a time, whose kernels round differently.
-A resumed conversation thus gives the same logits as a cold one.
+A resumed conversation thus gives the same logits as a cold one (`exact_reuse` off keeps
+the decode's state instead, as llama-server does).
 """
 
 from __future__ import annotations
@@ -383,15 +384,21 @@ class Engine(EngineFace):
     # ---- finishing -----------------------------------------------------------------------
 
     def _finish(self, run: Running, reason: str, *, end_token: int | None = None) -> None:
-        """Answer the client now; then replay the reply so the cache holds exact states."""
+        """Answer the client now; then replay the reply so the cache holds exact states
+        (with `exact_reuse` off, store the state the decode built instead)."""
         rest = run.text.flush()
         if rest:
             run.handle.emit(run.event(run.generated[-1], rest))
         self._complete(run, reason)
-        if run.index:  # a later choice of an n > 1 request: only the first one is replayed
+        if run.index:  # a later choice of an n > 1 request: only the first one is kept
             self._cache.rewind_to_prompt(run)
         if run.index or not self.config.prefix_cache:
             run.slot.release()
+            return
+        if not self.config.exact_reuse:
+            # The state peers may pull; the slot keeps it too, for the next turn here.
+            if self._guard.run("saving a checkpoint", run, self._cache.states.save, run.slot):
+                run.slot.release()
             return
         ending = (end_token,) if end_token is not None else ()
         history = (run.prompt + tuple(run.generated) + ending)[: self.n_ctx]

@@ -59,6 +59,15 @@ class EngineConfig(BaseModel):
         "reuse bit-exact on CPU",
     )
     prefix_cache: bool = Field(default=True, description="reuse cached prefixes at all")
+    exact_reuse: bool = Field(
+        default=True,
+        description="after a reply is sent, recompute it as a prefill (a replay), so every "
+        "cached state is what a from-scratch prefill computes and a resumed or shipped "
+        "conversation gives the same logits as a cold one; false: keep the state the decode "
+        "built, as llama-server and vLLM do (a next turn sent at once does not wait for the "
+        "replay, and each reply is computed once), at the price of logits that differ slightly "
+        "from a cold prefill's",
+    )
     emulated: EmulatedTiming | None = Field(
         default=None,
         description="emulate the compute (for measuring the system at scale): every step "
