@@ -395,10 +395,10 @@ class Engine(EngineFace):
         if run.index or not self.config.prefix_cache:
             run.slot.release()
             return
-        if not self.config.exact_reuse:
-            # The state peers may pull; the slot keeps it too, for the next turn here.
-            if self._guard.run("saving a checkpoint", run, self._cache.states.save, run.slot):
-                run.slot.release()
+        if not self.config.exact_reuse:  # the decode's state, stored where a replay's would be
+            added, save = len(run.slot.tokens) - len(run.prompt), self._cache.states.save
+            if added < MIN_PIECE or self._guard.run("saving a checkpoint", run, save, run.slot):
+                run.slot.release()  # it keeps the state, for the conversation's next turn
             return
         ending = (end_token,) if end_token is not None else ()
         history = (run.prompt + tuple(run.generated) + ending)[: self.n_ctx]
