@@ -83,8 +83,10 @@ def test_a_busy_holders_load_spreads_by_shipping_its_state(app, tiny_model) -> N
     some of them by pulling the holder's state (not recomputing it), and the follow-up turn,
     wherever it lands, replies exactly what a cold engine computes."""
     url, config = app
+    # Long enough that a pull pays at the tiny model's real prefill speed (10-26k tokens/s
+    # here): shorter, recomputing it is cheaper, and the router and replicas know it.
     messages = [
-        {"role": "system", "content": SYSTEM + " Shipping test."},
+        {"role": "system", "content": SYSTEM * 3 + " Shipping test."},
         {"role": "user", "content": "Start."},
     ]
     first = _chat(url, config, messages)
