@@ -69,6 +69,11 @@ def positive_int(text: str) -> int:
     return int(_number(text, int, 1, inclusive=True))
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: a whole number of at least 0 (a budget that may be off)."""
+    return int(_number(text, int, 0, inclusive=True))
+
+
 def positive_float(text: str) -> float:
     """argparse type: a number above 0 (a speed, a size)."""
     return _number(text, float, 0, inclusive=False)

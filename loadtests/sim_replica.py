@@ -39,6 +39,7 @@ from baton_serve.loadtests.sim_cache import SimCheckpoint, SimPrefixCache
 from baton_serve.replicas.engine import step_plan as steps
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 from baton_serve.replicas.engine.emulated_timing import decode_step_seconds
+from baton_serve.replicas.engine.engine_config import EngineConfig as _Engine
 from baton_serve.replicas.wire.route_plan import CACHED, IN_FLIGHT, PULL, RoutePlan
 
 FOREVER = float("inf")
@@ -59,7 +60,8 @@ class Profile:
     bytes_per_token: int
     cache_bytes: int
     block_tokens: int = 64
-    prefill_chunk: int = 256  # prompt tokens of one prefill step (the engine's default)
+    prefill_chunk: int = _Engine.model_fields["prefill_chunk"].default  # the engine's defaults
+    prefill_budget: int = _Engine.model_fields["prefill_budget"].default
     step_noise: float = 0.0  # sigma of a mean-1 lognormal factor on each step's time (0: none)
 
     def decode_step_s(self, streams: int) -> float:
@@ -69,12 +71,12 @@ class Profile:
         )
 
     def prefill_speed(self, streams: int) -> float:
-        """Prompt tokens per second while `streams` slots decode (a decode step after
-        every prefill step): what an in-flight prefix's expected end is estimated with."""
+        """Prompt tokens per second while `streams` slots decode (a decode step after each
+        prefill budget): what an in-flight prefix's expected end is estimated with."""
         if not streams:
             return self.prefill_tokens_per_s
-        step_s = self.prefill_chunk / self.prefill_tokens_per_s + self.decode_step_s(streams)
-        return self.prefill_chunk / step_s
+        tokens = max(self.prefill_budget, self.prefill_chunk)
+        return tokens / (tokens / self.prefill_tokens_per_s + self.decode_step_s(streams))
 
 
 def ship_cost(profile: Profile) -> ShipCost:
@@ -171,7 +173,7 @@ class SimReplica:
         self._decoding: list[Job] = []
         self._stepping = False  # a step is under way, until its effects are applied
         self._noise = random.Random(f"{seed}-{rid}")
-        self._last_step_was_prefill = False
+        self._paused_tokens = 0  # `StepView.paused_tokens`
         self._prompt_checkpoint: dict[int, int] = {}  # id(job) -> its prompt's checkpoint
         index.alive[rid] = FOREVER
 
@@ -271,16 +273,15 @@ class SimReplica:
         if self._stepping:
             return
         if plan.decode:
-            batch = list(plan.decode)
-            step_s = self._noisy(self.profile.decode_step_s(len(batch)))
-            self._loop.at(self._loop.now + step_s, self._decode_step_done, batch)
+            step_s = self._noisy(self.profile.decode_step_s(len(plan.decode)))
+            self._loop.at(self._loop.now + step_s, self._decode_step_done, list(plan.decode))
         elif plan.prefill is not None:
             job, end = plan.prefill.key, plan.prefill.end
             step_s = self._noisy((end - job.done) / self.profile.prefill_tokens_per_s)
             self._loop.at(self._loop.now + step_s, self._prefill_step_done, job, end)
         else:
             return
-        self._stepping = True
+        self._paused_tokens, self._stepping = plan.paused_tokens, True  # (admissions only, now)
 
     def _plan(self) -> steps.StepPlan[Job, Job]:
         p = self.profile
@@ -290,7 +291,8 @@ class SimReplica:
             queue=tuple(steps.Queued(j) for j in self._queue),
             free_slots=p.slots - self._running,
             runs=tuple(runs),
-            last_was_prefill=self._last_step_was_prefill,
+            paused_tokens=self._paused_tokens,
+            prefill_budget=p.prefill_budget,
             prefill_speed=p.prefill_tokens_per_s,
             max_piece=p.prefill_chunk,
             now=self._loop.now,
@@ -344,7 +346,6 @@ class SimReplica:
         return seconds * self._noise.lognormvariate(-sigma * sigma / 2, sigma)  # mean 1
 
     def _prefill_step_done(self, job: Job, end: int) -> None:
-        self._last_step_was_prefill = True
         job.done = end
         if job.done >= job.end:
             self._prefilling.remove(job)
@@ -353,7 +354,6 @@ class SimReplica:
         self._schedule()
 
     def _decode_step_done(self, batch: list[Job]) -> None:
-        self._last_step_was_prefill = False
         for job in batch:
             job.decode_left -= 1
             if job.decode_left <= 0:

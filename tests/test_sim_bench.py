@@ -177,12 +177,13 @@ def test_the_command_prints_json_and_refuses_an_unknown_policy(tmp_path: Path) -
     assert wrong.returncode != 0 and "random" in wrong.stderr
 
 
-def test_a_replica_steps_as_the_engine_does() -> None:
+@pytest.mark.parametrize("budget", [CPU.prefill_budget, 0])
+def test_a_replica_steps_as_the_engine_does(budget: int) -> None:
     """A prefill step (256 tokens: 2.56 s on the cpu profile) is not interrupted; the next
     one takes the prompt with the shortest remaining prefill; the prompt's last step gives
-    its first token; a decode step (one token for every decoding slot) follows every
-    prefill step while a slot decodes."""
-    cpu = replace(CPU, step_noise=0.0)
+    its first token; while a slot decodes, a decode step comes once the prefill steps since
+    its last token reach the profile's prefill budget (budget 0: after every prefill step)."""
+    cpu = replace(CPU, step_noise=0.0, prefill_budget=budget)
     long = Session(BURST, 0, 0.0, (), [Turn(((1, 1000),), 8)])
     short = Session(BURST, 1, 0.5, (), [Turn(((2, 100),), 8)])
     run = Cluster(cpu, 1, ROUND_ROBIN).run([Phase([long, short])])
@@ -192,9 +193,14 @@ def test_a_replica_steps_as_the_engine_does() -> None:
     # the short prompt waits for the long one's first step, then is prefilled whole
     short_prefilled = step_s + 100 / cpu.prefill_tokens_per_s
     assert ttft[1] == pytest.approx(short_prefilled - 0.5)
-    # the long one's other 744 tokens go in 3 steps, each after a decode step of the short
-    # one (which needs 7 after its first token: it decodes throughout)
-    long_prefilled = short_prefilled + 3 * cpu.decode_step_s(1) + 744 / cpu.prefill_tokens_per_s
+    # the long one's other 744 tokens go in 3 steps: within the default budget one after
+    # another; with budget 0 (one piece between decode steps) the first follows the short
+    # one's prefill at once and the other two each follow a decode step of the short one
+    # (which needs 7 after its first token: it decodes throughout)
+    decode_steps = 0 if budget >= 744 else 2
+    long_prefilled = (
+        short_prefilled + decode_steps * cpu.decode_step_s(1) + 744 / cpu.prefill_tokens_per_s
+    )
     assert ttft[0] == pytest.approx(long_prefilled)
 
 

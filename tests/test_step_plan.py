@@ -15,7 +15,15 @@ from baton_serve.loadtests.sim_workload import BURST, Phase, Session, Turn
 from baton_serve.replicas.engine import engine as engine_module
 from baton_serve.replicas.engine import step_plan
 from baton_serve.replicas.engine.checkpoint_policy import prefill_checkpoints, prefill_pieces
-from baton_serve.replicas.engine.step_plan import Queued, RunView, StepPlan, StepView, plan_step
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.step_plan import (
+    Piece,
+    Queued,
+    RunView,
+    StepPlan,
+    StepView,
+    plan_step,
+)
 from baton_serve.replicas.wire.protocol import GenerationRequest
 from baton_serve.replicas.wire.sampling_params import SamplingParams
 
@@ -25,11 +33,12 @@ def view(
     runs: tuple[RunView[str], ...] = (),
     *,
     free: int = 4,
-    last_was_prefill: bool = False,
+    paused: int = 0,
+    budget: int = 512,
     now: float = 10.0,
     max_piece: int = 256,
 ) -> StepView[str, str]:
-    return StepView(queue, free, runs, last_was_prefill, 100.0, max_piece, now)
+    return StepView(queue, free, runs, paused, budget, 100.0, max_piece, now)
 
 
 def prefill(key: str, done: int, end: int, since: float = 0.0, **kw: object) -> RunView[str]:
@@ -81,12 +90,36 @@ def test_the_decode_batch_is_every_decoding_request_in_order() -> None:
     assert plan_step(view(runs=runs)) == StepPlan(decode=("a", "c"))
 
 
-def test_decode_and_prefill_steps_alternate_when_both_wait() -> None:
+def test_decoding_streams_wait_through_at_most_the_prefill_budget() -> None:
+    runs = (RunView("d", 0, decoding=True), prefill("p", 0, 1000))
+    first = plan_step(view(runs=runs, paused=0, budget=512))
+    assert first.prefill == Piece("p", 0, 256) and first.paused_tokens == 256
+    at_budget = (RunView("d", 0, decoding=True), prefill("p", 256, 1000))
+    second = plan_step(view(runs=at_budget, paused=256, budget=512))
+    assert second.prefill == Piece("p", 256, 512) and second.paused_tokens == 512
+    over = (RunView("d", 0, decoding=True), prefill("p", 512, 1000))
+    assert plan_step(view(runs=over, paused=512, budget=512)) == StepPlan(decode=("d",))
+    # the decode step's plan starts the next pause from nothing
+    assert plan_step(view(runs=over, paused=512, budget=512)).paused_tokens == 0
+
+
+def test_a_small_prompt_fits_the_rest_of_the_budget() -> None:
     runs = (RunView("d", 0, decoding=True), prefill("p", 0, 100))
-    first = plan_step(view(runs=runs, last_was_prefill=False))
-    assert first.prefill is not None and first.prefill.key == "p" and not first.decode
-    second = plan_step(view(runs=runs, last_was_prefill=True))
-    assert second == StepPlan(decode=("d",))
+    plan = plan_step(view(runs=runs, paused=400, budget=512))
+    assert plan.prefill == Piece("p", 0, 100) and plan.paused_tokens == 500
+    assert plan_step(view(runs=runs, paused=450, budget=512)).decode == ("d",)
+
+
+def test_one_piece_fits_any_budget_so_budget_zero_alternates() -> None:
+    runs = (RunView("d", 0, decoding=True), prefill("p", 0, 1000))
+    first = plan_step(view(runs=runs, paused=0, budget=0))
+    assert first.prefill == Piece("p", 0, 256)  # never starved by a small budget
+    assert plan_step(view(runs=runs, paused=256, budget=0)) == StepPlan(decode=("d",))
+
+
+def test_prefill_without_decoding_streams_pauses_nobody() -> None:
+    plan = plan_step(view(runs=(prefill("a", 0, 1000),), paused=300, budget=512))
+    assert plan.prefill == Piece("a", 0, 256) and plan.paused_tokens == 0
 
 
 def test_the_prompt_with_least_left_goes_first_aged_so_none_starves() -> None:
@@ -167,9 +200,21 @@ def test_the_simulator_executes_plan_step(monkeypatch: pytest.MonkeyPatch) -> No
     ]
     admitted = [p.admit.n_prompt for p in plans if p.admit is not None]
     assert admitted == [1000, 100]
-    # while the short one decodes, a decode step follows each prefill step
+    # the short one decodes once the long one's last 744 tokens (within the budget) are done
     kinds = ["d" if p.decode else "p" for p in plans if p.decode or p.prefill]
-    assert "".join(kinds).startswith("ppdpdpdp")
+    assert "".join(kinds).startswith("pppppdd")
+
+
+def test_the_simulator_follows_the_profiles_prefill_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    plans = _recording(monkeypatch, step_plan)
+    cpu = replace(PROFILES["cpu"], step_noise=0.0, prefill_budget=0)
+    long = Session(BURST, 0, 0.0, (), [Turn(((1, 1000),), 8)])
+    short = Session(BURST, 1, 0.5, (), [Turn(((2, 100),), 8)])
+    Cluster(cpu, 1, ROUND_ROBIN).run([Phase([long, short])])
+    # budget 0: once the short one decodes (its prefill gave its first token), a decode
+    # step follows each prefill step
+    kinds = ["d" if p.decode else "p" for p in plans if p.decode or p.prefill]
+    assert "".join(kinds).startswith("pppdpdpd")
 
 
 def test_the_engine_executes_plan_step(
@@ -203,3 +248,36 @@ def test_the_engine_executes_plan_step(
     assert sum(1 for p in plans if p.decode) == len(result.tokens) - 1  # the first: prefill's
     replay = [p.prefill for p in plans[first_decode:] if p.prefill is not None]
     assert replay and replay[-1].end == len(prompt) + len(result.tokens)
+
+
+@pytest.mark.parametrize("budget", [EngineConfig.model_fields["prefill_budget"].default, 0])
+def test_prompts_that_arrive_together_decode_in_step(
+    monkeypatch: pytest.MonkeyPatch, tiny_model, make_engine, budget: int
+) -> None:
+    """Two prompts submitted at once, within the prefill budget: both are computed before the
+    first decode step, so every decode step carries both streams and they end together.
+    Budget 0 (one prefill step between decode steps) lets the first stream run ahead."""
+    plans = _recording(monkeypatch, engine_module)
+    engine = make_engine(tiny_model("llama"), prefill_chunk=16, prefill_budget=budget)
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = [
+        engine.text_prompt(f"Request {i}: " + "tell me a story. " * (6 + 4 * i)) for i in (0, 1)
+    ]
+    handles = [engine.submit(GenerationRequest(prompt=p, sampling=sampling)) for p in prompts]
+    results = [h.result(60) for h in handles]
+    assert engine.wait_idle(60)
+
+    assert all(len(r.tokens) == 8 for r in results)
+    total = sum(len(p) for p in prompts)
+    decodes = [len(p.decode) for p in plans if p.decode]
+    first_decode = next(i for i, p in enumerate(plans) if p.decode)
+    prefilled_before = sum(
+        p.prefill.end - p.prefill.start for p in plans[:first_decode] if p.prefill
+    )
+    if budget:
+        assert total <= budget  # (the case's premise)
+        assert prefilled_before == total
+        assert decodes == [2] * 7  # the first token of each comes from its prefill
+    else:
+        assert prefilled_before < total
+        assert 1 in decodes  # a decode step of one stream while the other was prefilled

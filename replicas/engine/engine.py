@@ -2,9 +2,9 @@
 
 One thread (the engine loop) owns the llama context. Requests join between steps. A step
 is one `llama_decode`: either a *decode step* — one token for every generating sequence —
-or a *prefill step* — the next piece of one sequence's prompt. When both kinds of work
-wait, steps alternate, so a long prompt never stalls running streams for more than one
-piece. (Mixing both in one call buys nothing here: with one KV stream per sequence and
+or a *prefill step* — the next piece of one sequence's prompt. Running streams wait through
+at most `prefill_budget` prompt tokens, so prompts that arrive together decode in step.
+(Mixing both kinds in one call buys nothing here: with one KV stream per sequence and
 with recurrent memory, llama.cpp splits a batch into equal-length sub-batches anyway.)
 
 `step_plan.plan_step` decides each step over plain data (of several prompts, the one with
@@ -97,7 +97,7 @@ class Engine(EngineFace):
         self._closed = False
         self._idle = threading.Event()
         self._peer_asks = deque()
-        self._last_step_was_prefill = False
+        self._paused_tokens = 0  # `StepView.paused_tokens`
         self._guard = StepGuard(self._context, self.stats)
         self._heartbeat = Heartbeat(self.config.stall_timeout_s)
         self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
@@ -249,10 +249,11 @@ class Engine(EngineFace):
             plan = self._plan()
         if plan.decode:
             self._decode_step(list(plan.decode))
-            self._last_step_was_prefill = False
         elif plan.prefill is not None:
             self._prefill_step(plan.prefill)
-            self._last_step_was_prefill = True
+        else:
+            return
+        self._paused_tokens = plan.paused_tokens
 
     def _plan(self) -> StepPlan[RequestHandle, Running]:
         with self._wakeup:
@@ -261,7 +262,8 @@ class Engine(EngineFace):
             queue=queue,
             free_slots=sum(s.running is None for s in self._slots),
             runs=tuple(r.view() for r in self._running()),
-            last_was_prefill=self._last_step_was_prefill,
+            paused_tokens=self._paused_tokens,
+            prefill_budget=self.config.prefill_budget,
             prefill_speed=self.stats.prefill_speed,
             max_piece=self.config.prefill_chunk,
             now=time.perf_counter(),

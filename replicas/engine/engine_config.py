@@ -29,7 +29,16 @@ class EngineConfig(BaseModel):
     n_slots: int = Field(default=4, ge=1, le=256, description="sequences decoded concurrently")
     n_batch: int = Field(default=512, ge=2, description="most tokens in one llama_decode")
     prefill_chunk: int = Field(
-        default=256, ge=4, description="most prompt tokens of one sequence per decode step"
+        default=256, ge=4, description="most prompt tokens of one prefill step (one sequence)"
+    )
+    prefill_budget: int = Field(
+        default=2048,
+        ge=0,
+        description="most prompt tokens computed between two decode steps while streams "
+        "decode (the longest pause a running stream sees; one prefill step always fits): "
+        "prompts that arrive together are computed together, so their streams decode in "
+        "step, as in llama-server's batch of n_batch tokens; 0: alternate one prefill step "
+        "and one decode step",
     )
     n_threads: int = Field(
         default_factory=lambda: os.cpu_count() or 1,

@@ -9,10 +9,14 @@ describe their queue and slots as a `StepView` and execute the `StepPlan` that
   overtakes it); one that must wait (another slot is computing its prefix) lets the
   others pass. A plan admits at most one: admitting it can make a later request wait for
   it, so the executor starts it and plans again.
-- **The step**: a decode step (one token for every decoding request) unless a prefill step
-  is due — when both kinds of work wait, they alternate — else a prefill step: the next
-  piece of the prompt (or replay) with the least left to compute, less what could have
-  been computed in the time it has waited (aged: none starves).
+- **The step**: a prefill step — the next piece of the prompt (or replay) with the least
+  left to compute, less what could have been computed in the time it has waited (aged: none
+  starves) — unless that piece would make decoding requests wait through more than
+  `prefill_budget` prompt tokens since their last token (one piece always fits), then a
+  decode step (one token for every decoding request).
+  Prompts that arrive together are thus computed together before the next decode step, and
+  their streams decode in step, as llama-server's one batch of every slot's prompt does;
+  a stream that is decoding pauses for at most one budget.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ class StepView(Generic[Q, R]):
     queue: tuple[Queued[Q], ...]
     free_slots: int
     runs: tuple[RunView[R], ...]
-    last_was_prefill: bool
+    paused_tokens: int  # prompt tokens computed since decoding requests' last token
+    prefill_budget: int  # most prompt tokens decoding requests wait through
     prefill_speed: float  # prompt tokens per second: what a prompt's wait is worth
     max_piece: int  # most prompt tokens of one prefill step
     now: float  # on the clock of the runs' `since`
@@ -78,6 +83,7 @@ class StepPlan(Generic[Q, R]):
     waiting: tuple[Q, ...] = ()  # queued requests passed over: they must wait
     decode: tuple[R, ...] = ()
     prefill: Piece[R] | None = None
+    paused_tokens: int = 0  # the next view's `paused_tokens`, once this step is done
 
 
 def _never(_key: object) -> bool:
@@ -96,16 +102,18 @@ def plan_step(view: StepView[Q, R], must_wait: Callable[[Q], bool] = _never) -> 
             return StepPlan(admit=queued.key, waiting=tuple(waiting))
         waiting.append(queued.key)
     passed = tuple(waiting)
-    decoding = sorted((r for r in view.runs if r.decoding), key=lambda r: r.order)
+    decoding = tuple(r.key for r in sorted(view.runs, key=lambda r: r.order) if r.decoding)
     prefilling = [r for r in view.runs if r.done < r.end]
-    if decoding and not (prefilling and not view.last_was_prefill):
-        return StepPlan(waiting=passed, decode=tuple(r.key for r in decoding))
     if not prefilling:
-        return StepPlan(waiting=passed)
+        return StepPlan(waiting=passed, decode=decoding)
     run = min(prefilling, key=lambda r: prefill_priority(r, view.prefill_speed, view.now))
-    return StepPlan(
-        waiting=passed, prefill=Piece(run.key, run.done, next_piece_end(run, view.max_piece))
-    )
+    piece = Piece(run.key, run.done, next_piece_end(run, view.max_piece))
+    if not decoding:
+        return StepPlan(waiting=passed, prefill=piece)
+    paused = view.paused_tokens + piece.end - piece.start
+    if view.paused_tokens and paused > view.prefill_budget:  # one piece fits any budget
+        return StepPlan(waiting=passed, decode=decoding)
+    return StepPlan(waiting=passed, prefill=piece, paused_tokens=paused)
 
 
 def prefill_priority(run: RunView[R], tokens_per_s: float, now: float) -> tuple[float, float]:
