@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import signal
+import socket
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -94,6 +96,8 @@ def serve_until_interrupted(config: BatonConfig, *, address: str | None = None) 
             serve.delete(APP_NAME)
             if not address:  # a joined cluster keeps its Serve instance
                 serve.shutdown()
+    if not address:
+        _wait_port_released(config.host, config.port)
 
 
 @contextmanager
@@ -105,6 +109,22 @@ def _startup_dir(*, local: bool) -> Iterator[str | None]:
         return
     with tempfile.TemporaryDirectory(prefix="baton-startup-") as folder:
         yield folder
+
+
+def _wait_port_released(host: str, port: int, timeout_s: float = 15.0) -> None:
+    """Return once Serve's proxy, a process of the local cluster that outlives the shutdown
+    call by a moment, has let go of the HTTP port, so a `baton serve` started right after
+    this one exits can bind it (else it fails with "Failed to bind")."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the proxy binds
+            try:
+                probe.bind((host, port))
+                return
+            except OSError:
+                time.sleep(0.2)
+    print(f"port {port} is still in use {timeout_s:.0f} s after the shutdown", flush=True)
 
 
 def _raise_interrupt(*_: object) -> None:
