@@ -256,12 +256,13 @@ def test_prompts_that_arrive_together_decode_in_step(
 ) -> None:
     """Two prompts submitted at once, within the prefill budget: both are computed before the
     first decode step, so every decode step carries both streams and they end together.
-    Budget 0 (one prefill step between decode steps) lets the first stream run ahead."""
+    Budget 0 (one prefill step between decode steps) lets the first stream run ahead. (The
+    second is submitted long before the first's dozen pieces are done.)"""
     plans = _recording(monkeypatch, engine_module)
     engine = make_engine(tiny_model("llama"), prefill_chunk=16, prefill_budget=budget)
     sampling = SamplingParams(max_tokens=8, ignore_eos=True)
     prompts = [
-        engine.text_prompt(f"Request {i}: " + "tell me a story. " * (6 + 4 * i)) for i in (0, 1)
+        engine.text_prompt(f"Request {i}: " + "tell me a story. " * (40 + 4 * i)) for i in (0, 1)
     ]
     handles = [engine.submit(GenerationRequest(prompt=p, sampling=sampling)) for p in prompts]
     results = [h.result(60) for h in handles]
