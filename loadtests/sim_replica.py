@@ -281,7 +281,7 @@ class SimReplica:
             self._loop.at(self._loop.now + step_s, self._prefill_step_done, job, end)
         else:
             return
-        self._paused_tokens, self._stepping = plan.paused_tokens, True  # (admissions only, now)
+        self._paused_tokens, self._stepping = plan.paused_tokens, True  # mid-step plans only admit
 
     def _plan(self) -> steps.StepPlan[Job, Job]:
         p = self.profile

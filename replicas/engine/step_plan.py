@@ -90,6 +90,10 @@ def _never(_key: object) -> bool:
     return False
 
 
+def _order(run: RunView[R]) -> int:
+    return run.order
+
+
 def plan_step(view: StepView[Q, R], must_wait: Callable[[Q], bool] = _never) -> StepPlan[Q, R]:
     """The next thing to do. `must_wait` is asked in queue order, only about requests that
     fit the free slots and only until one is admitted (answering may reserve a checkpoint
@@ -102,7 +106,7 @@ def plan_step(view: StepView[Q, R], must_wait: Callable[[Q], bool] = _never) -> 
             return StepPlan(admit=queued.key, waiting=tuple(waiting))
         waiting.append(queued.key)
     passed = tuple(waiting)
-    decoding = tuple(r.key for r in sorted(view.runs, key=lambda r: r.order) if r.decoding)
+    decoding = tuple(r.key for r in sorted((r for r in view.runs if r.decoding), key=_order))
     prefilling = [r for r in view.runs if r.done < r.end]
     if not prefilling:
         return StepPlan(waiting=passed, decode=decoding)
