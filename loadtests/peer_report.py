@@ -15,7 +15,7 @@ from baton_serve.loadtests.plots import figure
 from baton_serve.loadtests.span_breakdown import TTFT_PARTS
 
 PART_LABELS = {
-    "proxy": "proxy (client -> Serve proxy -> gateway)",
+    "proxy": "proxy (client -> HAProxy -> gateway)",
     "gateway": "gateway (auth, tokenise, hash)",
     "router": "router (index lookup, choice)",
     "to_replica": "gateway -> replica (Ray call)",

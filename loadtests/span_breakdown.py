@@ -6,7 +6,7 @@ collector in the benchmark's process; the client sends each request with its own
 `traceparent`, so every span of a request is found by the trace id the client chose.
 `breakdown` then cuts the client's TTFT into the spans that cover it:
 
-proxy (client → Ray's HTTP proxy → the gateway's root span), gateway (auth, tokenise, hash:
+proxy (client → HAProxy → the gateway's root span), gateway (auth, tokenise, hash:
 to the `route` span), router (`route`: the index lookup and the choice), to replica (the
 routed call over Ray until the replica's span opens), replica (pull and the engine's hand-
 over: to the `queue` span), queue, restore, prefill (the engine's own timings) and first

@@ -31,7 +31,7 @@ def ray_cluster() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def serve_port(ray_cluster: None) -> Iterator[int]:
-    """Ray Serve's HTTP proxy on a free local port, for the session."""
+    """Ray Serve's HTTP ingress (HAProxy) on a free local port, for the session."""
     from ray import serve
 
     from baton_serve.loadtests.redis_server import free_port

@@ -912,7 +912,8 @@ def test_ray_pods_run_serve_as_baton_serves_local_cluster_does(
     render: Callable[[Path | None], Docs],
 ) -> None:
     """Every Ray pod's environment holds the Serve settings `baton serve` gives its own
-    cluster's processes (Serve's calls over gRPC, user code on the replica's loop)."""
+    cluster's processes (HAProxy ingress, Serve's calls over gRPC, user code on the replica's
+    loop)."""
     from baton_serve.deploy.local_ray import SERVE_PROCESS_ENV
 
     docs = render(None)

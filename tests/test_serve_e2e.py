@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import httpx
 import openai
+import psutil
 import pytest
 from fixtures_ray import wait_healthy
 from ray import serve
@@ -239,11 +240,24 @@ class ServeSettingsProbe:
         from ray.serve._private import constants
 
         return {
+            "haproxy": constants.RAY_SERVE_ENABLE_HA_PROXY,
             "grpc": constants.RAY_SERVE_USE_GRPC_BY_DEFAULT,
             "user_code_thread": constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD,
             "router_loop": constants.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP,
             "own_env": os.environ.get("BATON_PROBE"),
         }
+
+
+def test_http_comes_in_through_haproxy(serve_port) -> None:
+    """The process that listens on Serve's HTTP port is HAProxy (`SERVE_PROCESS_ENV`), not
+    Serve's Python proxy: a streamed chunk crosses no Ray hop between gateway and client."""
+    listening = {
+        c.pid
+        for c in psutil.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == serve_port and c.pid
+    }
+    assert listening, f"nothing listens on Serve's port {serve_port}"
+    assert {psutil.Process(pid).name() for pid in listening} == {"haproxy"}
 
 
 def test_serve_processes_run_by_the_low_latency_settings(serve_port) -> None:
@@ -257,6 +271,7 @@ def test_serve_processes_run_by_the_low_latency_settings(serve_port) -> None:
     finally:
         serve.delete("serve-settings")
     assert seen == {
+        "haproxy": True,
         "grpc": True,
         "user_code_thread": False,
         "router_loop": False,

@@ -5,9 +5,14 @@ under the Serve config's args, wherever Serve builds the app. Each replica reads
 from its own pod's environment: the cluster key is never in the Serve config or a deployment's
 arguments (cache_store/checkpoints/cluster_key.py). The index's password is not in REDIS_PASSWORD: KubeRay
 sets that one for GCS fault tolerance, and refuses a head that has it. The RAY_SERVE_* settings are
-`baton serve`'s local cluster's (deploy/local_ray.py: Serve's calls over gRPC, user code and
-request router on each replica's own event loop). */}}
+`baton serve`'s local cluster's (deploy/local_ray.py: HTTP through Serve's HAProxy straight to
+the gateway replica, Serve's calls over gRPC, user code and request router on each replica's own
+event loop). */}}
 {{- define "baton.rayEnv" -}}
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: "1"
+- name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
+  value: "2"
 - name: RAY_SERVE_USE_GRPC_BY_DEFAULT
   value: "1"
 - name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD
@@ -236,7 +241,7 @@ securityContext:
 {{- end }}
 
 {{/* Probes of a Ray container: pass (dict "root" $ "head" true|false). Readiness: the head's
-Ray node (KubeRay deploys the app once the head is ready), a worker's Serve proxy (a ready
+Ray node (KubeRay deploys the app once the head is ready), a worker's Serve ingress, HAProxy (a ready
 worker takes API traffic). Liveness: the Ray node. The dashboard agent (port 52365) answers
 /api/healthz without the Ray token. */}}
 {{- define "baton.rayProbes" -}}
