@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import Iterator
 
 # Measured pitfalls (see the design notes): without these Ray enables token auth under the
@@ -45,10 +46,27 @@ SERVE_PROCESS_ENV = {
 }
 
 
-def cluster_runtime_env() -> dict[str, dict[str, str]]:
+# Serve's HAProxy listens on fixed ports besides the API (its Prometheus exporter, 9101, and
+# its stats page, 8404), so a second Serve on one machine (a test's cluster beside a benchmark,
+# two `baton serve`) could not start its HAProxy. A cluster started here gets free ones.
+_HAPROXY_SIDE_PORTS = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT")
+
+
+def cluster_runtime_env(*, started_here: bool = False) -> dict[str, dict[str, str]]:
     """The `runtime_env` of a job that starts the cluster's processes: `SERVE_PROCESS_ENV`,
-    each variable as this process's environment has it where it sets one."""
-    return {"env_vars": {name: os.environ.get(name, v) for name, v in SERVE_PROCESS_ENV.items()}}
+    each variable as this process's environment has it where it sets one; for a cluster
+    `started_here` (on this machine, by this process) also free ports for HAProxy's exporter
+    and stats page."""
+    env = {name: os.environ.get(name, v) for name, v in SERVE_PROCESS_ENV.items()}
+    if started_here:
+        env |= {name: os.environ.get(name) or str(_free_port()) for name in _HAPROXY_SIDE_PORTS}
+    return {"env_vars": env}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -86,7 +104,7 @@ def start_local_ray(num_cpus: int | None, *, metrics_port: int | None = None) ->
         include_dashboard=False,
         log_to_driver=False,
         namespace=NAMESPACE,
-        runtime_env=cluster_runtime_env(),
+        runtime_env=cluster_runtime_env(started_here=True),
         _metrics_export_port=metrics_port,
     )
 

@@ -112,13 +112,13 @@ def _startup_dir(*, local: bool) -> Iterator[str | None]:
 
 
 def _wait_port_released(host: str, port: int, timeout_s: float = 15.0) -> None:
-    """Return once Serve's proxy, a process of the local cluster that outlives the shutdown
-    call by a moment, has let go of the HTTP port, so a `baton serve` started right after
-    this one exits can bind it (else it fails with "Failed to bind")."""
+    """Return once Serve's HTTP ingress (HAProxy), a process of the local cluster that
+    outlives the shutdown call by a moment, has let go of the HTTP port, so a `baton serve`
+    started right after this one exits can bind it (else it fails with "Failed to bind")."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the proxy binds
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as HAProxy binds
             try:
                 probe.bind((host, port))
                 return

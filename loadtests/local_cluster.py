@@ -56,7 +56,7 @@ def local_cluster(workers: int = 2) -> Iterator[Cluster]:
                 address=cluster.address,
                 namespace=NAMESPACE,
                 log_to_driver=False,
-                runtime_env=cluster_runtime_env(),
+                runtime_env=cluster_runtime_env(started_here=True),
             )
             try:
                 yield cluster

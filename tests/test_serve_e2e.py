@@ -260,6 +260,24 @@ def test_http_comes_in_through_haproxy(serve_port) -> None:
     assert {psutil.Process(pid).name() for pid in listening} == {"haproxy"}
 
 
+def test_each_cluster_started_here_gets_its_own_haproxy_side_ports(monkeypatch) -> None:
+    """HAProxy's exporter and stats ports are fixed by default; a cluster started on this
+    machine gets free ones, so two Serve instances side by side both start (the tests that
+    run `baton serve` or a benchmark beside this session's cluster do exactly that). A port
+    the environment sets wins; a joined cluster keeps Ray's."""
+    from baton_serve.deploy.local_ray import cluster_runtime_env
+
+    names = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    first, second = (cluster_runtime_env(started_here=True)["env_vars"] for _ in range(2))
+    assert all(first[name].isdigit() and second[name].isdigit() for name in names)
+    assert first[names[0]] != first[names[1]]
+    assert not set(names) & set(cluster_runtime_env()["env_vars"])
+    monkeypatch.setenv(names[1], "18404")
+    assert cluster_runtime_env(started_here=True)["env_vars"][names[1]] == "18404"
+
+
 def test_serve_processes_run_by_the_low_latency_settings(serve_port) -> None:
     """The local cluster's Serve processes call each other over gRPC and run user code and
     request routers on their own loop (`local_ray.SERVE_PROCESS_ENV`), also where a
