@@ -241,8 +241,8 @@ securityContext:
 {{- end }}
 
 {{/* Probes of a Ray container: pass (dict "root" $ "head" true|false). Readiness: the head's
-Ray node (KubeRay deploys the app once the head is ready), a worker's Serve ingress, HAProxy (a ready
-worker takes API traffic). Liveness: the Ray node. The dashboard agent (port 52365) answers
+Ray node (KubeRay deploys the app once the head is ready), a worker's Serve ingress, HAProxy
+(a ready worker takes API traffic). Liveness: the Ray node. The dashboard agent (port 52365) answers
 /api/healthz without the Ray token. */}}
 {{- define "baton.rayProbes" -}}
 {{- $probes := .root.Values.probes }}
