@@ -200,9 +200,13 @@ class CpuMeter:
         }
         for proc in psutil.process_iter(["cmdline", "name"]):
             line = " ".join(proc.info["cmdline"] or ())
-            for group, starts in prefixes.items():
-                if line.startswith(starts) or (group == "proxy" and proc.info["name"] == "haproxy"):
-                    self._groups.setdefault(group, []).append(proc)
+            group = (
+                "proxy"
+                if proc.info["name"] == "haproxy"
+                else next((g for g, starts in prefixes.items() if line.startswith(starts)), None)
+            )
+            if group is not None:
+                self._groups.setdefault(group, []).append(proc)
 
     def seconds(self) -> dict[str, float]:
         found = {}
