@@ -34,15 +34,19 @@ NAMESPACE = "baton"
 # event loop. A stopping gateway replica stays reachable for 2 s, not Ray's 30 (a window for
 # external load balancers; HAProxy follows Serve's targets within a control loop and retries a
 # refused connection elsewhere). Together they halve `baton bench gateway`'s added latency
-# (docs/benchmarks.md). A driver keeps Ray's defaults: a handle whose router shares the
-# caller's loop cannot be used outside asyncio. The chart's Ray pods set the same
-# (helm/baton/templates/_ray_pod.tpl).
+# (docs/benchmarks.md). The controller runs its loop every 0.5 s, not 0.1: each loop that
+# collects a replica's routing stats sends every replica's to every handle of the deployment
+# (the gateway's and each replica's, for its peers), so at 0.1 s this traffic took 0.4 of a
+# core from an idle cluster of 16 replicas (docs/architecture.md). A driver keeps Ray's
+# defaults: a handle whose router shares the caller's loop cannot be used outside asyncio.
+# The chart's Ray pods set the same (helm/baton/templates/_ray_pod.tpl).
 SERVE_PROCESS_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
 }
 
 

@@ -13,8 +13,10 @@ import httpx
 import openai
 import psutil
 import pytest
+import ray
 from fixtures_ray import wait_healthy
 from ray import serve
+from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
 from baton_serve.deploy.app import APP_NAME, build_app
 from baton_serve.deploy.config import BatonConfig
@@ -246,6 +248,14 @@ class ServeSettingsProbe:
             "router_loop": constants.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP,
             "own_env": os.environ.get("BATON_PROBE"),
         }
+
+
+def test_serve_controller_loops_every_half_second(serve_port) -> None:
+    """The controller sleeps 0.5 s between loops (`SERVE_PROCESS_ENV`), not Ray's 0.1 s: each
+    loop that collects routing stats sends them to every handle of the deployment."""
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    metrics = ray.get(controller.get_health_metrics.remote(), timeout=60)
+    assert metrics["last_sleep_duration_s"] >= 0.45, metrics
 
 
 def test_http_comes_in_through_haproxy(serve_port) -> None:
