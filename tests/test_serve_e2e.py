@@ -17,6 +17,7 @@ import ray
 from fixtures_ray import wait_healthy
 from ray import serve
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+from ray.serve.handle import DeploymentHandle
 
 from baton_serve.deploy.app import APP_NAME, build_app
 from baton_serve.deploy.config import BatonConfig
@@ -24,6 +25,7 @@ from baton_serve.loadtests.serve_app import replica_stats
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.router.gateway.serve_gateway import own_handle
 
 ENGINE = EngineConfig(n_ctx=2048, n_slots=1, n_threads=1, prefill_chunk=128)
 SYSTEM = "You answer in short sentences about routing, caches and state. " * 20
@@ -248,6 +250,33 @@ class ServeSettingsProbe:
             "router_loop": constants.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP,
             "own_env": os.environ.get("BATON_PROBE"),
         }
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class HandleTransportProbe:
+    """Reports how a handle Serve passed in, and one remade here, reach their deployment."""
+
+    def __init__(self, passed: DeploymentHandle) -> None:
+        self._passed = passed
+
+    def __call__(self) -> dict:
+        return {
+            "passed_by_reference": self._passed.handle_options._by_reference,
+            "own_by_reference": own_handle(self._passed).handle_options._by_reference,
+        }
+
+
+def test_gateway_calls_replicas_over_grpc(serve_port) -> None:
+    """A handle passed to a deployment keeps the driver's transport (Ray actor calls, by
+    reference); the one the gateway remakes in its process (`own_handle`) follows the
+    cluster's `SERVE_PROCESS_ENV`: gRPC."""
+    app = HandleTransportProbe.bind(ServeSettingsProbe.bind())
+    handle = serve.run(app, name="handle-transport", route_prefix=None)
+    try:
+        seen = handle.remote().result(timeout_s=60)
+    finally:
+        serve.delete("handle-transport")
+    assert seen == {"passed_by_reference": True, "own_by_reference": False}
 
 
 def test_serve_controller_loops_every_half_second(serve_port) -> None:

@@ -85,6 +85,13 @@ def _cancel(response: DeploymentResponseGenerator) -> None:
         response.cancel()
 
 
+def own_handle(handle: DeploymentHandle) -> DeploymentHandle:
+    """A handle to `handle`'s deployment as this process makes one. The handle Serve passes
+    to a deployment was made by the driver, with the driver's transport (Ray actor calls);
+    this process's follows the cluster's `SERVE_PROCESS_ENV` (gRPC)."""
+    return serve.get_deployment_handle(handle.deployment_name, handle.app_name)
+
+
 def _log_replica_lost(request: ReplicaRequest, attempt: int) -> None:
     logger.warning(
         "replica lost before answering request %s (attempt %d of %d)",
@@ -101,7 +108,7 @@ class GatewayDeployment:
     def __init__(self, settings: GatewaySettings, replicas: DeploymentHandle) -> None:
         configure_process("gateway")
         self._settings = settings
-        self._replicas = HandleReplicas(replicas)
+        self._replicas = HandleReplicas(own_handle(replicas))
 
     def __serve_build_asgi_app__(self):
         return create_app(self._settings, self._replicas, ready=self._replicas.ready)
