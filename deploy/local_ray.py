@@ -39,6 +39,8 @@ NAMESPACE = "baton"
 # (the gateway's and each replica's, for its peers), so at 0.1 s this traffic took 0.4 of a
 # core from an idle cluster of 16 replicas (docs/architecture.md). A driver keeps Ray's
 # defaults: a handle whose router shares the caller's loop cannot be used outside asyncio.
+# Serve's gRPC messages may be 64 MiB, not 4: a request carries its prompt's tokens, block
+# hashes and text (twice: as rendered and as messages), 4 MiB from about 250k tokens.
 # The chart's Ray pods set the same (helm/baton/templates/_ray_pod.tpl).
 SERVE_PROCESS_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
@@ -47,6 +49,7 @@ SERVE_PROCESS_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(64 << 20),
 }
 
 

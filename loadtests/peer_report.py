@@ -18,7 +18,7 @@ PART_LABELS = {
     "proxy": "proxy (client -> HAProxy -> gateway)",
     "gateway": "gateway (auth, tokenise, hash)",
     "router": "router (index lookup, choice)",
-    "to_replica": "gateway -> replica (Ray call)",
+    "to_replica": "gateway -> replica (Serve call, gRPC)",
     "replica": "replica before the engine (pull, hand-over)",
     "queue": "engine queue (waiting for a slot)",
     "restore": "restore (cached prefix into the slot)",

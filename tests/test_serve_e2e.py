@@ -19,11 +19,13 @@ from ray import serve
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 from ray.serve.handle import DeploymentHandle
 
-from baton_serve.deploy.app import APP_NAME, build_app
+from baton_serve.deploy.app import APP_NAME, REPLICA_DEPLOYMENT, build_app
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.loadtests.serve_app import replica_stats
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
 from baton_serve.replicas.wire.sampling_params import SamplingParams
 from baton_serve.router.gateway.serve_gateway import own_handle
 
@@ -129,6 +131,23 @@ def test_a_busy_holders_load_spreads_by_shipping_its_state(app, tiny_model) -> N
 def _pulls(app: str) -> dict[str, int]:
     """Each replica's pull count."""
     return {s["replica_id"]: int(s["pulls"]) for s in asyncio.run(replica_stats(app))}
+
+
+def test_a_request_over_4_mib_reaches_a_replica_over_grpc(app) -> None:
+    """Serve's gRPC messages stop at 4 MiB by default; a request carries its prompt's text
+    twice besides its tokens and hashes, past 4 MiB from about 250k tokens. The replicas take
+    64 MiB (`SERVE_PROCESS_ENV`): here a 6 MiB text with a three-token prompt."""
+    handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, APP_NAME).options(
+        method_name="generate", _by_reference=False
+    )
+    request = ReplicaRequest(
+        generation=GenerationRequest(
+            prompt=Prompt(tokens=(1, 2, 3)), sampling=SamplingParams(max_tokens=2)
+        ),
+        prompt="x" * (6 << 20),
+    )
+    completion = handle.remote(request).result(timeout_s=120)
+    assert completion.usage.prompt_tokens == 3
 
 
 def test_openai_client_against_the_served_app(app) -> None:

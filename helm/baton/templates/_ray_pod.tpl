@@ -7,7 +7,7 @@ arguments (cache_store/checkpoints/cluster_key.py). The index's password is not 
 sets that one for GCS fault tolerance, and refuses a head that has it. The RAY_SERVE_* settings are
 `baton serve`'s local cluster's (deploy/local_ray.py: HTTP through Serve's HAProxy straight to
 the gateway replica, Serve's calls over gRPC, user code and request router on each replica's own
-event loop, the controller's loop every 0.5 s). */}}
+event loop, the controller's loop every 0.5 s, gRPC messages up to 64 MiB). */}}
 {{- define "baton.rayEnv" -}}
 - name: RAY_SERVE_ENABLE_HA_PROXY
   value: "1"
@@ -21,6 +21,8 @@ event loop, the controller's loop every 0.5 s). */}}
   value: "0"
 - name: RAY_SERVE_CONTROL_LOOP_INTERVAL_S
   value: "0.5"
+- name: RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH
+  value: "67108864"
 - name: BATON_HMAC_KEY
   valueFrom:
     secretKeyRef: {name: {{ include "baton.authSecretName" . }}, key: hmac-key}
