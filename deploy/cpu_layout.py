@@ -53,12 +53,21 @@ def _physical_cores(cpus: list[int], sys_cpus: Path) -> int:
 
 def share_cpus(config: BatonConfig, cpus: int) -> BatonConfig:
     """`config` with its replicas sharing `cpus` equally: each asks Ray for `cpus // replicas`
-    (at least 1), and `build_app` gives its engine as many threads — unless the config sets
-    `num_cpus_per_replica` or `engine.n_threads` itself."""
+    (at least 1) and `build_app` gives its engine as many threads, which compute on the cores
+    the other replicas leave idle too (`engine.node_cores`). A layout the config sets
+    (`num_cpus_per_replica`, `engine.n_threads` or `engine.node_cores`) is kept."""
+    engine = config.engine
     if (
         "num_cpus_per_replica" in config.model_fields_set
-        or "n_threads" in config.engine.model_fields_set
+        or {
+            "n_threads",
+            "node_cores",
+        }
+        & engine.model_fields_set
     ):
         return config
     share = max(1, cpus // config.replicas)
-    return config.model_copy(update={"num_cpus_per_replica": float(share)})
+    update: dict[str, object] = {"num_cpus_per_replica": float(share)}
+    if share < cpus:
+        update["engine"] = engine.model_copy(update={"node_cores": cpus})
+    return config.model_copy(update=update)

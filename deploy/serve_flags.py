@@ -22,6 +22,7 @@ from baton_serve.deploy.config import BatonConfig
 COMPUTED_DEFAULTS = {
     "engine.n_threads": "num_cpus_per_replica",
     "num_cpus_per_replica": "`1`; `baton serve`'s local cluster: cores / replicas",
+    "engine.node_cores": "unset; `baton serve`'s local cluster of several replicas: its cores",
 }
 _BINARY_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 

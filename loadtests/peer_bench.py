@@ -27,8 +27,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from baton_serve.deploy.app import engine_threads
 from baton_serve.deploy.config import BatonConfig
-from baton_serve.deploy.cpu_layout import usable_cpus
+from baton_serve.deploy.cpu_layout import share_cpus, usable_cpus
 from baton_serve.loadtests.bench_http import bench_client
 from baton_serve.loadtests.llama_server import ServerSettings, llama_server
 from baton_serve.loadtests.peer_workload import PeerWorkload, Session, make_sessions, script_digest
@@ -185,23 +186,26 @@ class Setup:
     n_ctx: int
     exact_reuse: bool = True
 
-    def engine(self) -> EngineConfig:
-        return EngineConfig(
-            n_ctx=self.n_ctx,
-            n_slots=max(1, self.slots // self.replicas),
-            n_threads=max(1, self.threads // self.replicas),
-            exact_reuse=self.exact_reuse,
-        )
-
     def baton(self, model: Path) -> BatonConfig:
-        return BatonConfig(
+        """Baton as `baton serve` lays it out on `threads` cores (`share_cpus`)."""
+        config = BatonConfig(
             model=str(model),
             replicas=self.replicas,
-            num_cpus_per_replica=max(1, self.threads // self.replicas),
-            engine=self.engine(),
+            engine=EngineConfig(
+                n_ctx=self.n_ctx,
+                n_slots=max(1, self.slots // self.replicas),
+                exact_reuse=self.exact_reuse,
+            ),
             index="embedded",
             hmac_key=secrets.token_hex(16),
         )
+        return share_cpus(config, self.threads)
+
+
+def deployed_engine(config: BatonConfig) -> dict:
+    """The engine settings each replica of `config` runs with (for the report)."""
+    engine = config.engine.model_copy(update={"n_threads": engine_threads(config)})
+    return engine.model_dump(include={"n_ctx", "n_slots", "n_threads", "node_cores", "exact_reuse"})
 
 
 def _baton(
@@ -331,9 +335,7 @@ def peer_benchmark(
         "workload": asdict(workload),
         "script": script_digest(sessions),
         "setup": asdict(setup),
-        "engine": setup.engine().model_dump(
-            include={"n_ctx", "n_slots", "n_threads", "exact_reuse"}
-        ),
+        "engine": deployed_engine(setup.baton(model_path)),
         LLAMA_SERVER: summarize(peer_rows, peer_wall),
         BATON: summarize(baton_rows, baton_wall),
     }

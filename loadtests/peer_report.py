@@ -43,7 +43,12 @@ def format_report(result: dict) -> str:
         f" script {result['script']})",
         f"  llama-server: -t {setup['threads']} -np {setup['slots']} --jinja",
         f"  baton: {setup['replicas']} replicas x {engine['n_threads']} thread(s)"
-        f" x {engine['n_slots']} slot(s)"
+        + (
+            f" (prompts on up to {engine['node_cores']} idle cores)"
+            if engine.get("node_cores")
+            else ""
+        )
+        + f" x {engine['n_slots']} slot(s)"
         + ("" if engine.get("exact_reuse", True) else ", exact_reuse off (no replays)"),
         "",
         f"  {'figure':<14}{'llama-server':>14}{'baton':>12}{'baton/llama':>13}  target",
@@ -110,11 +115,13 @@ def write_outputs(result: dict, records: list[PeerRecord], out_dir: Path) -> lis
     summary.write_text(json.dumps(result, indent=2) + "\n")
     with table.open("w", newline="") as f:
         names = [n for n in PeerRecord.__dataclass_fields__ if n not in ("gaps_s", "parts")]
-        writer = csv.DictWriter(f, fieldnames=[*names, "gaps", "itl_mean_s"])
+        part_names = [*TTFT_PARTS, "decode_step"]  # the traced run's rows, seconds
+        writer = csv.DictWriter(f, fieldnames=[*names, "gaps", "itl_mean_s", *part_names])
         writer.writeheader()
         for record in records:
             row = {k: v for k, v in asdict(record).items() if k in names}
             gaps = record.gaps_s
-            writer.writerow(row | {"gaps": len(gaps), "itl_mean_s": np.mean(gaps) if gaps else ""})
+            row |= {"gaps": len(gaps), "itl_mean_s": np.mean(gaps) if gaps else ""}
+            writer.writerow(row | (record.parts or {}))
     _cdf_plot(records, plot, f"Baton vs llama-server: {Path(result['model']).name}")
     return [summary, table, plot]

@@ -66,7 +66,8 @@ def test_peer_bench_serves_one_workload_on_both_sides(
         assert summary["requests_per_s"] > 0, side
     setup = {"threads": 2, "slots": 2, "replicas": 2, "n_ctx": 1024, "exact_reuse": False}
     assert result["setup"] == setup
-    assert result["engine"] == {"n_ctx": 1024, "n_slots": 1, "n_threads": 1, "exact_reuse": False}
+    engine = {"n_ctx": 1024, "n_slots": 1, "n_threads": 1, "node_cores": 2}
+    assert result["engine"] == engine | {"exact_reuse": False}
     rows = {row["figure"]: row for row in result["rows"]}
     assert set(rows) == {f"{m} p{q}" for m in ("ttft", "itl") for q in (50, 95, 99)} | {
         "requests/s"

@@ -75,6 +75,7 @@ def engine_context_params(config: EngineConfig, n_ctx_train: int) -> ContextPara
         n_batch=config.n_batch,
         n_threads=config.n_threads,
         flash_attn=config.flash_attn,
+        node_cores=config.node_cores,
     )
 
 

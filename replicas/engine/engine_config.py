@@ -47,6 +47,14 @@ class EngineConfig(BaseModel):
         "unset: in Baton's app one per Ray CPU the replica asks for (num_cpus_per_replica), "
         "an engine on its own (the benchmarks) the CPU count",
     )
+    node_cores: int | None = Field(
+        default=None,
+        ge=1,
+        description="cores this replica shares with the other replicas on its machine that set "
+        "it: a prompt step computes on n_threads plus the threads of those that are idle, up "
+        "to node_cores (a decode step on n_threads); unset: n_threads only (baton serve's local "
+        "cluster of several replicas sets it to the cores it shares out)",
+    )
     n_gpu_layers: int = Field(
         default=0, ge=-1, description="layers offloaded to the GPU (-1: every layer)"
     )

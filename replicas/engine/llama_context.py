@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 
+from baton_serve.replicas.engine.core_share import CoreShare
 from baton_serve.replicas.engine.llama_model import LlamaModel
 
 
@@ -45,6 +46,7 @@ class ContextParams:
     n_batch: int
     n_threads: int
     flash_attn: bool = False
+    node_cores: int | None = None  # more than n_threads: share the machine's (`core_share`)
 
 
 def context_params(params: ContextParams) -> llama_cpp.llama_context_params:
@@ -82,17 +84,42 @@ class LlamaContext:
         self.memory = llama_cpp.llama_get_memory(pointer)
         self.n_ctx_per_seq = llama_cpp.llama_n_ctx_seq(pointer)
         self._batch = llama_cpp.llama_batch_init(params.n_batch, 0, 1)
+        self._threads = params.n_threads
+        sharing = params.node_cores is not None and params.node_cores > params.n_threads
+        self._cores = CoreShare(params.n_threads, params.node_cores) if sharing else None
 
     def close(self) -> None:
         if self.pointer:
             llama_cpp.llama_batch_free(self._batch)
             llama_cpp.llama_free(self.pointer)
             self.pointer = None
+        if self._cores is not None:
+            self._cores.close()
+            self._cores = None
 
     def decode(self, entries: list[BatchEntry]) -> None:
-        """Run one `llama_decode` over `entries` (at most n_batch of them)."""
+        """Run one `llama_decode` over `entries` (at most n_batch of them). Where the
+        context shares the machine's cores, a prompt step (more tokens than sequences)
+        computes on every core the other replicas leave idle; a decode step keeps its own."""
         if not 0 < len(entries) <= self.params.n_batch:
             raise ValueError(f"batch of {len(entries)} tokens (limit {self.params.n_batch})")
+        if self._cores is None:
+            self._decode_batch(entries)
+            return
+        prompt = len(entries) > len({entry.seq_id for entry in entries})
+        threads = self._cores.threads() if prompt else self.params.n_threads
+        if threads != self._threads:
+            llama_cpp.llama_set_n_threads(self.pointer, threads, threads)
+            self._threads = threads
+        with self._cores.step():
+            self._decode_batch(entries)
+
+    @property
+    def threads(self) -> int:
+        """The threads the last batch computed on."""
+        return self._threads
+
+    def _decode_batch(self, entries: list[BatchEntry]) -> None:
         batch = self._batch
         for i, entry in enumerate(entries):
             batch.token[i] = entry.token
@@ -176,12 +203,11 @@ class LlamaContext:
         llama_cpp.llama_set_n_threads(self.pointer, 1, 1)
         try:
             for n in (2, 4, 8):
-                self.decode([BatchEntry(seq_id, token, p, False) for p in range(done, n)])
+                self._decode_batch([BatchEntry(seq_id, token, p, False) for p in range(done, n)])
                 done = n
                 sizes.append(llama_cpp.llama_state_seq_get_size(self.pointer, seq_id))
         finally:
-            threads = self.params.n_threads
-            llama_cpp.llama_set_n_threads(self.pointer, threads, threads)
+            llama_cpp.llama_set_n_threads(self.pointer, self._threads, self._threads)
         self.clear(seq_id)
         per_token = (sizes[1] - sizes[0]) // 2
         if sizes[2] - sizes[1] != 4 * per_token:
