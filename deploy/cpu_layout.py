@@ -57,14 +57,8 @@ def share_cpus(config: BatonConfig, cpus: int) -> BatonConfig:
     the other replicas leave idle too (`engine.node_cores`). A layout the config sets
     (`num_cpus_per_replica`, `engine.n_threads` or `engine.node_cores`) is kept."""
     engine = config.engine
-    if (
-        "num_cpus_per_replica" in config.model_fields_set
-        or {
-            "n_threads",
-            "node_cores",
-        }
-        & engine.model_fields_set
-    ):
+    chosen = {"n_threads", "node_cores"} & engine.model_fields_set
+    if chosen or "num_cpus_per_replica" in config.model_fields_set:
         return config
     share = max(1, cpus // config.replicas)
     update: dict[str, object] = {"num_cpus_per_replica": float(share)}

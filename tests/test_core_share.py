@@ -12,6 +12,7 @@ from pathlib import Path
 from baton_serve.deploy.app import replica_actor_options
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.cpu_layout import share_cpus
+from baton_serve.replicas.engine import core_share
 from baton_serve.replicas.engine.core_share import IDLE_AFTER_S, CoreShare, shared_directory
 from baton_serve.replicas.engine.llama_context import BatchEntry, ContextParams, LlamaContext
 from baton_serve.replicas.engine.llama_model import LlamaModel
@@ -141,3 +142,35 @@ def test_baton_serves_several_replicas_on_shared_cores() -> None:
     assert "runtime_env" not in replica_actor_options(share_cpus(BatonConfig(replicas=1), 2))
     chosen = BatonConfig.model_validate({"replicas": 2, "engine": {"node_cores": 3}})
     assert share_cpus(chosen, 2) == chosen
+
+
+def test_a_directory_that_goes_away_leaves_a_replica_its_own_cores(tmp_path: Path) -> None:
+    directory = tmp_path / "cores"
+    share = CoreShare(1, 2, directory)
+    neighbour = Neighbour(directory, 1)
+    try:
+        neighbour.next("computing")
+        assert _after_rescan(share) == 1
+        for path in directory.iterdir():
+            path.unlink()
+        directory.rmdir()  # an operator's cleanup of /dev/shm: no neighbour can be counted
+        assert _after_rescan(share) == 2
+        with share.step():  # publishing still works (the mapping outlives the file)
+            pass
+    finally:
+        neighbour.kill()
+        share.close()
+
+
+def test_without_a_usable_directory_a_context_computes_on_its_own_threads(
+    tiny_model: Callable[[str], Path], tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """A real fault: the shared directory's parent is a file, so it cannot be made."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setattr(core_share, "shared_directory", lambda: blocker / "cores")
+    params = ContextParams(n_ctx_per_seq=256, n_seqs=1, n_batch=64, n_threads=1, node_cores=2)
+    with LlamaModel(tiny_model("llama")) as model, LlamaContext(model, params) as context:
+        context.decode([BatchEntry(0, model.any_token, p, p == 7) for p in range(8)])
+        assert context.threads == 1
+    assert "not sharing the machine's idle cores" in caplog.text

@@ -86,8 +86,12 @@ class CoreShare:
         self._path.unlink(missing_ok=True)
 
     def _rescan(self) -> None:
+        try:
+            paths = list(self._directory.iterdir())
+        except OSError:  # the directory was removed: no neighbours to count
+            paths = []
         present = set()
-        for path in self._directory.iterdir():
+        for path in paths:
             if path == self._path or not (owner := _owner(path.name)):
                 continue
             pid, threads = owner

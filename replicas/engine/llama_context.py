@@ -7,6 +7,7 @@ Everything here calls into llama.cpp and must run on the one thread that owns th
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 
 import llama_cpp
@@ -14,6 +15,8 @@ import numpy as np
 
 from baton_serve.replicas.engine.core_share import CoreShare
 from baton_serve.replicas.engine.llama_model import LlamaModel
+
+logger = logging.getLogger("baton.engine")
 
 
 class DecodeError(RuntimeError):
@@ -70,6 +73,17 @@ def context_params(params: ContextParams) -> llama_cpp.llama_context_params:
     return cparams
 
 
+def _core_share(params: ContextParams) -> CoreShare | None:
+    """The machine's cores to share, where `params` asks and the shared directory works."""
+    if params.node_cores is None or params.node_cores <= params.n_threads:
+        return None
+    try:
+        return CoreShare(params.n_threads, params.node_cores)
+    except OSError as exc:
+        logger.warning("not sharing the machine's idle cores: %s", exc)
+        return None
+
+
 class LlamaContext:
     """One `llama_context` holding `n_seqs` independent sequences (one KV stream each)."""
 
@@ -85,8 +99,7 @@ class LlamaContext:
         self.n_ctx_per_seq = llama_cpp.llama_n_ctx_seq(pointer)
         self._batch = llama_cpp.llama_batch_init(params.n_batch, 0, 1)
         self._threads = params.n_threads
-        sharing = params.node_cores is not None and params.node_cores > params.n_threads
-        self._cores = CoreShare(params.n_threads, params.node_cores) if sharing else None
+        self._cores = _core_share(params)
 
     def close(self) -> None:
         if self.pointer:
