@@ -10,6 +10,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 from baton_serve.deploy.app import replica_actor_options
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.cpu_layout import share_cpus
@@ -176,3 +179,28 @@ def test_without_a_usable_directory_a_context_computes_on_its_own_threads(
         context.decode([BatchEntry(0, model.any_token, p, p == 7) for p in range(8)])
         assert context.threads == 1
     assert "not sharing the machine's idle cores" in caplog.text
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_a_prompt_on_borrowed_cores_computes_what_one_thread_does(
+    tiny_model: Callable[[str], Path], arch: str
+) -> None:
+    """Sharing keeps states exact: a prompt and the decode steps after it give the same
+    logits and the same state on one thread and on two, so a state built on borrowed cores
+    equals one built elsewhere (`docs/engine.md`, bit-exact reuse)."""
+    results = []
+    with LlamaModel(tiny_model(arch)) as model:
+        tokens = [(7 * p + 3) % model.n_vocab for p in range(40)]
+        for threads in (1, 2):
+            params = ContextParams(n_ctx_per_seq=256, n_seqs=1, n_batch=64, n_threads=threads)
+            with LlamaContext(model, params) as context:
+                rows = context.decode_rows(
+                    [BatchEntry(0, t, p, p == 31) for p, t in enumerate(tokens[:32])]
+                )
+                logits = [*rows.values()]
+                for p in range(32, 40):
+                    logits += context.decode_rows([BatchEntry(0, tokens[p], p, True)]).values()
+                results.append((np.concatenate(logits), bytes(context.save_state(0))))
+    (one_logits, one_state), (two_logits, two_state) = results
+    assert np.array_equal(one_logits, two_logits)
+    assert one_state == two_state
