@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Iterator
 
 # Measured pitfalls (see the design notes): without these Ray enables token auth under the
@@ -22,6 +21,8 @@ for _name, _value in (
     os.environ.setdefault(_name, _value)
 
 import ray  # noqa: E402
+
+from baton_serve.deploy.ports import free_port  # noqa: E402
 
 NAMESPACE = "baton"
 
@@ -67,14 +68,8 @@ def cluster_runtime_env(*, started_here: bool = False) -> dict[str, dict[str, st
     and stats page."""
     env = {name: os.environ.get(name, v) for name, v in SERVE_PROCESS_ENV.items()}
     if started_here:
-        env |= {name: os.environ.get(name) or str(_free_port()) for name in _HAPROXY_SIDE_PORTS}
+        env |= {name: os.environ.get(name) or str(free_port()) for name in _HAPROXY_SIDE_PORTS}
     return {"env_vars": env}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import llama_cpp
 
 from baton_serve.deploy.llama_build import LLAMA_CPP_PYTHON_VERSION
 from baton_serve.deploy.llama_server_build import cached_server
-from baton_serve.loadtests.redis_server import free_port
+from baton_serve.deploy.ports import free_port
 from baton_serve.replicas.engine.ggml_backends import cpu_choice, lib_dir
 
 READY_TIMEOUT_S = 180.0

@@ -14,7 +14,8 @@ from typing import Self
 
 import redis
 
-from baton_serve.loadtests.redis_server import RedisServer, free_port, redis_server_path
+from baton_serve.deploy.ports import free_port
+from baton_serve.loadtests.redis_server import RedisServer, redis_server_path
 
 MASTER_NAME = "baton"
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -14,17 +13,12 @@ from types import TracebackType
 
 import redis
 
+from baton_serve.deploy.ports import free_port
+
 
 def redis_server_path() -> str | None:
     """Return the `redis-server` executable on PATH, or None."""
     return shutil.which("redis-server")
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RedisServer:

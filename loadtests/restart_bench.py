@@ -42,10 +42,10 @@ from baton_serve.deploy.app import (
 )
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.local_ray import local_ray
+from baton_serve.deploy.ports import free_port
 from baton_serve.deploy.serve_config import serve_config
 from baton_serve.loadtests.locust_process import headless_locust, locust_failed
 from baton_serve.loadtests.progress import SILENT, Progress
-from baton_serve.loadtests.redis_server import free_port
 from baton_serve.loadtests.restart_figures import (
     CHAT_CLASS,
     WINDOW_S,

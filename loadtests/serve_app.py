@@ -22,7 +22,7 @@ from baton_serve.deploy.app import (
 )
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.local_ray import local_ray
-from baton_serve.loadtests.redis_server import free_port
+from baton_serve.deploy.ports import free_port
 
 READY_TIMEOUT_S = 120.0
 IDLE_TIMEOUT_S = 120.0

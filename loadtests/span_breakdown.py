@@ -30,7 +30,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from baton_serve.loadtests.redis_server import free_port
+from baton_serve.deploy.ports import free_port
 
 GATEWAY_ROOT = "POST /v1/chat/completions"
 TTFT_PARTS = (

@@ -34,7 +34,7 @@ def serve_port(ray_cluster: None) -> Iterator[int]:
     """Ray Serve's HTTP ingress (HAProxy) on a free local port, for the session."""
     from ray import serve
 
-    from baton_serve.loadtests.redis_server import free_port
+    from baton_serve.deploy.ports import free_port
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -29,7 +29,7 @@ from baton_serve.deploy.app import APP_NAME, build_app
 from baton_serve.deploy.capacity_check import TooFewGpus, check_gpus_fit, gpu_room
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.local_ray import NAMESPACE
-from baton_serve.loadtests.redis_server import free_port
+from baton_serve.deploy.ports import free_port
 from baton_serve.loadtests.serve_app import replica_stats
 from baton_serve.replicas.device_assignment import (
     CUDA_DEVICES,

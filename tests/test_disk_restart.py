@@ -10,7 +10,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from fixtures_ray import wait_healthy
 
 from baton_serve.cache_store.checkpoints.state_blob import encode_blob
 from baton_serve.cache_store.index.index_connect import connect_index
+from baton_serve.deploy.ports import free_port
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
@@ -190,12 +190,6 @@ def test_a_restarted_replica_republishes_its_adopted_checkpoints(
 # ---- `baton serve`, stopped and started again ---------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(folder: Path, port: int, env: dict[str, str]) -> tuple[subprocess.Popen, list[str]]:
     command = [
         *(sys.executable, "-m", "baton_serve.deploy.cli", "serve", "--model", "tiny:qwen35"),
@@ -225,7 +219,7 @@ def _stop(process: subprocess.Popen) -> None:
 
 @pytest.mark.slow  # two starts of a local Ray cluster: about a minute on an idle 2-core machine
 def test_baton_serve_restarted_on_the_same_directory_serves_from_cache(tmp_path) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     ray_dir = Path(tempfile.mkdtemp(prefix="bt", dir="/tmp"))  # short: Ray's socket paths
     env = {

@@ -22,7 +22,7 @@ from baton_serve.cache_store.checkpoints.state_blob import BlobError
 from baton_serve.deploy.app import build_app
 from baton_serve.deploy.config import BatonConfig, RouterPolicy
 from baton_serve.loadtests.emulated_routing import Measured, figures, format_report
-from baton_serve.loadtests.serve_app import replica_stats
+from baton_serve.loadtests.serve_app import replica_stats, wait_idle
 from baton_serve.replicas.engine.emulated_compute import EmulatedContext, EmulatedModel
 from baton_serve.replicas.engine.emulated_timing import EmulatedTiming
 from baton_serve.replicas.engine.engine import Engine
@@ -406,7 +406,8 @@ def test_four_emulated_replicas_serve_through_the_gateway_and_router(
             reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
             assert reply.status_code == 200, reply.text
             cached.append(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-            time.sleep(0.5)  # the turn's checkpoint reaches the index
+            asyncio.run(wait_idle(app))  # the turn's checkpoints are saved (replay included)
+            time.sleep(0.5)  # and reach the index
         assert cached[0] == 0 and all(c >= 150 for c in cached[1:]), cached
         stats = asyncio.run(replica_stats(app))
         assert len(stats) == 4 and {s["device"] for s in stats} == {"emulated:test"}

@@ -32,7 +32,7 @@ from baton_serve.cache_store.index.embedded_index import ACTOR_NAME
 from baton_serve.cache_store.index.index_connect import connect_index
 from baton_serve.deploy.app import APP_NAME, GATEWAY_DEPLOYMENT, REPLICA_DEPLOYMENT
 from baton_serve.deploy.local_ray import NAMESPACE
-from baton_serve.loadtests.redis_server import free_port
+from baton_serve.deploy.ports import free_port
 from baton_serve.loadtests.serve_app import replica_stats, wait_idle
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig

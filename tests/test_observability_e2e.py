@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,18 +27,14 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from prometheus_client.parser import text_string_to_metric_families
 
+from baton_serve.deploy.ports import free_port
+
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-qwen35"
 SYSTEM = "You answer in short sentences about routing, caches and state. " * 12
 SECRET = "zebra-quartz-lantern"
 MAX_TOKENS = 6
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _value(kv: KeyValue) -> object:
@@ -107,7 +102,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """`baton serve` (one replica), having answered a two-turn conversation and a request
     for an unknown model."""
     collector = _Collector()
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     ray_dir = Path(tempfile.mkdtemp(prefix="bt", dir="/tmp"))  # short: Ray's socket paths
     env = {
         **os.environ,
