@@ -12,7 +12,8 @@ that step ends; the neighbour's next step gives it back.
 
 Files are named ``PID-THREADS-TAG``; a file whose process is gone is removed by the next
 replica that scans the directory (a process that died in a step and whose PID was taken
-since counts as busy until then).
+since counts as busy until then). A directory that goes away (an operator's cleanup) ends the
+sharing of every replica that finds it gone: it computes on its own threads from then on.
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ class CoreShare:
     def _rescan(self) -> None:
         try:
             paths = list(self._directory.iterdir())
-        except OSError:  # the directory was removed: no neighbours to count
+        except OSError:  # removed: the neighbours cannot be seen, nor see this replica
             paths = []
+            self.node_cores = self.own_threads  # so lend nothing and borrow nothing
         present = set()
         for path in paths:
             if path == self._path or not (owner := _owner(path.name)):
