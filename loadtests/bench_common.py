@@ -79,6 +79,11 @@ def positive_float(text: str) -> float:
     return _number(text, float, 0, inclusive=False)
 
 
+def factor(text: str) -> float:
+    """argparse type: a factor of at least 1 (a slowdown)."""
+    return _number(text, float, 1, inclusive=True)
+
+
 def non_negative_float(text: str) -> float:
     """argparse type: a number of at least 0 (a latency, a noise)."""
     return _number(text, float, 0, inclusive=True)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from baton_serve.deploy.config import RouterPolicy
-from baton_serve.loadtests.bench_common import bench_progress, positive_int, print_report
+from baton_serve.loadtests.bench_common import bench_progress, factor, positive_int, print_report
 from baton_serve.replicas.models.model_source import resolve_model
 
 Run = Callable[[argparse.Namespace], int]
@@ -32,6 +32,14 @@ def add_emulated_flags(routing: argparse.ArgumentParser, llama_run: Run) -> None
         "--sessions-per-replica",
         type=positive_int,
         help="--engine emulated: sessions per replica (default 12, as bench sim)",
+    )
+    routing.add_argument(
+        "--slowdown",
+        type=factor,
+        default=1.0,
+        help="--engine emulated: run the cluster on a clock this many times slower (compute, "
+        "link, pauses, arrivals; TTFTs reported divided by it), for more replicas than the "
+        "machine's cores keep up with (Ray's own work then weighs this many times less)",
     )
 
     def run(args: argparse.Namespace) -> int:
@@ -64,6 +72,7 @@ def _emulated(args: argparse.Namespace) -> int:
             progress=progress,
             # Written again after each policy: a crash later loses none finished.
             save=lambda so_far: path.write_text(json.dumps(so_far, indent=1)),
+            slowdown=args.slowdown,
         )
     path.write_text(json.dumps(result, indent=1))
     print_report(args, result, format_report(result), [path])

@@ -10,6 +10,12 @@ back as the same ids) and the turn's segment, sent `think_s` after the reply end
 measured at the client, from sending to the first streamed token; computed tokens are
 `prompt_tokens - cached_tokens`; *new* tokens are those of the prompt in no prompt-and-reply
 finished before it was sent, counted as the simulator counts them.
+
+`slowdown` runs the real system on a clock that many times slower — every compute time,
+the link, the think pauses, the bursts and the arrivals — and reports its TTFTs divided by
+it, beside the simulator at full speed: for more replicas than the machine's cores keep at
+full speed (Ray's own work per replica and per request does not slow down, so it weighs
+that many times less in the figures; every report says so).
 """
 
 from __future__ import annotations
@@ -64,6 +70,30 @@ def timing_of(profile: Profile) -> EmulatedTiming:
     )
 
 
+def slowed(
+    profile: Profile, workload: ClusterWorkload, slowdown: float
+) -> tuple[Profile, ClusterWorkload]:
+    """`profile` and `workload` on a clock `slowdown` times slower: every rate divided by
+    it, every interval multiplied (the workload's arrivals follow the prefill speed)."""
+    if slowdown == 1:
+        return profile, workload
+    slow_profile = replace(
+        profile,
+        prefill_tokens_per_s=profile.prefill_tokens_per_s / slowdown,
+        decode_tokens_per_s=profile.decode_tokens_per_s / slowdown,
+        batch_decode_tokens_per_s=profile.batch_decode_tokens_per_s / slowdown,
+        link_bytes_per_s=profile.link_bytes_per_s / slowdown,
+        restore_bytes_per_s=profile.restore_bytes_per_s / slowdown,
+        ship_latency_s=profile.ship_latency_s * slowdown,
+    )
+    slow_workload = replace(
+        workload,
+        think_s=workload.think_s * slowdown,
+        burst_every_s=workload.burst_every_s * slowdown,
+    )
+    return slow_profile, slow_workload
+
+
 def engine_config(profile: Profile) -> EngineConfig:
     """The replicas' engine: the profile's slots and chunks, and a store that holds as many
     tokens as the profile's (emulated states are smaller: their bytes, not their tokens,
@@ -96,8 +126,11 @@ class Measured:
 class Player:
     """Plays the workload's sessions against one app, with token-id prompts."""
 
-    def __init__(self, http: httpx.AsyncClient, url: str, model: EmulatedModel, name: str) -> None:
+    def __init__(
+        self, http: httpx.AsyncClient, url: str, model: EmulatedModel, name: str, slowdown: float
+    ) -> None:
         self._http, self._url, self._model, self._name = http, url, model, name
+        self._slowdown = slowdown  # TTFTs are recorded on the profile's clock
         self._words = np.array(model.word_tokens, dtype=np.int64)
         self._segments: dict[int, list[int]] = {}
         self._finished: set[int] = set()  # prefix keys of finished prompts with their replies
@@ -142,7 +175,7 @@ class Player:
         text, usage, started = "", {}, time.perf_counter()
         try:
             async with (
-                asyncio.timeout(REQUEST_DEADLINE_S),
+                asyncio.timeout(REQUEST_DEADLINE_S * self._slowdown),
                 self._http.stream("POST", f"{self._url}/v1/completions", json=body) as r,
             ):
                 if r.status_code != 200:
@@ -152,7 +185,7 @@ class Player:
                 async for chunk in aresponse_events(r):
                     piece = chunk["choices"][0].get("text") if chunk["choices"] else ""
                     if piece and record.ttft_s is None:
-                        record.ttft_s = time.perf_counter() - started
+                        record.ttft_s = (time.perf_counter() - started) / self._slowdown
                     text += piece or ""
                     usage = chunk.get("usage") or usage
         except StreamError as exc:
@@ -162,7 +195,7 @@ class Player:
             record.error = type(exc).__name__
             return None
         except TimeoutError:
-            record.error = f"no reply within {REQUEST_DEADLINE_S:g} s"
+            record.error = f"no reply within {REQUEST_DEADLINE_S * self._slowdown:g} s"
             return None
         record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         return tuple(self._model.tokenize(text, parse_special=False))
@@ -194,9 +227,11 @@ def figures(records: Sequence[Measured]) -> dict:
     }
 
 
-async def _policy_run(url: str, app: str, model: EmulatedModel, name: str, sessions) -> dict:
-    async with bench_client(HTTP_TIMEOUT_S, keepalive=200) as http:
-        player = Player(http, url, model, name)
+async def _policy_run(
+    url: str, app: str, model: EmulatedModel, name: str, sessions, slowdown: float
+) -> dict:
+    async with bench_client(HTTP_TIMEOUT_S * slowdown, keepalive=200) as http:
+        player = Player(http, url, model, name, slowdown)
         started = time.perf_counter()
         await player.play(sessions)
         wall = time.perf_counter() - started
@@ -219,19 +254,24 @@ def emulated_routing_benchmark(
     index: str | None = None,
     progress: Progress = SILENT,
     save: Callable[[dict], None] = lambda _: None,
+    slowdown: float = 1.0,
 ) -> dict:
     """Each policy on `replicas` emulated replicas, and the simulator on the same workload;
-    `save` is given the result so far after each policy (a later crash loses nothing)."""
+    `save` is given the result so far after each policy (a later crash loses nothing).
+    The emulated cluster runs on a clock `slowdown` times slower (`slowed`)."""
     phases = cluster_workload(workload, replicas, profile.prefill_tokens_per_s)
-    sessions = [s for phase in phases for s in phase.sessions]
+    slow_profile, slow_workload = slowed(profile, workload, slowdown)
+    slow_phases = cluster_workload(slow_workload, replicas, slow_profile.prefill_tokens_per_s)
+    sessions = [s for phase in slow_phases for s in phase.sessions]
     num_cpus = local_cluster_cpus(replicas * CPUS_PER_REPLICA + GATEWAY_CPUS)
-    model = EmulatedModel(model_path, timing_of(profile))
+    model = EmulatedModel(model_path, timing_of(slow_profile))
     results: dict[str, dict] = {}
     head = {
         "replicas": replicas,
         "profile": asdict(profile),
         "workload": asdict(workload),
         "sessions": len(sessions),
+        "slowdown": slowdown,
     }
     progress.start(len(policies))
     try:
@@ -241,13 +281,13 @@ def emulated_routing_benchmark(
                 model=model_path,
                 replicas=replicas,
                 num_cpus_per_replica=CPUS_PER_REPLICA,
-                engine=engine_config(profile),
+                engine=engine_config(slow_profile),
                 index=index_spec,
                 heartbeat_s=HEARTBEAT_S,
                 hmac_key=secrets.token_hex(16),
             )
             # Baton's: the link the simulator's replicas pull over, as an operator sets it
-            link = {"pull_bandwidth_gb_s": ship_cost(profile).bandwidth_bytes_per_s / 1e9}
+            link = {"pull_bandwidth_gb_s": ship_cost(slow_profile).bandwidth_bytes_per_s / 1e9}
             for policy in policies:
                 progress.step(
                     f"{policy.value}: {replicas} emulated replicas, {len(sessions)} sessions"
@@ -256,7 +296,8 @@ def emulated_routing_benchmark(
                 config = base.model_copy(update={"router": policy, **only_baton})
                 app = f"emulated-{policy.value}"
                 with serve_app(config, app, None) as url:
-                    run = _policy_run(url, app, model, config.served_model_name, sessions)
+                    name = config.served_model_name
+                    run = _policy_run(url, app, model, name, sessions, slowdown)
                     measured = asyncio.run(run)
                 simulated = summarize(
                     Cluster(profile, replicas, policy.value, workload.seed).run(phases)
@@ -301,7 +342,8 @@ def format_report(result: dict) -> str:
     """The policies side by side: emulated, simulated, and their ratio; then the targets."""
     lines = [
         f"bench routing --engine emulated: {result['replicas']} replicas, profile "
-        f"{result['profile']['name']}, {result['sessions']} sessions, index {result['index']}",
+        f"{result['profile']['name']}, {result['sessions']} sessions, index {result['index']}"
+        + _slowdown_note(result.get("slowdown", 1)),
         f"{'policy':<16}{'figure':<20}{'emulated':>10}{'simulated':>11}{'ratio':>8}",
     ]
     shown = ("ttft_p50_s", "ttft_mean_s", "ttft_p95_s", "ttft_p99_s", "computed_over_new")
@@ -327,6 +369,15 @@ def format_report(result: dict) -> str:
             f"target {name}: {_num(target['value'])} {'met' if target['met'] else 'MISSED'}"
         )
     return "\n".join(lines)
+
+
+def _slowdown_note(slowdown: float) -> str:
+    if slowdown == 1:
+        return ""
+    return (
+        f"\nemulated on a clock {slowdown:g}x slower (compute, link, pauses, arrivals); "
+        f"its TTFTs divided by {slowdown:g}, Ray's own work weighs {slowdown:g}x less"
+    )
 
 
 def _num(value: float | None) -> str:

@@ -377,6 +377,15 @@ def test_a_policy_whose_every_request_failed_is_reported_not_raised() -> None:
     assert "errors 3" in report and "no reply within 300 s" in report
 
 
+def test_a_run_on_a_slowed_clock_says_so_in_its_report() -> None:
+    found = figures([Measured("chat", 1.5, 100, 40, 60)])
+    pair = {"emulated": found | {"pulls": 0, "wall_s": 6.0, "devices": []}, "simulated": found}
+    result = {"replicas": 32, "profile": {"name": "cpu"}, "sessions": 1, "index": "embedded"}
+    result |= {"policies": {"baton": pair}, "targets": {}}
+    assert "slower" not in format_report(result | {"slowdown": 1.0})
+    assert "on a clock 4x slower" in format_report(result | {"slowdown": 4.0})
+
+
 # Prefix-affinity (Ray's PrefixCacheAffinityRouter) reads a request's text: token ids
 # gave it an empty one, it raised ZeroDivisionError and the request waited for ever.
 @pytest.mark.slow

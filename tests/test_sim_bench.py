@@ -211,3 +211,22 @@ def test_a_decode_step_costs_between_one_stream_and_a_full_batch() -> None:
     assert CPU.decode_step_s(1) < CPU.decode_step_s(2) < CPU.decode_step_s(CPU.slots)
     gpu = PROFILES["gpu"]  # weights read once per step: 16 streams cost what one does
     assert gpu.decode_step_s(gpu.slots) == pytest.approx(gpu.decode_step_s(1))
+
+
+@pytest.mark.parametrize("policy", ["baton", "pow2"])
+def test_a_slowed_clock_stretches_every_time_and_changes_no_decision(policy: str) -> None:
+    """`bench routing --engine emulated --slowdown K` compares its TTFTs divided by K with
+    the simulator at full speed: that holds only if `slowed` scales every rate and interval
+    (a missed one would change what the simulator decides on the slowed workload). Without
+    step noise: with it, the clock's rounding alone reorders near-ties and the seeded noise
+    then falls on other steps (a few % apart on this small workload)."""
+    from baton_serve.loadtests.emulated_routing import slowed
+
+    quiet = replace(CPU, step_noise=0.0)
+    slow_profile, slow_workload = slowed(quiet, SMALL, 4.0)
+    fast = summarize(Cluster(quiet, 4, policy, 0).run(cluster_workload(SMALL, 4, 100.0)))
+    phases = cluster_workload(slow_workload, 4, slow_profile.prefill_tokens_per_s)
+    slow = summarize(Cluster(slow_profile, 4, policy, 0).run(phases))
+    for name in ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s"):
+        assert slow[name] == pytest.approx(4 * fast[name], rel=1e-6), name
+    assert slow["computed_over_new"] == pytest.approx(fast["computed_over_new"], rel=1e-9)
