@@ -50,14 +50,19 @@ def pull_seconds(nbytes: int, cost: ShipCost) -> float:
 
 
 def pull_budget_s(
-    gain_tokens: int, wait_s: float, prefill_tokens_per_s: float, cost: ShipCost
+    gain_tokens: int,
+    wait_s: float,
+    prefill_tokens_per_s: float,
+    cost: ShipCost,
+    busy_s: float = 0.0,
 ) -> float:
-    """How long getting `gain_tokens` from a peer may take: `cost.safety` × computing them
-    here, × (1 + `cost.in_flight_slack`) while the peer is still computing them (`wait_s`
-    > 0)."""
+    """How long from now getting `gain_tokens` from a peer may take: `busy_s` (the time
+    before this replica could start computing them itself: its own queue), plus
+    `cost.safety` × computing them here, × (1 + `cost.in_flight_slack`) while the peer is
+    still computing them (`wait_s` > 0)."""
     recompute_s = gain_tokens / max(prefill_tokens_per_s, 1e-6)
     slack = 1.0 + cost.in_flight_slack if wait_s > 0 else 1.0
-    return cost.safety * slack * recompute_s
+    return busy_s + cost.safety * slack * recompute_s
 
 
 def pull_pays(
@@ -67,12 +72,15 @@ def pull_pays(
     prefill_tokens_per_s: float,
     cost: ShipCost,
     local_restore_s: float = 0.0,
+    busy_s: float = 0.0,
 ) -> bool:
     """True when waiting `wait_s` for a peer's state, then pulling its `nbytes`, takes
     under the budget (`pull_budget_s`) for the `gain_tokens` it gives beyond what is held
     here, plus `local_restore_s` (reading what is held here from disk, which the pull
-    saves)."""
+    saves). A replica busy for `busy_s` could not compute them before then either: a state
+    a peer is computing is worth waiting for while it is ready no later than this replica
+    would have computed it (with the slack)."""
     if gain_tokens < cost.min_gain_tokens:
         return False
-    budget_s = pull_budget_s(gain_tokens, wait_s, prefill_tokens_per_s, cost)
+    budget_s = pull_budget_s(gain_tokens, wait_s, prefill_tokens_per_s, cost, busy_s)
     return wait_s + pull_seconds(nbytes, cost) < budget_s + local_restore_s

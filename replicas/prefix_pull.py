@@ -79,6 +79,11 @@ class _PullUnderway:
     tokens: tuple[int, ...]
     deadline: float  # time.perf_counter()
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    start_at: float = 0.0  # Unix time this replica could compute it itself (the router's)
+
+    def busy_s(self) -> float:
+        """Seconds before this replica could start computing the prefix itself."""
+        return max(0.0, self.start_at - time.time())
 
 
 class PrefixPuller:
@@ -129,6 +134,7 @@ class PrefixPuller:
             wait_s = max(0.0, plan.ready_at - time.time())
             until = time.perf_counter() + wait_s + self.policy.deadline_s
             with self._pull_underway(tokens[: min(plan.donor_tokens, usable)], until) as underway:
+                underway.start_at = plan.start_at
                 local, restore_s = await self.off_loop.run(
                     self.engine.local_reuse, tokens, request.prefix_hashes
                 )
@@ -215,7 +221,8 @@ class PrefixPuller:
         taken in part on the way); the outcome (see `_pull`). `underway`: the pull as
         announced to other requests here, given its prefix and deadline now."""
         wait_s = max(0.0, ready_at - time.time())
-        deadline = self.policy.deadline(gain, self.engine.stats.prefill_tokens_per_s, wait_s=wait_s)
+        speed = self.engine.stats.prefill_tokens_per_s
+        deadline = self.policy.deadline(gain, speed, wait_s=wait_s, busy_s=underway.busy_s())
         attributes = {
             "baton.peer": peer,
             "baton.pull.gain_tokens": gain,
@@ -258,12 +265,13 @@ class PrefixPuller:
                 return reply
             speed = self.engine.stats.prefill_tokens_per_s
             nbytes = self.engine.state_bytes(floor + 1)
+            busy_s = underway.busy_s()
             if reply.computed <= computed or not self.policy.pays(
-                gain, nbytes, speed, wait_s=reply.eta_s
+                gain, nbytes, speed, wait_s=reply.eta_s, busy_s=busy_s
             ):
                 return None
             computed = reply.computed
-            deadline = self.policy.deadline(gain, speed, wait_s=reply.eta_s)
+            deadline = self.policy.deadline(gain, speed, wait_s=reply.eta_s, busy_s=busy_s)
             underway.deadline = time.perf_counter() + deadline
             self.stats.pull_waits_extended += 1
             span.add_event("baton.pull.wait_extended", {"baton.pull.eta_s": reply.eta_s})

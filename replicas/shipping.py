@@ -133,21 +133,28 @@ class ShipPolicy:
         *,
         wait_s: float = 0.0,
         local_restore_s: float = 0.0,
+        busy_s: float = 0.0,
     ) -> bool:
         """`pull_pays` at this replica's measured speeds (its prefill speed, until measured
-        `prefill_tokens_per_s`)."""
+        `prefill_tokens_per_s`), busy for `busy_s` before it could compute them itself."""
         speed = measured_prefill or self.prefill_tokens_per_s
-        return pull_pays(gain_tokens, nbytes, wait_s, speed, self.cost, local_restore_s)
+        return pull_pays(gain_tokens, nbytes, wait_s, speed, self.cost, local_restore_s, busy_s)
 
     def deadline(
-        self, gain_tokens: int, measured_prefill: float | None, *, wait_s: float = 0.0
+        self,
+        gain_tokens: int,
+        measured_prefill: float | None,
+        *,
+        wait_s: float = 0.0,
+        busy_s: float = 0.0,
     ) -> float:
-        """Wait at most the pull's budget (`pull_budget_s`: the time recomputing would take,
-        a share more for a state the peer is still computing), and never more than
-        `deadline_s` past the time the peer's state is expected (`wait_s` from now; a peer
-        still computing it then tells how much longer, and the puller decides again)."""
+        """Wait at most the pull's budget (`pull_budget_s`: the time before this replica could
+        start computing them itself, `busy_s`, plus the time recomputing would take, a share
+        more for a state the peer is still computing), and never more than `deadline_s` past
+        the time the peer's state is expected (`wait_s` from now; a peer still computing it
+        then tells how much longer, and the puller decides again)."""
         speed = measured_prefill or self.prefill_tokens_per_s
-        budget_s = pull_budget_s(gain_tokens, wait_s, speed, self.cost)
+        budget_s = pull_budget_s(gain_tokens, wait_s, speed, self.cost, busy_s)
         return min(wait_s + self.deadline_s, budget_s)
 
     def record_pull(self, nbytes: int, seconds: float) -> None:

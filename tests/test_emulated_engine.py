@@ -58,8 +58,9 @@ def _request(
     return ReplicaRequest(generation=generation, plan=plan)
 
 
-def _pull_plan(tokens: int, ready_in_s: float) -> RoutePlan:
-    """The router's plan for "taker": pull `tokens` from "donor", ready in `ready_in_s`."""
+def _pull_plan(tokens: int, ready_in_s: float, busy_s: float = 0.0) -> RoutePlan:
+    """The router's plan for "taker": pull `tokens` from "donor", ready in `ready_in_s`;
+    the taker could compute them itself in `busy_s` at the earliest (0: at once)."""
     return RoutePlan(
         replica_id="taker",
         kind="pull",
@@ -67,6 +68,7 @@ def _pull_plan(tokens: int, ready_in_s: float) -> RoutePlan:
         donor_id="donor",
         donor_tokens=tokens,
         ready_at=time.time() + ready_in_s,
+        start_at=time.time() + busy_s if busy_s else 0.0,
     )
 
 
@@ -246,6 +248,34 @@ def test_a_pull_past_its_deadline_waits_on_while_the_donor_still_computes(
         assert taker.stats.pull_waits_extended == 0 and taker.stats.pulls == 0
         assert cached == 0 and taker.stats.replans == {"donor_miss": 1}
         assert taker_engine.stats.prompt_tokens_computed == len(prompt) + 3
+
+
+def test_a_busy_puller_waits_for_the_donor_until_it_could_have_computed_the_prefix(
+    tiny_model,
+) -> None:
+    """A taker that computes the prefix faster than the donor's rest (as in the case above
+    that gives up) but was busy, the router's plan says, for 4 s: the donor's state, ready
+    in about 2 s, comes before it could have computed the prefix itself, so it waits on and
+    pulls it instead of computing it a second time."""
+    slow = FAST.model_copy(update={"prefill_tokens_per_s": 300.0})  # the prompt: ~3 s
+    config = EngineConfig(**SETTINGS | {"emulated": slow})
+    policy = ShipPolicy(deadline_s=0.3, prefill_tokens_per_s=5_000.0)
+    with _donor_and_taker(str(tiny_model("qwen35")), config, policy) as (donor, taker):
+        rng = np.random.default_rng(11)
+        prompt = tuple(rng.integers(1, donor.engine.model.n_vocab, 900).tolist())
+        held = max(donor.engine.checkpoint_positions(Prompt(tokens=prompt)))
+
+        async def pull_while_busy() -> int:
+            await donor.generate(_request(tuple(range(1, 200))))
+            computing = asyncio.ensure_future(donor.generate(_request(prompt)))
+            await asyncio.sleep(1.0)
+            plan = _pull_plan(held, ready_in_s=0.2, busy_s=4.0)
+            done = await taker.generate(_request(prompt + (7, 8, 9), plan))
+            await computing
+            return done.usage.cached_tokens
+
+        cached = asyncio.run(pull_while_busy())
+    assert taker.stats.pulls == 1 and cached >= held and taker.stats.replans == {}
 
 
 def test_a_pull_from_a_donor_whose_prefill_stalls_gives_up_and_computes(

@@ -137,6 +137,26 @@ def test_a_prefix_being_computed_is_waited_for_rather_than_computed_twice() -> N
     assert estimate(idle, 1050, [held], NOW, settings).plan == COMPUTE
 
 
+def test_a_busy_replica_waits_for_a_prefix_a_peer_has_ready_before_it_could_compute_it() -> None:
+    """Every replica is busy for 5 s (its queue) when a new 1000-token prefix is being
+    computed on r0, ready in 15.5 s: computing it on r1 would also end at 15 s, so r1 waits
+    for it and pulls it (before, the wait was weighed from now against the 10 s of compute
+    alone, and every busy replica of a burst computed the prefix itself). Its plan says when
+    r1 could have started, and its replica's pull deadline counts from then."""
+    held = Holding(1000, 20_000_000, ready_at=NOW + 15.5, holder="r0")
+    busy = ReplicaState("r1", 0, 500, 100.0, None)  # 500 tokens queued: 5 s
+    best = estimate(busy, 1060, [held], NOW, SETTINGS)
+    assert best.plan == PULL and best.start_at == pytest.approx(NOW + 5.0)
+    plan = plan_of(best)
+    assert plan.start_at == pytest.approx(NOW + 5.0)
+    assert ShipPolicy().deadline(1000, 100.0, wait_s=15.5, busy_s=5.0) > 15.5
+    assert ShipPolicy().deadline(1000, 100.0, wait_s=15.5) < 15.5  # counted from now
+    idle = ReplicaState("r1", 0, 0, 100.0, None)
+    assert estimate(idle, 1060, [held], NOW, SETTINGS).plan == COMPUTE  # done at 10.6 s
+    assert pull_pays(1000, 20_000_000, 15.5, 100.0, ShipCost(), busy_s=5.0)
+    assert not pull_pays(1000, 20_000_000, 15.5, 100.0, ShipCost())
+
+
 def test_a_replica_is_planned_to_pull_at_the_bandwidth_its_own_pulls_measured() -> None:
     """A GPU replica computes 10,000 tokens a second; a 2,000-token state of an 8B fp16
     model is 262 MB. At the configured 0.5 GB/s a pull looks slower than computing; a

@@ -81,6 +81,7 @@ class Estimate:
     prefill_tokens_per_s: float = 0.0  # the replica's, as the estimate counted it
     # Unix time the state it reuses is ready (a donor's, for a pull), if it waits for it
     state_at: float = 0.0
+    start_at: float = 0.0  # Unix time it could start computing after its queue (0: now)
 
 
 def estimate(
@@ -106,9 +107,10 @@ def estimate(
     # matter: this runs for every candidate of every decision)
     if donors and measured and measured != ship.bandwidth_bytes_per_s:
         ship = replace(ship, bandwidth_bytes_per_s=measured)
+    busy_s = prefill_start(replica, 0.0, now, settings)  # its own queue, before any prompt
     for donor in donors:
         wait_s = max(donor.ready_at - now, 0.0)
-        if not pull_pays(donor.n_tokens - held, donor.nbytes, wait_s, speed, ship):
+        if not pull_pays(donor.n_tokens - held, donor.nbytes, wait_s, speed, ship, busy_s=busy_s):
             continue
         pulled_s = prefill_start(replica, wait_s, now, settings) + pull_seconds(donor.nbytes, ship)
         pulled_s += (n_prompt - donor.n_tokens) / speed
@@ -124,6 +126,7 @@ def estimate(
         holding=holding,
         prefill_tokens_per_s=speed,
         state_at=now + state_s if state_s > 0 else 0.0,
+        start_at=now + busy_s if busy_s > 0 else 0.0,
     )
 
 

@@ -89,6 +89,7 @@ def plan_of(chosen: Estimate) -> RoutePlan:
             donor_tokens=held.n_tokens,
             nbytes=held.nbytes,
             ready_at=held.ready_at,
+            start_at=chosen.start_at,
         )
     return RoutePlan(
         replica_id=chosen.replica_id,
