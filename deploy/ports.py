@@ -22,9 +22,7 @@ def free_port() -> int:
         highest = int(_EPHEMERAL_RANGE.read_text().split()[0]) - 1
     except (OSError, ValueError, IndexError):
         highest = 32767  # Linux's default range starts at 32768
-    for _ in range(64):
-        if highest <= _LOWEST_QUIET_PORT:
-            break
+    for _ in range(64 if highest > _LOWEST_QUIET_PORT else 0):
         port = random.randint(_LOWEST_QUIET_PORT, highest)
         with socket.socket() as sock:
             try:

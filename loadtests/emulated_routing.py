@@ -261,7 +261,11 @@ def emulated_routing_benchmark(
     The emulated cluster runs on a clock `slowdown` times slower (`slowed`)."""
     phases = cluster_workload(workload, replicas, profile.prefill_tokens_per_s)
     slow_profile, slow_workload = slowed(profile, workload, slowdown)
-    slow_phases = cluster_workload(slow_workload, replicas, slow_profile.prefill_tokens_per_s)
+    slow_phases = (
+        phases
+        if slowdown == 1
+        else cluster_workload(slow_workload, replicas, slow_profile.prefill_tokens_per_s)
+    )
     sessions = [s for phase in slow_phases for s in phase.sessions]
     num_cpus = local_cluster_cpus(replicas * CPUS_PER_REPLICA + GATEWAY_CPUS)
     model = EmulatedModel(model_path, timing_of(slow_profile))

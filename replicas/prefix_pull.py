@@ -133,8 +133,8 @@ class PrefixPuller:
             # join this pull finds it
             wait_s = max(0.0, plan.ready_at - time.time())
             until = time.perf_counter() + wait_s + self.policy.deadline_s
-            with self._pull_underway(tokens[: min(plan.donor_tokens, usable)], until) as underway:
-                underway.start_at = plan.start_at
+            prefix = tokens[: min(plan.donor_tokens, usable)]
+            with self._pull_underway(prefix, until, plan.start_at) as underway:
                 local, restore_s = await self.off_loop.run(
                     self.engine.local_reuse, tokens, request.prefix_hashes
                 )
@@ -277,10 +277,12 @@ class PrefixPuller:
             span.add_event("baton.pull.wait_extended", {"baton.pull.eta_s": reply.eta_s})
 
     @contextlib.contextmanager
-    def _pull_underway(self, tokens: tuple[int, ...], deadline: float) -> Iterator[_PullUnderway]:
+    def _pull_underway(
+        self, tokens: tuple[int, ...], deadline: float, start_at: float = 0.0
+    ) -> Iterator[_PullUnderway]:
         """A pull of `tokens` (a prompt prefix) under way here until the block ends, for
-        other requests to join (`_join_pull_underway`)."""
-        underway = _PullUnderway(tokens, deadline)
+        other requests to join (`_join_pull_underway`); `start_at` is the plan's."""
+        underway = _PullUnderway(tokens, deadline, start_at=start_at)
         self._underway.append(underway)
         try:
             yield underway

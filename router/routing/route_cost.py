@@ -81,7 +81,7 @@ class Estimate:
     prefill_tokens_per_s: float = 0.0  # the replica's, as the estimate counted it
     # Unix time the state it reuses is ready (a donor's, for a pull), if it waits for it
     state_at: float = 0.0
-    start_at: float = 0.0  # Unix time it could start computing after its queue (0: now)
+    start_at: float = 0.0  # a pull: Unix time it could compute the prompt itself (0: now)
 
 
 def estimate(
@@ -107,7 +107,8 @@ def estimate(
     # matter: this runs for every candidate of every decision)
     if donors and measured and measured != ship.bandwidth_bytes_per_s:
         ship = replace(ship, bandwidth_bytes_per_s=measured)
-    busy_s = prefill_start(replica, 0.0, now, settings)  # its own queue, before any prompt
+    # its own queue, before any prompt: a pull may wait that long at no cost
+    busy_s = prefill_start(replica, 0.0, now, settings) if donors else 0.0
     for donor in donors:
         wait_s = max(donor.ready_at - now, 0.0)
         if not pull_pays(donor.n_tokens - held, donor.nbytes, wait_s, speed, ship, busy_s=busy_s):
@@ -126,7 +127,7 @@ def estimate(
         holding=holding,
         prefill_tokens_per_s=speed,
         state_at=now + state_s if state_s > 0 else 0.0,
-        start_at=now + busy_s if busy_s > 0 else 0.0,
+        start_at=now + busy_s if plan == PULL and busy_s > 0 else 0.0,
     )
 
 
