@@ -100,6 +100,12 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     )
     served.add_argument("--model", help=MODEL_HELP)
     served.add_argument("--redis", help="redis:// URL (default: a private redis-server)")
+    served.add_argument(
+        "--router-replicas",
+        type=positive_int,
+        default=8,
+        help="replicas each routing decision chooses among (the index's entries spread over them)",
+    )
     served.add_argument("--json", action="store_true", help="print one JSON object")
     served.set_defaults(run=_bench_serve)
     routing = benches.add_parser(
@@ -257,7 +263,9 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from baton_serve.loadtests.serve_bench import format_report, serve_benchmark
 
     with _progress(args, "serve") as progress:
-        result = serve_benchmark(resolve_model(args.model), args.redis, progress)
+        result = serve_benchmark(
+            resolve_model(args.model), args.redis, progress, router_replicas=args.router_replicas
+        )
     _report(args, result, format_report(result), [])
     return 0
 

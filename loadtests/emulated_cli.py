@@ -54,6 +54,7 @@ def _emulated(args: argparse.Namespace) -> int:
         format_report,
         scaled,
     )
+    from baton_serve.loadtests.plots import emulated_plots
     from baton_serve.loadtests.sim_bench import PROFILES
     from baton_serve.loadtests.sim_workload import ClusterWorkload
 
@@ -75,5 +76,5 @@ def _emulated(args: argparse.Namespace) -> int:
             slowdown=args.slowdown,
         )
     path.write_text(json.dumps(result, indent=1))
-    print_report(args, result, format_report(result), [path])
+    print_report(args, result, format_report(result), [path, *emulated_plots(result, out)])
     return 0

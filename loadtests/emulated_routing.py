@@ -303,9 +303,10 @@ def emulated_routing_benchmark(
                     name = config.served_model_name
                     run = _policy_run(url, app, model, name, sessions, slowdown)
                     measured = asyncio.run(run)
-                simulated = summarize(
-                    Cluster(profile, replicas, policy.value, workload.seed).run(phases)
-                )
+                simulation = Cluster(profile, replicas, policy.value, workload.seed).run(phases)
+                simulated = summarize(simulation) | {
+                    "ttfts_s": [r.ttft_s for r in simulation.records]
+                }
                 results[policy.value] = {"emulated": measured, "simulated": simulated}
                 save(head | {"policies": results, "targets": targets(results, replicas)})
     finally:

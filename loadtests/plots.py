@@ -162,3 +162,32 @@ def sim_plots(result: dict, out_dir: Path) -> list[Path]:
             ax.set(xlabel="replicas", ylabel=label)
         written.append(path)
     return written
+
+
+def emulated_plots(result: dict, out_dir: Path) -> list[Path]:
+    """`bench routing --engine emulated`: each policy's TTFT CDF, the real system on emulated
+    engines (solid) beside the simulator on the same workload (dashed, where it kept them)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"emulated-{result['replicas']}_ttft_cdf.png"
+    slowdown = result.get("slowdown", 1.0)
+    clock = f", clock {slowdown:g}x slower" if slowdown != 1 else ""
+    title = f"{result['replicas']} emulated replicas ({result['profile']['name']} profile{clock})"
+    with figure(path, f"{title}\nTTFT: real system (solid), simulator (dashed)") as (ax,):
+        for policy, pair in result["policies"].items():
+            measured = [r["ttft_s"] for r in pair["emulated"].get("records", ())]
+            line = _cdf(ax, [t for t in measured if t is not None], label=policy)
+            simulated = pair["simulated"].get("ttfts_s")
+            if simulated and line is not None:
+                _cdf(ax, simulated, color=line.get_color(), linestyle="--")
+        ax.set_xscale("log")
+        ax.set(xlabel="time to first token (s, log scale)", ylabel="share of requests")
+    return [path]
+
+
+def _cdf(ax: Any, values: list[float], **style: Any) -> Any:
+    """Draw the CDF of `values` on `ax`; its line, or None where there is nothing to draw."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    (line,) = ax.step(ordered, np.arange(1, len(ordered) + 1) / len(ordered), where="post", **style)
+    return line

@@ -195,11 +195,14 @@ def http_decode(
 # ---- both ----------------------------------------------------------------------------------
 
 
-def serve_benchmark(model: Path, redis_url: str | None, progress: Progress = SILENT) -> dict:
-    """Routing overhead (Redis at `redis_url` or a private server, and embedded) and HTTP
-    decode speed of `model`, on one local Ray runtime (started here if none is running)."""
+def serve_benchmark(
+    model: Path, redis_url: str | None, progress: Progress = SILENT, *, router_replicas: int = 8
+) -> dict:
+    """Routing overhead (Redis at `redis_url` or a private server, and embedded; decisions
+    among `router_replicas` replicas) and HTTP decode speed of `model`, on one local Ray
+    runtime (started here if none is running)."""
     with local_ray(num_cpus=2):
-        routing = routing_overhead(redis_url, progress=progress)
+        routing = routing_overhead(redis_url, replicas=router_replicas, progress=progress)
         return {"routing": routing, "http_decode": http_decode(model, progress=progress)}
 
 

@@ -11,6 +11,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 
 import httpx
 import numpy as np
@@ -22,6 +23,7 @@ from baton_serve.cache_store.checkpoints.state_blob import BlobError
 from baton_serve.deploy.app import build_app
 from baton_serve.deploy.config import BatonConfig, RouterPolicy
 from baton_serve.loadtests.emulated_routing import Measured, figures, format_report
+from baton_serve.loadtests.plots import emulated_plots
 from baton_serve.loadtests.serve_app import replica_stats, wait_idle
 from baton_serve.replicas.engine.emulated_compute import EmulatedContext, EmulatedModel
 from baton_serve.replicas.engine.emulated_timing import EmulatedTiming
@@ -414,6 +416,20 @@ def test_a_run_on_a_slowed_clock_says_so_in_its_report() -> None:
     result |= {"policies": {"baton": pair}, "targets": {}}
     assert "slower" not in format_report(result | {"slowdown": 1.0})
     assert "on a clock 4x slower" in format_report(result | {"slowdown": 4.0})
+
+
+def test_the_report_plots_each_policys_ttfts_beside_the_simulators(tmp_path) -> None:
+    records = [Measured("chat", t, 100, 40, 60) for t in (0.5, 1.5, 4.0)]
+    failed = [Measured("chat", None, 100, 0, 100, error="no reply within 300 s")]
+    emulated = figures(records) | {"records": [asdict(r) for r in records + failed]}
+    policies = {
+        "baton": {"emulated": emulated, "simulated": {"ttfts_s": [0.4, 1.2, 3.0]}},
+        "pow2": {"emulated": emulated | {"records": []}, "simulated": {}},  # none answered
+    }
+    result = {"replicas": 32, "profile": {"name": "cpu"}, "slowdown": 4.0, "policies": policies}
+    (path,) = emulated_plots(result, tmp_path)
+    assert path.name == "emulated-32_ttft_cdf.png"
+    assert path.read_bytes().startswith(b"\x89PNG")
 
 
 # Prefix-affinity (Ray's PrefixCacheAffinityRouter) reads a request's text: token ids
