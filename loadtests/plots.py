@@ -175,17 +175,18 @@ def emulated_plots(result: dict, out_dir: Path) -> list[Path]:
     with figure(path, f"{title}\nTTFT: real system (solid), simulator (dashed)") as (ax,):
         for policy, pair in result["policies"].items():
             measured = [r["ttft_s"] for r in pair["emulated"].get("records", ())]
-            line = _cdf(ax, [t for t in measured if t is not None], label=policy)
+            line = cdf(ax, [t for t in measured if t is not None], label=policy)
             simulated = pair["simulated"].get("ttfts_s")
             if simulated and line is not None:
-                _cdf(ax, simulated, color=line.get_color(), linestyle="--")
+                cdf(ax, simulated, color=line.get_color(), linestyle="--")
         ax.set_xscale("log")
         ax.set(xlabel="time to first token (s, log scale)", ylabel="share of requests")
     return [path]
 
 
-def _cdf(ax: Any, values: list[float], **style: Any) -> Any:
-    """Draw the CDF of `values` on `ax`; its line, or None where there is nothing to draw."""
+def cdf(ax: Any, values: list[float], **style: Any) -> Any:
+    """Draw the empirical CDF of `values` on `ax` as a step; its line, or None where there
+    is nothing to draw."""
     if not values:
         return None
     ordered = sorted(values)

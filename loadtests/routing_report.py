@@ -15,7 +15,7 @@ import numpy as np
 
 from baton_serve.cache_store.prefix_hash import common_prefix_length
 from baton_serve.deploy.config import RouterPolicy
-from baton_serve.loadtests.plots import figure
+from baton_serve.loadtests.plots import cdf, figure
 from baton_serve.loadtests.routing_workload import (
     AGENT,
     BLOCKERS,
@@ -288,8 +288,7 @@ def _plots(records: list[RequestRecord], out_dir: Path) -> list[Path]:
     cdf_path = out_dir / "ttft_cdf.png"
     with figure(cdf_path, "TTFT CDF (every scenario)") as (axes,):
         for policy, rows in every.items():
-            ttfts = sorted(r.ttft_s for r in rows if r.ttft_s is not None)
-            axes.step(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), where="post", label=policy)
+            cdf(axes, [r.ttft_s for r in rows if r.ttft_s is not None], label=policy)
         axes.set_xscale("log")
         axes.set(xlabel="time to first token (s, log scale)", ylabel="share of requests")
 
