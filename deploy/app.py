@@ -38,6 +38,7 @@ REPLICA_DEPLOYMENT = "Replica"
 GATEWAY_DEPLOYMENT = "Gateway"
 ROUTING_STATS_PERIOD_S = 0.5
 GATEWAY_CPUS = 0.1
+GATEWAY_MAX_ONGOING = 1000  # requests one gateway replica takes at once
 RETRY_AFTER_S = 1
 # What a leaving replica may take: requests in flight finish, then the hand-off, then
 # leaving the index, or writing what RAM holds to the disk tier for the next start.
@@ -159,6 +160,12 @@ def replica_key_file(config: BatonConfig) -> str | None:
     return str(write_private_key_file(key))
 
 
+def replica_max_ongoing(n_slots: int) -> int:
+    """Requests one replica accepts at once. The router decides by load; this only bounds
+    it."""
+    return 4 * n_slots + 4
+
+
 def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Application:
     """The application for `config`. Without a cluster key, one is generated here and
     written where this machine's replicas read it (`replica_key_file`). With `startup_dir`,
@@ -172,8 +179,7 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
         ReplicaDeployment,
         name=REPLICA_DEPLOYMENT,
         num_replicas=config.replicas,
-        # The router decides by load; this only bounds what one replica accepts at once.
-        max_ongoing_requests=4 * config.engine.n_slots + 4,
+        max_ongoing_requests=replica_max_ongoing(config.engine.n_slots),
         # Beyond that, each gateway holds this many; the next get 503 with Retry-After.
         max_queued_requests=config.max_queued_requests,
         backpressure_config={"status_code": 503, "retry_after_s": RETRY_AFTER_S},
@@ -201,7 +207,7 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
         name=GATEWAY_DEPLOYMENT,
         num_replicas=config.gateway_replicas,
         ray_actor_options={"num_cpus": GATEWAY_CPUS, "resources": dict(config.gateway_resources)},
-        max_ongoing_requests=1000,
+        max_ongoing_requests=GATEWAY_MAX_ONGOING,
     )
     settings = GatewaySettings(
         model_name=config.served_model_name,

@@ -49,6 +49,13 @@ def add_gateway_command(benches: argparse._SubParsersAction) -> None:
     gateway.add_argument(
         "--breakdown-s", type=positive_float, default=10.0, help="seconds of the traced run"
     )
+    gateway.add_argument(
+        "--no-floor",
+        dest="floor",
+        action="store_false",
+        help="skip the same ramp against Ray Serve's floor (a FastAPI ingress and one handle "
+        "call, no Baton code)",
+    )
     gateway.add_argument("--out", default="bench-out/gateway", help="JSON and PNG go here")
     gateway.add_argument("--json", action="store_true", help="print one JSON object")
     gateway.set_defaults(run=_bench_gateway)
@@ -65,6 +72,7 @@ def _bench_gateway(args: argparse.Namespace) -> int:
         seed=args.seed,
         breakdown_rate=args.breakdown_rate,
         breakdown_s=args.breakdown_s,
+        floor=args.floor,
         **({"rates": args.rates} if args.rates else {}),
     )
     with bench_progress(args, "gateway") as progress:
@@ -79,9 +87,8 @@ def _bench_gateway(args: argparse.Namespace) -> int:
 
 
 def format_report(result: dict) -> str:
-    """One row a step, the sustained rates, and the low-rate breakdown."""
-    from baton_serve.loadtests.gateway_rate import LIMITS_MS
-
+    """One row a step, the sustained rates, the same for Ray Serve's floor with Baton's own
+    part beside it, and the low-rate breakdown."""
     s = result["settings"]
     lines = [
         f"bench gateway: 1 gateway replica, {s['replicas']} {result['engine']} replicas, "
@@ -89,23 +96,18 @@ def format_report(result: dict) -> str:
         f"step, {result['cpu_count']} CPUs, load average {result['load_average'][0]:.1f}",
         "added latency = the client's time to first token (ms); CPU in cores: generator "
         "(this process) / proxy / gateway / replicas",
-        f"{'offered':>8}{'achieved':>9}{'err':>5}{'p50':>8}{'p95':>8}{'p99':>8}"
-        f"{'total p99':>10}{'send lag p99':>13}  cpu gen/proxy/gw/repl",
+        *_step_rows(result["steps"]),
+        *_sustained_lines(result["sustained_per_s"], ""),
     ]
-    for step in result["steps"]:
-        ttft, cpu = step["ttft_ms"], step["cpu_cores"]
-        cores = "/".join(
-            f"{cpu.get(k, 0):.2f}" for k in ("generator", "proxy", "gateway", "replicas")
-        )
-        lines.append(
-            f"{step['offered_per_s']:>8g}{step['achieved_per_s']:>9.1f}{step['errors']:>5}"
-            f"{_ms(ttft.get('p50')):>8}{_ms(ttft.get('p95')):>8}{_ms(ttft.get('p99')):>8}"
-            f"{_ms(step['total_ms'].get('p99')):>10}"
-            f"{_ms(step['send_lag_ms'].get('p99')):>13}  {cores}"
-        )
-    for limit, (name, rate) in zip(LIMITS_MS, result["sustained_per_s"].items(), strict=True):
-        found = f"{rate:g} req/s" if rate is not None else "not met at any rate tried"
-        lines.append(f"sustained rate, added latency p99 <= {limit:g} ms: {found} ({name})")
+    if floor := result.get("floor"):
+        lines += [
+            f"{floor['app']}; the same load on a fresh Ray (gateway: its ingress, replicas: "
+            "its engines):",
+            *_step_rows(floor["steps"]),
+            *_sustained_lines(floor["sustained_per_s"], " (floor)"),
+            "Baton's own part (Baton - floor), ms:",
+            *_own_part(result["steps"], floor["steps"]),
+        ]
     if breakdown := result.get("breakdown"):
         ttft = breakdown["ttft_ms"]
         lines.append(
@@ -116,6 +118,52 @@ def format_report(result: dict) -> str:
         for part, q in breakdown["parts_ms"].items():
             lines.append(f"  {part:<16} p50 {_ms(q['p50']):>7} ms   p99 {_ms(q['p99']):>7} ms")
     return "\n".join(lines)
+
+
+def _step_rows(steps: list[dict]) -> list[str]:
+    rows = [
+        f"{'offered':>8}{'achieved':>9}{'err':>5}{'p50':>8}{'p95':>8}{'p99':>8}"
+        f"{'total p99':>10}{'send lag p99':>13}  cpu gen/proxy/gw/repl"
+    ]
+    for step in steps:
+        ttft, cpu = step["ttft_ms"], step["cpu_cores"]
+        cores = "/".join(
+            f"{cpu.get(k, 0):.2f}" for k in ("generator", "proxy", "gateway", "replicas")
+        )
+        rows.append(
+            f"{step['offered_per_s']:>8g}{step['achieved_per_s']:>9.1f}{step['errors']:>5}"
+            f"{_ms(ttft.get('p50')):>8}{_ms(ttft.get('p95')):>8}{_ms(ttft.get('p99')):>8}"
+            f"{_ms(step['total_ms'].get('p99')):>10}"
+            f"{_ms(step['send_lag_ms'].get('p99')):>13}  {cores}"
+        )
+    return rows
+
+
+def _sustained_lines(sustained: dict[str, float | None], label: str) -> list[str]:
+    from baton_serve.loadtests.gateway_rate import LIMITS_MS
+
+    lines = []
+    for limit, (name, rate) in zip(LIMITS_MS, sustained.items(), strict=True):
+        found = f"{rate:g} req/s" if rate is not None else "not met at any rate tried"
+        lines.append(f"sustained rate{label}, added latency p99 <= {limit:g} ms: {found} ({name})")
+    return lines
+
+
+def _own_part(steps: list[dict], floor_steps: list[dict]) -> list[str]:
+    """Per rate both ramps reached: Baton's p50/p95/p99 less the floor's."""
+    floor_by_rate = {s["offered_per_s"]: s["ttft_ms"] for s in floor_steps}
+    lines = []
+    for step in steps:
+        floor = floor_by_rate.get(step["offered_per_s"])
+        if floor is None:
+            continue
+        parts = [
+            f"{q} {step['ttft_ms'][q] - floor[q]:+.2f}"
+            for q in ("p50", "p95", "p99")
+            if q in step["ttft_ms"] and q in floor
+        ]
+        lines.append(f"{step['offered_per_s']:>8g} req/s  " + "  ".join(parts))
+    return lines
 
 
 def _ms(value: float | None) -> str:
@@ -132,7 +180,12 @@ def latency_plot(result: dict, path: Path) -> Path:
     title = f"One gateway replica, {result['settings']['replicas']} instant replicas"
     with figure(path, title) as (ax,):
         for q, style in (("p50", "o-"), ("p95", "s-"), ("p99", "^-")):
-            ax.plot(rates, [s["ttft_ms"].get(q) for s in steps], style, label=f"TTFT {q}")
+            ax.plot(rates, [s["ttft_ms"].get(q) for s in steps], style, label=f"Baton {q}")
+        if floor := result.get("floor"):
+            floor_rates = [s["offered_per_s"] for s in floor["steps"]]
+            for q, style in (("p50", "o:"), ("p99", "^:")):
+                values = [s["ttft_ms"].get(q) for s in floor["steps"]]
+                ax.plot(floor_rates, values, style, label=f"Ray Serve floor {q}")
         for limit in LIMITS_MS:
             ax.axhline(limit, color="grey", linestyle="--", linewidth=1, label=f"{limit:g} ms")
         ax.set_xscale("log")

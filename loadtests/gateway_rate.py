@@ -12,39 +12,54 @@ sustained rate is the highest offered rate that passes.
 
 The load generator shares the machine: each step reports its own CPU use (and that of the
 gateway, proxy and replica processes), and how late it sent requests, so a generator-bound
-step can be told from a gateway-bound one. A last, traced run at a low rate cuts the added
-latency into its parts (`span_breakdown`).
+step can be told from a gateway-bound one. The same ramp then runs against Ray Serve's floor
+(`serve_floor`: a FastAPI ingress and a handle call, no Baton code) on a fresh Ray with the
+same settings, so Baton's own part of the added latency can be told from Ray Serve's. A last,
+traced run at a low rate cuts the added latency into its parts (`span_breakdown`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import secrets
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import httpx
 import numpy as np
-import psutil
 
-from baton_serve.deploy.app import GATEWAY_DEPLOYMENT, REPLICA_DEPLOYMENT
+from baton_serve.deploy.app import (
+    GATEWAY_CPUS,
+    GATEWAY_DEPLOYMENT,
+    REPLICA_DEPLOYMENT,
+    local_cluster_cpus,
+    replica_max_ongoing,
+)
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.loadtests.bench_http import bench_client
+from baton_serve.loadtests.gateway_load import (
+    REQUEST_TIMEOUT_S,
+    Client,
+    CpuMeter,
+    Prompts,
+    Sent,
+    quantiles,
+    step_figures,
+)
 from baton_serve.loadtests.progress import SILENT
-from baton_serve.loadtests.serve_app import on_local_ray, wait_idle
+from baton_serve.loadtests.serve_app import on_local_ray, on_local_ray_application, wait_idle
+from baton_serve.loadtests.serve_floor import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, floor_app
 from baton_serve.loadtests.span_breakdown import (
     GATEWAY_ROOT,
     NEEDED,
     TTFT_PARTS,
     SpanReceiver,
-    new_trace,
     request_parts,
 )
-from baton_serve.loadtests.sse import StreamError, aresponse_events
 from baton_serve.replicas.engine.emulated_timing import EmulatedTiming
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_model import LlamaModel
@@ -60,14 +75,14 @@ INSTANT = EmulatedTiming(
     restore_bytes_per_s=INSTANT_SPEED,
 )
 APP = "gateway-rate"
+FLOOR_APP = "serve-floor"
+FLOOR = "Ray Serve floor: a FastAPI ingress streaming one handle call (Ray's pow2), no Baton code"
 COMPLETIONS_ROOT = "POST /v1/completions"  # the gateway's root span of these requests
 LIMITS_MS = (10.0, 50.0)  # the target, and the fallback where the target is never met
 MIN_ACHIEVED = 0.95  # of the offered rate
 MISSES_TO_STOP = 2  # steps past the loosest limit before the ramp stops
-REQUEST_TIMEOUT_S = 30.0
 WARMUP_REQUESTS = 20
 BLOCK_TOKENS = 16
-QUANTILES = (50, 95, 99)
 
 
 @dataclass(frozen=True)
@@ -82,19 +97,11 @@ class GatewayRateSettings:
     seed: int = 0
     breakdown_rate: float = 5.0  # req/s of the traced run (0: no breakdown)
     breakdown_s: float = 10.0
+    floor: bool = True  # the same ramp against Ray Serve's floor (`serve_floor`)
 
-
-@dataclass
-class Sent:
-    """One request as the client saw it (times in seconds)."""
-
-    lag_s: float  # sent this late after its Poisson arrival time
-    ttft_s: float | None = None
-    total_s: float | None = None
-    error: str | None = None
-    trace_id: str = ""
-    sent_ns: int = 0
-    parts: dict[str, float] | None = None
+    def prompts(self, n_vocab: int) -> Prompts:
+        """The seeded prompts of one run (each run sends the same)."""
+        return Prompts(self.prompt_tokens, self.prefixes, self.seed, n_vocab)
 
 
 def engine_config(settings: GatewayRateSettings) -> EngineConfig:
@@ -108,147 +115,6 @@ def engine_config(settings: GatewayRateSettings) -> EngineConfig:
         checkpoint_interval=64,
         emulated=INSTANT,
     )
-
-
-class Prompts:
-    """Seeded token-id prompts: one of `prefixes` shared heads, then the request's own tail."""
-
-    def __init__(self, settings: GatewayRateSettings, n_vocab: int) -> None:
-        rng = np.random.default_rng(settings.seed)
-        low, high = min(100, n_vocab - 1), n_vocab
-        head = settings.prompt_tokens * 3 // 4
-        self._heads = rng.integers(low, high, (settings.prefixes, head)).tolist()
-        self._tails = np.random.default_rng(settings.seed + 1)
-        self._tail, self._low, self._high = settings.prompt_tokens - head, low, high
-
-    def next(self) -> list[int]:
-        head = self._heads[int(self._tails.integers(len(self._heads)))]
-        return head + self._tails.integers(self._low, self._high, self._tail).tolist()
-
-
-class Client:
-    """Sends the bench's requests to one app and measures each."""
-
-    def __init__(self, http: httpx.AsyncClient, url: str, model: str, prompts: Prompts) -> None:
-        self._http, self._url, self._model, self._prompts = http, url, model, prompts
-
-    async def send(self, lag_s: float, *, traced: bool = False) -> Sent:
-        body = {"model": self._model, "prompt": self._prompts.next(), "max_tokens": 1}
-        body |= {"temperature": 0, "ignore_eos": True, "stream": True}
-        body |= {"stream_options": {"include_usage": True}}
-        sent = Sent(lag_s=lag_s, sent_ns=time.time_ns())
-        headers = {}
-        if traced:
-            sent.trace_id, headers["traceparent"] = new_trace()
-        started = time.perf_counter()
-        try:
-            async with (
-                asyncio.timeout(REQUEST_TIMEOUT_S),
-                self._http.stream(
-                    "POST", f"{self._url}/v1/completions", json=body, headers=headers
-                ) as r,
-            ):
-                if r.status_code != 200:
-                    await r.aread()
-                    sent.error = f"HTTP {r.status_code}"
-                    return sent
-                async for chunk in aresponse_events(r):
-                    if sent.ttft_s is None and chunk["choices"] and chunk["choices"][0]["text"]:
-                        sent.ttft_s = time.perf_counter() - started
-        except StreamError as exc:
-            sent.error = (exc.error or {}).get("type") or "stream error"
-        except httpx.HTTPError as exc:
-            sent.error = type(exc).__name__
-        except TimeoutError:
-            sent.error = f"no reply within {REQUEST_TIMEOUT_S:g} s"
-        else:
-            sent.total_s = time.perf_counter() - started
-            if sent.ttft_s is None:
-                sent.error = "no token"
-        return sent
-
-    async def open_loop(
-        self, rate: float, seconds: float, rng: np.random.Generator, *, traced: bool = False
-    ) -> tuple[list[Sent], float]:
-        """Poisson arrivals at `rate` for `seconds`, each sent whether or not earlier ones
-        have answered; every request, and the time until the last one ended (at least
-        `seconds`)."""
-        arrivals = np.cumsum(rng.exponential(1 / rate, math.ceil(rate * seconds * 2) + 10))
-        arrivals = arrivals[arrivals < seconds]
-        start = time.perf_counter()
-        tasks = []
-        for at in arrivals:
-            if (wait := start + at - time.perf_counter()) > 0:
-                await asyncio.sleep(wait)
-            lag = time.perf_counter() - start - at
-            tasks.append(asyncio.create_task(self.send(lag, traced=traced)))
-        sent = list(await asyncio.gather(*tasks))
-        return sent, max(seconds, time.perf_counter() - start)
-
-
-class CpuMeter:
-    """CPU seconds of this process (the load generator) and of the app's Ray processes,
-    found by their command lines: the gateway and the replicas (`ray::ServeReplica:APP:…`)
-    and the HTTP ingress (the `haproxy` process, its manager actor, Serve's fallback proxy)."""
-
-    def __init__(self, app: str) -> None:
-        self._groups: dict[str, list[psutil.Process]] = {"generator": [psutil.Process()]}
-        prefixes = {
-            "gateway": (f"ray::ServeReplica:{app}:{GATEWAY_DEPLOYMENT}",),
-            "replicas": (f"ray::ServeReplica:{app}:{REPLICA_DEPLOYMENT}",),
-            "proxy": ("ray::ProxyActor", "ray::HAProxyManager"),
-        }
-        for proc in psutil.process_iter(["cmdline", "name"]):
-            line = " ".join(proc.info["cmdline"] or ())
-            group = (
-                "proxy"
-                if proc.info["name"] == "haproxy"
-                else next((g for g, starts in prefixes.items() if line.startswith(starts)), None)
-            )
-            if group is not None:
-                self._groups.setdefault(group, []).append(proc)
-
-    def seconds(self) -> dict[str, float]:
-        found = {}
-        for group, procs in self._groups.items():
-            total = 0.0
-            for proc in procs:
-                try:
-                    times = proc.cpu_times()
-                except psutil.Error:  # a replica gone: its time is no longer counted
-                    continue
-                total += times.user + times.system
-            found[group] = total
-        return found
-
-
-def _quantiles(values: list[float]) -> dict[str, float | None]:
-    return {f"p{q}": float(np.percentile(values, q)) if values else None for q in QUANTILES}
-
-
-def step_figures(
-    rate: float, seconds: float, sent: list[Sent], wall_s: float, cpu: dict[str, float]
-) -> dict:
-    """One step: added latency (TTFT) and total in ms, the rate sent (the Poisson draw's,
-    over `seconds`) and achieved (answered over the time to the last answer), errors, CPU
-    (cores)."""
-    ok = [s for s in sent if s.error is None]
-    ms = {k: v * 1e3 for k, v in _quantiles([s.ttft_s for s in ok]).items() if v is not None}
-    total = {k: v * 1e3 for k, v in _quantiles([s.total_s for s in ok]).items() if v is not None}
-    achieved = len(ok) / wall_s if wall_s > 0 else 0.0
-    return {
-        "offered_per_s": rate,
-        "sent_per_s": len(sent) / seconds,
-        "requests": len(sent),
-        "errors": len(sent) - len(ok),
-        "error_kinds": sorted({s.error for s in sent if s.error}),
-        "achieved_per_s": achieved,
-        "ttft_ms": ms,
-        "total_ms": total,
-        "send_lag_ms": {k: v * 1e3 for k, v in _quantiles([s.lag_s for s in sent]).items() if v},
-        "cpu_cores": {k: v / wall_s for k, v in cpu.items()} if wall_s > 0 else {},
-        "wall_s": wall_s,
-    }
 
 
 def passes(step: dict, limit_ms: float) -> bool:
@@ -273,7 +139,16 @@ def sustained(steps: list[dict]) -> dict[str, float | None]:
     }
 
 
-async def _ramp(url: str, model: str, settings: GatewayRateSettings, prompts: Prompts, step):
+async def _ramp(
+    url: str,
+    model: str,
+    settings: GatewayRateSettings,
+    prompts: Prompts,
+    meter: Callable[[], CpuMeter],
+    step: Callable[[str], None],
+) -> list[dict]:
+    """Every rate step against the app at `url` (its processes metered by `meter()`), until
+    one falls behind or `MISSES_TO_STOP` pass no limit."""
     rng = np.random.default_rng(settings.seed)
     async with bench_client(REQUEST_TIMEOUT_S, keepalive=500) as http:
         client = Client(http, url, model, prompts)
@@ -281,12 +156,12 @@ async def _ramp(url: str, model: str, settings: GatewayRateSettings, prompts: Pr
             warm = await client.send(0.0)
             if warm.error:
                 raise RuntimeError(f"warm-up request failed: {warm.error}")
-        meter, steps, misses = CpuMeter(APP), [], 0
+        cpu_meter, steps, misses = meter(), [], 0
         for rate in settings.rates:
             step(f"{rate:g} req/s for {settings.step_s:g} s")
-            before = meter.seconds()
+            before = cpu_meter.seconds()
             sent, wall = await client.open_loop(rate, settings.step_s, rng)
-            cpu = {k: v - before.get(k, 0.0) for k, v in meter.seconds().items()}
+            cpu = {k: v - before.get(k, 0.0) for k, v in cpu_meter.seconds().items()}
             steps.append(step_figures(rate, settings.step_s, sent, wall, cpu))
             misses += not passes(steps[-1], max(LIMITS_MS))
             if misses >= MISSES_TO_STOP or not kept_up(steps[-1]):
@@ -347,18 +222,21 @@ def _deployed(
 def gateway_rate_benchmark(
     model_path: str, settings: GatewayRateSettings = GatewayRateSettings(), *, progress=SILENT
 ) -> dict:
-    """The ramp on one deployment, then (unless `breakdown_rate` is 0) the traced low-rate
-    run on a second one; the figures as one JSON-ready dict."""
+    """The ramp on Baton's app, then (unless `floor` is off) on Ray Serve's floor, then
+    (unless `breakdown_rate` is 0) the traced low-rate run on Baton's app again, each on a
+    fresh Ray; the figures as one JSON-ready dict."""
     model = LlamaModel(model_path, vocab_only=True)
     try:
         n_vocab = model.n_vocab
     finally:
         model.close()
-    progress.start(len(settings.rates) + 2)
+    progress.start((len(settings.rates) + 1) * (1 + settings.floor) + 1)
     step: Callable[[str], None] = progress.step
     step(f"deploying {settings.replicas} emulated:instant replicas, 1 gateway replica")
+    meter = partial(CpuMeter, APP, GATEWAY_DEPLOYMENT, REPLICA_DEPLOYMENT)
     with _deployed(model_path, settings, {}) as (url, name):
-        steps = asyncio.run(_ramp(url, name, settings, Prompts(settings, n_vocab), step))
+        ramp = _ramp(url, name, settings, settings.prompts(n_vocab), meter, step)
+        steps = asyncio.run(ramp)
         health = httpx.get(f"{url}/health").json()
     result = {
         "model": model_path,
@@ -372,16 +250,37 @@ def gateway_rate_benchmark(
         "steps": steps,
         "sustained_per_s": sustained(steps),
     }
+    if settings.floor:
+        step(f"deploying Ray Serve's floor: 1 ingress replica, {settings.replicas} engines")
+        floor_steps = _floor_ramp(settings, n_vocab, step)
+        result["floor"] = {
+            "app": FLOOR,
+            "steps": floor_steps,
+            "sustained_per_s": sustained(floor_steps),
+        }
     if settings.breakdown_rate > 0:
         step(f"traced run at {settings.breakdown_rate:g} req/s, for the breakdown")
         result["breakdown"] = _breakdown(model_path, settings, n_vocab)
     return result
 
 
+def _floor_ramp(
+    settings: GatewayRateSettings, n_vocab: int, step: Callable[[str], None]
+) -> list[dict]:
+    """The ramp against `serve_floor`'s app, its engines taking as many requests at once
+    as Baton's replicas here."""
+    max_ongoing = replica_max_ongoing(engine_config(settings).n_slots)
+    build = partial(floor_app, settings.replicas, max_ongoing)
+    cpus = local_cluster_cpus(settings.replicas * 0.01 + GATEWAY_CPUS)
+    meter = partial(CpuMeter, FLOOR_APP, INGRESS_DEPLOYMENT, ENGINE_DEPLOYMENT)
+    with on_local_ray_application(build, FLOOR_APP, cpus, {}) as url:
+        return asyncio.run(_ramp(url, "floor", settings, settings.prompts(n_vocab), meter, step))
+
+
 def _breakdown(model_path: str, settings: GatewayRateSettings, n_vocab: int) -> dict:
     with SpanReceiver().running() as receiver:
         with _deployed(model_path, settings, receiver.env) as (url, name):
-            sent = asyncio.run(_traced(url, name, settings, Prompts(settings, n_vocab)))
+            sent = asyncio.run(_traced(url, name, settings, settings.prompts(n_vocab)))
             asyncio.run(wait_idle(APP))
         _spans_arrived(receiver, sent)
         for s in sent:
@@ -396,6 +295,6 @@ def _breakdown(model_path: str, settings: GatewayRateSettings, n_vocab: int) -> 
         "rate_per_s": settings.breakdown_rate,
         "requests": len(sent),
         "traced": sum(1 for s in sent if s.parts),
-        "ttft_ms": _quantiles(ok),
+        "ttft_ms": quantiles(ok),
         "parts_ms": part_quantiles(sent),
     }

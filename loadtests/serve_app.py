@@ -6,13 +6,14 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import httpx
 import ray
 from ray import serve
 from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX
 from ray.serve._private.constants import SERVE_NAMESPACE
+from ray.serve.deployment import Application
 
 from baton_serve.deploy.app import (
     REPLICA_DEPLOYMENT,
@@ -35,11 +36,18 @@ def serve_app(config: BatonConfig, name: str, http_port: int | None) -> Iterator
     Starts Serve on a free port (and shuts it down after) unless `http_port` names the port
     of a Serve instance already running; then only this app is added and deleted.
     """
+    with serve_application(build_app(config), name, http_port) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serve_application(app: Application, name: str, http_port: int | None) -> Iterator[str]:
+    """`serve_app` for any Serve application answering `GET /health`."""
     port = http_port or free_port()
     if http_port is None:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+        serve.run(app, name=name, route_prefix=f"/{name}")
         try:
             url = f"http://127.0.0.1:{port}/{name}"
             wait_healthy(url)
@@ -57,13 +65,23 @@ def on_local_ray(
 ) -> Iterator[tuple[str, str]]:
     """A fresh local Ray cluster (its processes see `env` too) with `config` deployed as
     `name`; yields the app's base URL and served model name."""
+    cpus = local_cluster_cpus(logical_cpus(config))
+    with on_local_ray_application(lambda: build_app(config), name, cpus, env) as url:
+        yield url, config.served_model_name
+
+
+@contextlib.contextmanager
+def on_local_ray_application(
+    build: Callable[[], Application], name: str, num_cpus: int, env: Mapping[str, str] | None
+) -> Iterator[str]:
+    """`on_local_ray` for any application answering `GET /health`, built by `build` once
+    `env` is set; yields its base URL."""
     env = env or {}
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:
-        with local_ray(local_cluster_cpus(logical_cpus(config))):
-            with serve_app(config, name, None) as url:
-                yield url, config.served_model_name
+        with local_ray(num_cpus), serve_application(build(), name, None) as url:
+            yield url
     finally:
         for key, value in saved.items():
             if value is None:

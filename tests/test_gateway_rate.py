@@ -1,7 +1,8 @@
 """`baton bench gateway` end to end on a tiny model: two short rate steps through the real
 Serve app (proxy, one gateway replica, Baton's router, embedded index) on 2 instant
-emulated replicas; every figure is in the JSON, no request failed, and /health names the
-emulated engine. The traced run (a second Ray start, with tracing on) is left out to keep
+emulated replicas, then the same steps against Ray Serve's floor (a FastAPI ingress and one
+handle call, no Baton code, on a fresh Ray); every figure is in the JSON for both, no request
+failed, and /health names the emulated engine. The traced run (a second Ray start, with tracing on) is left out to keep
 the test short; `baton bench peer`'s test covers the span breakdown it reuses.
 
 The bench runs in its own process (`baton bench gateway --json`): it starts and stops Ray
@@ -17,6 +18,7 @@ import sys
 import pytest
 from plot_files import assert_png
 
+from baton_serve.loadtests.gateway_cli import format_report
 from baton_serve.loadtests.gateway_rate import LIMITS_MS, passes, sustained
 
 BENCH_TIMEOUT_S = 300
@@ -37,7 +39,20 @@ def test_the_gateway_bench_measures_each_rate_step(tiny_model, tmp_path) -> None
 
     assert result["engine"] == "emulated:instant"
     assert result["health"] == {"status": "ok", "engine": "emulated:instant"}
-    steps = result["steps"]
+    floor = result["floor"]
+    assert "no Baton code" in floor["app"]
+    for ramp in (result, floor):
+        _assert_measured(ramp["steps"])
+        assert set(ramp["sustained_per_s"]) == {f"p99_le_{limit:g}ms" for limit in LIMITS_MS}
+    assert "breakdown" not in result
+    report = format_report(result).splitlines()
+    own = report[report.index("Baton's own part (Baton - floor), ms:") + 1 :]
+    assert len(own) == min(len(result["steps"]), len(floor["steps"])), report
+    assert_png(tmp_path / "gateway_latency.png")
+
+
+def _assert_measured(steps: list[dict]) -> None:
+    """Each step sent, answered every request, and has its latencies and CPU."""
     assert [s["offered_per_s"] for s in steps] == list(RATES[: len(steps)]) and steps
     for step in steps:
         assert step["requests"] > 0 and step["errors"] == 0, step
@@ -46,9 +61,6 @@ def test_the_gateway_bench_measures_each_rate_step(tiny_model, tmp_path) -> None
             assert set(step[figure]) == {"p50", "p95", "p99"}, step
         assert 0 < step["ttft_ms"]["p50"] <= step["ttft_ms"]["p99"] <= step["total_ms"]["p99"]
         assert step["cpu_cores"]["generator"] > 0 and step["cpu_cores"]["gateway"] > 0, step
-    assert set(result["sustained_per_s"]) == {f"p99_le_{limit:g}ms" for limit in LIMITS_MS}
-    assert "breakdown" not in result
-    assert_png(tmp_path / "gateway_latency.png")
 
 
 def _step(offered: float, p99_ms: float, *, answered: float = 1.0, errors: int = 0) -> dict:
