@@ -276,7 +276,7 @@ def test_a_copy_older_than_its_bound_falls_back_to_direct_lookups(redis_server) 
             max_view_age_s=1.5,
         )
         try:
-            router.view.reset(await read_snapshot(index))
+            await router.view.reset(await read_snapshot(index))
             await index.heartbeat("b")
             await index.publish("b", [IndexEntry(c[-1], 640, 1000) for c in chains])
             before = counts()

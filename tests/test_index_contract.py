@@ -21,7 +21,7 @@ from baton_serve.cache_store.index.index import (
 )
 from baton_serve.cache_store.index.index_connect import connect_index
 from baton_serve.cache_store.index.index_view import IndexView
-from baton_serve.cache_store.index.memory_index import MemoryIndex
+from baton_serve.cache_store.index.memory_index import IndexSnapshot, MemoryIndex
 from baton_serve.cache_store.index.redis_index import RedisIndex, key_prefix
 from baton_serve.loadtests.redis_server import RedisServer
 
@@ -421,3 +421,37 @@ def test_memory_index_heap_stays_bounded_under_touches() -> None:
     clock.t += 10
     index.heartbeat(b"fp", "r1", ttl_s=10)
     assert index.lookup(b"fp", [h(i) for i in range(100)]) == {} and model.size == 0
+
+
+async def test_a_large_snapshot_is_copied_while_the_event_loop_serves_others() -> None:
+    """A view copying a snapshot of 200,000 entries (a router's resync) is out of sync
+    while it copies — lookups go to the store — and the event loop it shares with every
+    request keeps running meanwhile; then it answers from the copy."""
+    entries = tuple(
+        (f"r{i % 64}", IndexEntry(os.urandom(16), 64 * (1 + i % 8), 1000), 600.0)
+        for i in range(200_000)
+    )
+    alive = {f"r{i}": 30.0 for i in range(64)}
+    snapshot = IndexSnapshot(seq=7, entries=entries, alive=alive, origin="store")
+    view = IndexView()
+    ticks, copying = 0, True
+
+    async def other_work() -> None:
+        nonlocal ticks
+        while copying:
+            ticks += 1
+            assert not view.synced
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(other_work())
+    await asyncio.sleep(0)
+    await view.reset(snapshot)
+    copying = False
+    await ticker
+    assert ticks > 1, "the event loop ran nothing else while the snapshot was copied"
+    assert view.synced and view.seq == 7 and view.origin == "store"
+    assert view.entries == len(entries)
+    replica, entry, _ = entries[12_345]
+    assert view.lookup([entry.prefix_hash]) == {
+        replica: IndexMatch(replica, entry.prefix_hash, entry.n_tokens, entry.nbytes)
+    }

@@ -264,7 +264,7 @@ class EmbeddedIndex:
                 snapshot = await self._call(
                     "snapshot", self._actor.snapshot, timeout=SNAPSHOT_TIMEOUT_S
                 )
-                view.reset(snapshot)
+                await view.reset(snapshot)
                 while view.synced:
                     changes = await self._call(
                         "changes",

@@ -17,7 +17,7 @@ import math
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from baton_serve.cache_store.index.index import (
@@ -32,12 +32,15 @@ from baton_serve.cache_store.index.index import (
 CHANGE_LOG_SIZE = 100_000  # changes a follower may lag behind before it must resync
 
 
-@dataclass(slots=True)
-class _Held:
-    n_tokens: int
-    nbytes: int
-    expires_at: float
-    ready_at: float = 0.0
+# One replica's holding of one prefix: (n_tokens, nbytes, expires_at, ready_at), read by the
+# positions below. A plain tuple, not a class: the garbage collector stops tracking a tuple of
+# numbers, and then the dict of a prefix's holders, so a process holding an index of 100,000
+# entries has ~19k objects for each full collection to walk instead of ~219k (14 ms instead
+# of 34 on the 2-core development machine; a router's copy sits in every gateway).
+_Held = tuple[int, int, float, float]
+_N_TOKENS, _NBYTES, _EXPIRES_AT, _READY_AT = range(4)
+# An entry as a plain tuple, for the same reason: (prefix_hash, n_tokens, nbytes, ready_at).
+HeldPrefix = tuple[bytes, int, int, float]
 
 
 @dataclass(frozen=True)
@@ -83,19 +86,24 @@ class ModelIndex:
         self.size += replica_id not in replicas
         replicas[replica_id] = held
         self.by_replica.setdefault(replica_id, set()).add(prefix_hash)
-        heapq.heappush(self.expiry, (held.expires_at, prefix_hash, replica_id))
+        heapq.heappush(self.expiry, (held[_EXPIRES_AT], prefix_hash, replica_id))
         if len(self.expiry) > 2 * self.size + 1024:  # drop stale heap items
             self.expiry = [
-                (entry.expires_at, h, r)
+                (held[_EXPIRES_AT], h, r)
                 for h, by_replica in self.holders.items()
-                for r, entry in by_replica.items()
+                for r, held in by_replica.items()
             ]
             heapq.heapify(self.expiry)
 
     def publish(self, replica_id: str, entries: Sequence[IndexEntry], expires_at: float) -> None:
         for entry in entries:
-            held = _Held(entry.n_tokens, entry.nbytes, expires_at, entry.ready_at)
+            held = (entry.n_tokens, entry.nbytes, expires_at, entry.ready_at)
             self.put(entry.prefix_hash, replica_id, held)
+
+    def hold(self, replica_id: str, entries: Iterable[HeldPrefix], expires_at: float) -> None:
+        """`publish` for entries as plain tuples (a router's own record of what it sent)."""
+        for prefix_hash, n_tokens, nbytes, ready_at in entries:
+            self.put(prefix_hash, replica_id, (n_tokens, nbytes, expires_at, ready_at))
 
     def touch(self, replica_id: str, hashes: Sequence[bytes], expires_at: float) -> None:
         for prefix_hash in hashes:
@@ -104,7 +112,7 @@ class ModelIndex:
                 self.put(
                     prefix_hash,
                     replica_id,
-                    _Held(held.n_tokens, held.nbytes, expires_at, held.ready_at),
+                    (held[_N_TOKENS], held[_NBYTES], expires_at, held[_READY_AT]),
                 )
 
     def remove(self, prefix_hash: bytes, replica_id: str) -> None:
@@ -130,7 +138,7 @@ class ModelIndex:
         while self.expiry and self.expiry[0][0] <= now:
             _, prefix_hash, replica_id = heapq.heappop(self.expiry)
             held = self.holders.get(prefix_hash, {}).get(replica_id)
-            if held is not None and held.expires_at <= now:
+            if held is not None and held[_EXPIRES_AT] <= now:
                 self.remove(prefix_hash, replica_id)
 
     def is_alive(self, replica_id: str, now: float) -> bool:
@@ -145,15 +153,15 @@ class ModelIndex:
         known_best, holders = best.get, self.holders
         for prefix_hash in hashes:
             for replica_id, held in holders.get(prefix_hash, {}).items():
-                if held.expires_at <= now:
+                if held[_EXPIRES_AT] <= now:
                     continue
                 known = known_best(replica_id)
                 if known is not None:  # `better_match`, inlined
                     than = known[0]
-                    if held.n_tokens != than.n_tokens:
-                        if held.n_tokens < than.n_tokens:
+                    if held[_N_TOKENS] != than[_N_TOKENS]:
+                        if held[_N_TOKENS] < than[_N_TOKENS]:
                             continue
-                    elif not held.ready_at == 0 < than.ready_at:
+                    elif not held[_READY_AT] == 0 < than[_READY_AT]:
                         continue
                 alive = live.get(replica_id)
                 if alive is None:
@@ -161,16 +169,16 @@ class ModelIndex:
                 if alive:
                     best[replica_id] = (held, prefix_hash)
         return {
-            rid: IndexMatch(rid, prefix_hash, held.n_tokens, held.nbytes, held.ready_at)
+            rid: IndexMatch(rid, prefix_hash, held[_N_TOKENS], held[_NBYTES], held[_READY_AT])
             for rid, (held, prefix_hash) in best.items()
         }
 
     def snapshot(self, seq: int, now: float, origin: str) -> IndexSnapshot:
         entries = tuple(
-            (r, IndexEntry(h, held.n_tokens, held.nbytes, held.ready_at), held.expires_at - now)
+            (r, IndexEntry(h, n_tokens, nbytes, ready_at), expires_at - now)
             for h, by_replica in self.holders.items()
-            for r, held in by_replica.items()
-            if held.expires_at > now
+            for r, (n_tokens, nbytes, expires_at, ready_at) in by_replica.items()
+            if expires_at > now
         )
         alive = {r: until - now for r, until in self.alive.items() if until > now}
         return IndexSnapshot(seq=seq, entries=entries, alive=alive, origin=origin)

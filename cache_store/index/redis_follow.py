@@ -65,7 +65,7 @@ async def follow_changes(index: RedisIndex, view: IndexView, *, retry_s: float) 
             )
             pubsub = subscriber.pubsub(ignore_subscribe_messages=False)
             await _subscribe(pubsub, index)
-            view.reset(await read_snapshot(index))
+            await view.reset(await read_snapshot(index))
             while view.synced:
                 message = await pubsub.get_message(timeout=PING_IDLE_S)
                 if message is None:  # quiet: ask, so a stalled stream shows in the view's age

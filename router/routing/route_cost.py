@@ -90,9 +90,11 @@ def estimate(
     donors: list[Holding],
     now: float,
     settings: CostSettings,
+    *,
+    within_bound: bool = True,
 ) -> Estimate:
     """`replica`'s best plan for an `n_prompt`-token prompt; `donors` are other replicas'
-    holdings it could pull."""
+    holdings it could pull; `within_bound`: the replica is within the load bound."""
     speed = max(replica.prefill_tokens_per_s, 1e-6)
     own = replica.holding
     reused = own.n_tokens if own else 0
@@ -124,6 +126,7 @@ def estimate(
         seconds,
         plan,
         reused,
+        within_bound=within_bound,
         holding=holding,
         prefill_tokens_per_s=speed,
         state_at=now + state_s if state_s > 0 else 0.0,
@@ -139,6 +142,9 @@ def prefill_start(
     (`ReplicaState.gated`) computed once that is ready, and ahead of this request only if
     it is ready no later (the replica computes requests as their states come)."""
     speed = max(replica.prefill_tokens_per_s, 1e-6)
+    if not replica.gated:  # the common case, called for every donor of every candidate
+        queue_s = (replica.queued_tokens + settings.tokens_per_request * replica.load) / speed
+        return max(queue_s, state_s)
     waiting = sum(tokens for _, tokens in replica.gated)
     start = (replica.queued_tokens - waiting + settings.tokens_per_request * replica.load) / speed
     for at, tokens in replica.gated:
@@ -169,8 +175,8 @@ def rank(
             donors = [r.holding for r in replicas if r.holding and r is not replica]
         else:
             donors = useful
-        found = estimate(replica, n_prompt, donors, now, settings)
-        estimates.append(replace(found, within_bound=replica.load < bound))
+        within = replica.load < bound
+        estimates.append(estimate(replica, n_prompt, donors, now, settings, within_bound=within))
     return sorted(estimates, key=lambda e: (not e.within_bound, e.seconds, _tie(e, now)))
 
 

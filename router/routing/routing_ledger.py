@@ -24,8 +24,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from baton_serve.cache_store.index.index import IndexEntry, IndexMatch
-from baton_serve.cache_store.index.memory_index import ModelIndex
+from baton_serve.cache_store.index.index import IndexMatch
+from baton_serve.cache_store.index.memory_index import HeldPrefix, ModelIndex
 from baton_serve.replicas.engine.checkpoint_policy import prefill_checkpoints
 from baton_serve.replicas.wire.prompt_types import Prompt
 
@@ -36,7 +36,7 @@ LOAD_HISTORY_CHANGES = 4096  # per replica, whichever bound comes first
 @dataclass
 class _Sent:
     replica_id: str
-    entries: list[IndexEntry]
+    entries: list[HeldPrefix]  # plain tuples: see `memory_index.HeldPrefix`
     tokens: int  # prompt tokens the replica computes for it
     state_at: float = 0.0  # Unix time the state it reuses is ready, if it waits for one
 
@@ -148,7 +148,7 @@ class RoutingLedger:
             after = reused + tokens - max(n_tokens, reused)  # prompt tokens computed after it
             return ready_at - after / prefill_tokens_per_s  # never before the prefill starts
 
-        entries = [IndexEntry(h, n, 0, ready(n)) for h, n in held]
+        entries = [(h, n, 0, ready(n)) for h, n in held]
         sent = _Sent(replica_id, entries, tokens, state_at)
         self._sent.setdefault((replica_id, request_key), []).append(sent)
         if state_at > 0:
@@ -157,7 +157,7 @@ class RoutingLedger:
         self._tokens[replica_id] = self.queued_tokens(replica_id) + tokens
         expires = now + self.ttl_s + max(0.0, ready_at - time.time())
         self._prefixes.alive[replica_id] = max(self._prefixes.alive.get(replica_id, 0), expires)
-        self._prefixes.publish(replica_id, entries, expires)
+        self._prefixes.hold(replica_id, entries, expires)
 
     def completed(self, replica_id: str, request_key: str) -> None:
         """The request finished (or failed): its replica holds its prefixes now."""
@@ -169,9 +169,9 @@ class RoutingLedger:
             del self._sent[(replica_id, request_key)]
         self._settle(sent)
         expires = self._now() + self.ttl_s
-        held = [IndexEntry(e.prefix_hash, e.n_tokens, e.nbytes) for e in sent.entries]
+        held = [(h, n_tokens, nbytes, 0.0) for h, n_tokens, nbytes, _ in sent.entries]
         self._prefixes.alive[replica_id] = max(self._prefixes.alive.get(replica_id, 0), expires)
-        self._prefixes.publish(replica_id, held, expires)
+        self._prefixes.hold(replica_id, held, expires)
 
     def withdraw(self, replica_id: str, request_key: str) -> None:
         """A request recorded for `replica_id` went elsewhere (or nowhere): it counts there
@@ -183,12 +183,12 @@ class RoutingLedger:
         if not siblings:
             del self._sent[(replica_id, request_key)]
         self._settle(sent)
-        self._prefixes.forget(replica_id, [e.prefix_hash for e in sent.entries])
+        self._prefixes.forget(replica_id, [entry[0] for entry in sent.entries])
         expires = self._now() + self.ttl_s
         for (rid, _), others in self._sent.items():  # what other requests there still leave
             if rid == replica_id:
                 for other in others:
-                    self._prefixes.publish(replica_id, other.entries, expires)
+                    self._prefixes.hold(replica_id, other.entries, expires)
 
     def _settle(self, sent: _Sent) -> None:
         """`sent` is no longer in flight at its replica."""
