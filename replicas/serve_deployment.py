@@ -41,6 +41,7 @@ from baton_serve.replicas.wire.protocol import (
     ReplicaRequest,
     TokenEvent,
 )
+from baton_serve.replicas.wire.stream_batches import batches
 
 
 class ReplicaSettings(BaseModel):
@@ -133,9 +134,10 @@ class ReplicaDeployment:
 
     async def stream(
         self, request: ReplicaRequest
-    ) -> AsyncGenerator[Admitted | TokenEvent | Completion, None]:
-        async for item in self.replica.stream(request):
-            yield item
+    ) -> AsyncGenerator[list[Admitted | TokenEvent | Completion], None]:
+        """`Replica.stream`'s items, those ready at once in one message (`stream_batches`)."""
+        async for batch in batches(self.replica.stream(request)):
+            yield batch
 
     async def export_best(
         self,

@@ -53,9 +53,10 @@ class HandleReplicas:
             started = False  # the client has tokens: the request cannot be sent again
             try:
                 response = self._handle.options(stream=True).stream.remote(request)
-                async for item in response:
-                    started = started or not isinstance(item, Admitted)
-                    yield item
+                async for batch in response:  # the items ready at once (`stream_batches`)
+                    for item in batch:
+                        started = started or not isinstance(item, Admitted)
+                        yield item
                 return
             except RayTaskError as exc:
                 raise exc.cause from None
