@@ -31,7 +31,7 @@ async def batches(stream: AsyncGenerator[T, None]) -> AsyncGenerator[list[T], No
         try:
             async for item in stream:
                 ready.put_nowait(item)
-        except BaseException as exc:  # handed to the caller, after the items before it
+        except (Exception, asyncio.CancelledError) as exc:  # raised to the caller, in order
             ready.put_nowait(_Failed(exc))
             if isinstance(exc, asyncio.CancelledError):
                 raise
