@@ -52,7 +52,12 @@ from baton_serve.loadtests.gateway_load import (
 )
 from baton_serve.loadtests.progress import SILENT
 from baton_serve.loadtests.serve_app import on_local_ray, on_local_ray_application, wait_idle
-from baton_serve.loadtests.serve_floor import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, floor_app
+from baton_serve.loadtests.serve_floor import (
+    ENGINE_CPUS,
+    ENGINE_DEPLOYMENT,
+    INGRESS_DEPLOYMENT,
+    floor_app,
+)
 from baton_serve.loadtests.span_breakdown import (
     GATEWAY_ROOT,
     NEEDED,
@@ -211,7 +216,7 @@ def _deployed(
         model=model_path,
         replicas=settings.replicas,
         gateway_replicas=1,
-        num_cpus_per_replica=0.01,
+        num_cpus_per_replica=ENGINE_CPUS,  # as the floor's engines: any number fit
         engine=engine_config(settings),
         index="embedded",
         hmac_key=secrets.token_hex(16),
@@ -271,7 +276,7 @@ def _floor_ramp(
     as Baton's replicas here."""
     max_ongoing = replica_max_ongoing(engine_config(settings).n_slots)
     build = partial(floor_app, settings.replicas, max_ongoing)
-    cpus = local_cluster_cpus(settings.replicas * 0.01 + GATEWAY_CPUS)
+    cpus = local_cluster_cpus(settings.replicas * ENGINE_CPUS + GATEWAY_CPUS)
     meter = partial(CpuMeter, FLOOR_APP, INGRESS_DEPLOYMENT, ENGINE_DEPLOYMENT)
     with on_local_ray_application(build, FLOOR_APP, cpus, {}) as url:
         return asyncio.run(_ramp(url, "floor", settings, settings.prompts(n_vocab), meter, step))

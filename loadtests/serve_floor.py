@@ -30,6 +30,7 @@ from baton_serve.router.gateway.serve_gateway import own_handle
 INGRESS_DEPLOYMENT = "FloorIngress"
 ENGINE_DEPLOYMENT = "FloorEngine"
 TOKEN = "x"
+ENGINE_CPUS = 0.01  # Ray CPUs an engine replica asks, so any number fit the machine
 
 
 async def _events(tokens: AsyncIterator[str], prompt_tokens: int) -> AsyncIterator[str]:
@@ -85,7 +86,7 @@ def floor_app(replicas: int, replica_max_ongoing: int) -> Application:
     engine = FloorEngine.options(
         num_replicas=replicas,
         max_ongoing_requests=replica_max_ongoing,
-        ray_actor_options={"num_cpus": 0.01},
+        ray_actor_options={"num_cpus": ENGINE_CPUS},
     )
     ingress = FloorIngress.options(
         num_replicas=1,

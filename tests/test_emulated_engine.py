@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import pytest
 from fixtures_ray import wait_healthy
+from plot_files import assert_png
 from ray import serve
 
 from baton_serve.cache_store.checkpoints.state_blob import BlobError
@@ -429,7 +430,7 @@ def test_the_report_plots_each_policys_ttfts_beside_the_simulators(tmp_path) -> 
     result = {"replicas": 32, "profile": {"name": "cpu"}, "slowdown": 4.0, "policies": policies}
     (path,) = emulated_plots(result, tmp_path)
     assert path.name == "emulated-32_ttft_cdf.png"
-    assert path.read_bytes().startswith(b"\x89PNG")
+    assert_png(path)
 
 
 # Prefix-affinity (Ray's PrefixCacheAffinityRouter) reads a request's text: token ids

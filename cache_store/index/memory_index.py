@@ -96,9 +96,8 @@ class ModelIndex:
             heapq.heapify(self.expiry)
 
     def publish(self, replica_id: str, entries: Sequence[IndexEntry], expires_at: float) -> None:
-        for entry in entries:
-            held = (entry.n_tokens, entry.nbytes, expires_at, entry.ready_at)
-            self.put(entry.prefix_hash, replica_id, held)
+        held = ((e.prefix_hash, e.n_tokens, e.nbytes, e.ready_at) for e in entries)
+        self.hold(replica_id, held, expires_at)
 
     def hold(self, replica_id: str, entries: Iterable[HeldPrefix], expires_at: float) -> None:
         """`publish` for entries as plain tuples (a router's own record of what it sent)."""

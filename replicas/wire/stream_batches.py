@@ -37,22 +37,25 @@ async def batches(stream: AsyncGenerator[T, None]) -> AsyncGenerator[list[T], No
                 raise
         finally:
             ready.put_nowait(_END)
-            await stream.aclose()
 
     reader = asyncio.create_task(pump())
     try:
         while True:
-            batch = [await ready.get()]
+            batch, end = [await ready.get()], None
             while not ready.empty():
                 batch.append(ready.get_nowait())
-            items = [item for item in batch if item is not _END and not isinstance(item, _Failed)]
+            items = []
+            for item in batch:
+                if item is _END or isinstance(item, _Failed):
+                    end = item  # the stream's last: nothing the caller needs comes after it
+                    break
+                items.append(item)
             if items:
                 yield cast(list[T], items)
-            for item in batch:
-                if isinstance(item, _Failed):
-                    raise item.error
-                if item is _END:
-                    return
+            if isinstance(end, _Failed):
+                raise end.error
+            if end is _END:
+                return
     finally:
         if not reader.done():
             reader.cancel()

@@ -142,10 +142,8 @@ def prefill_start(
     (`ReplicaState.gated`) computed once that is ready, and ahead of this request only if
     it is ready no later (the replica computes requests as their states come)."""
     speed = max(replica.prefill_tokens_per_s, 1e-6)
-    if not replica.gated:  # the common case, called for every donor of every candidate
-        queue_s = (replica.queued_tokens + settings.tokens_per_request * replica.load) / speed
-        return max(queue_s, state_s)
-    waiting = sum(tokens for _, tokens in replica.gated)
+    # mostly none: this runs for every donor of every candidate
+    waiting = sum(tokens for _, tokens in replica.gated) if replica.gated else 0
     start = (replica.queued_tokens - waiting + settings.tokens_per_request * replica.load) / speed
     for at, tokens in replica.gated:
         if at - now > state_s:
