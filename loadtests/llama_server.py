@@ -25,11 +25,13 @@ STOP_TIMEOUT_S = 10.0
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """What llama-server is started with: `-t threads -np slots -c slots x n_ctx --jinja`."""
+    """What llama-server is started with: `-t threads -np slots -c slots x n_ctx --jinja
+    -fa on|off` (flash attention as Baton's engines compute attention, not its `auto`)."""
 
     threads: int
     slots: int
     n_ctx: int  # per slot
+    flash_attn: bool = False
 
 
 def server_command(binary: Path, model: Path, settings: ServerSettings, port: int) -> list[str]:
@@ -38,6 +40,7 @@ def server_command(binary: Path, model: Path, settings: ServerSettings, port: in
         *("-m", str(model), "--host", "127.0.0.1", "--port", str(port)),
         *("-t", str(settings.threads), "-np", str(settings.slots)),
         *("-c", str(settings.slots * settings.n_ctx), "--jinja", "--no-webui"),
+        *("-fa", "on" if settings.flash_attn else "off"),
     ]
     if not cpu_choice().repack_safe:  # Baton's engine turns it off here too (AMX on this VM)
         command.append("--no-repack")

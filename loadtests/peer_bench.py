@@ -50,6 +50,7 @@ APP = "peer"
 HTTP_TIMEOUT_S = 600.0
 WARMUP_REQUESTS = 2
 QUANTILES = (50, 95, 99)
+ENGINE_REPORTED = {"n_ctx", "n_slots", "n_threads", "node_cores", "exact_reuse", "flash_attn"}
 TARGET = 1.0  # Baton / llama-server: at most this for latencies, at least for throughput
 
 
@@ -185,6 +186,7 @@ class Setup:
     replicas: int
     n_ctx: int
     exact_reuse: bool = True
+    flash_attn: bool = False  # both sides: Baton's `engine.flash_attn`, llama-server's `-fa`
 
     def baton(self, model: Path) -> BatonConfig:
         """Baton as `baton serve` lays it out on `threads` cores (`share_cpus`)."""
@@ -195,6 +197,7 @@ class Setup:
                 n_ctx=self.n_ctx,
                 n_slots=max(1, self.slots // self.replicas),
                 exact_reuse=self.exact_reuse,
+                flash_attn=self.flash_attn,
             ),
             index="embedded",
             hmac_key=secrets.token_hex(16),
@@ -205,7 +208,7 @@ class Setup:
 def deployed_engine(config: BatonConfig) -> dict:
     """The engine settings each replica of `config` runs with (for the report)."""
     engine = config.engine.model_copy(update={"n_threads": engine_threads(config)})
-    return engine.model_dump(include={"n_ctx", "n_slots", "n_threads", "node_cores", "exact_reuse"})
+    return engine.model_dump(include=ENGINE_REPORTED)
 
 
 def _baton(
@@ -295,12 +298,14 @@ def peer_benchmark(
     slots: int | None = None,
     replicas: int | None = None,
     exact_reuse: bool = True,
+    flash_attn: bool = False,
     traced: bool = True,
     progress: Progress = SILENT,
 ) -> tuple[dict, list[PeerRecord]]:
     """Run `workload` against llama-server, then Baton (and Baton traced, unless not
     `traced`). Threads default to the CPU count, slots to the concurrency, replicas to
-    `baton serve`'s default; Baton's engines replay replies unless not `exact_reuse`.
+    `baton serve`'s default; Baton's engines replay replies unless not `exact_reuse`; both
+    sides compute attention with flash attention only if `flash_attn`.
     Returns the summary and every request."""
     setup = Setup(
         threads=threads or usable_cpus(),  # what `baton serve` shares out
@@ -308,6 +313,7 @@ def peer_benchmark(
         replicas=replicas or BatonConfig.model_fields["replicas"].default,
         n_ctx=workload.n_ctx(),
         exact_reuse=exact_reuse,
+        flash_attn=flash_attn,
     )
     model = LlamaModel(model_path, vocab_only=True)
     try:
@@ -322,7 +328,7 @@ def peer_benchmark(
         return lambda k: progress.step(f"{name}: request {k}/{n}", done=index * n + k)
 
     progress.step(f"llama-server: -t {setup.threads} -np {setup.slots} (building it if needed)")
-    settings = ServerSettings(threads=setup.threads, slots=setup.slots, n_ctx=setup.n_ctx)
+    settings = ServerSettings(setup.threads, setup.slots, setup.n_ctx, setup.flash_attn)
     with llama_server(model_path, settings) as url:
         peer_rows, peer_wall = asyncio.run(
             _play(url, model_path.stem, LLAMA_SERVER, sessions, workload, step(LLAMA_SERVER, 0))

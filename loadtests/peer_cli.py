@@ -50,6 +50,12 @@ def add_peer_command(benches: argparse._SubParsersAction) -> None:
         help="Baton's engines keep the states their decode built, as llama-server does, "
         "instead of replaying each reply (engine.exact_reuse false)",
     )
+    peer.add_argument(
+        "--flash-attn",
+        action="store_true",
+        help="both sides compute attention with flash attention (Baton's engine.flash_attn, "
+        "llama-server's -fa on); without it both run -fa off, Baton's default",
+    )
     for name, what in _WORKLOAD_FLAGS.items():
         kind = int if name in ("seed", "chat-sessions", "agent-sessions") else positive_int
         peer.add_argument(f"--{name}", type=kind, help=what)
@@ -79,6 +85,7 @@ def _bench_peer(args: argparse.Namespace) -> int:
             slots=args.slots,
             replicas=args.replicas,
             exact_reuse=not args.no_exact_reuse,
+            flash_attn=args.flash_attn,
             traced=not args.no_breakdown,
             progress=progress,
         )

@@ -41,7 +41,8 @@ def format_report(result: dict) -> str:
         f"peer: {Path(result['model']).name}, {result['workload']['concurrency']} streams,"
         f" {peer['requests']} requests each (seed {result['workload']['seed']},"
         f" script {result['script']})",
-        f"  llama-server: -t {setup['threads']} -np {setup['slots']} --jinja",
+        f"  llama-server: -t {setup['threads']} -np {setup['slots']} --jinja"
+        f" -fa {'on' if setup.get('flash_attn') else 'off'}",
         f"  baton: {setup['replicas']} replicas x {engine['n_threads']} thread(s)"
         + (
             f" (prompts on up to {engine['node_cores']} idle cores)"
@@ -49,7 +50,8 @@ def format_report(result: dict) -> str:
             else ""
         )
         + f" x {engine['n_slots']} slot(s)"
-        + ("" if engine.get("exact_reuse", True) else ", exact_reuse off (no replays)"),
+        + ("" if engine.get("exact_reuse", True) else ", exact_reuse off (no replays)")
+        + (", flash attention on" if engine.get("flash_attn") else ""),
         "",
         f"  {'figure':<14}{'llama-server':>14}{'baton':>12}{'baton/llama':>13}  target",
     ]

@@ -19,6 +19,8 @@ import pytest
 from plot_files import assert_png
 
 from baton_serve.deploy.llama_server_build import cached_server
+from baton_serve.loadtests.llama_server import ServerSettings, server_command
+from baton_serve.loadtests.peer_report import format_report
 from baton_serve.loadtests.span_breakdown import TTFT_PARTS
 
 BENCH_TIMEOUT_S = 600
@@ -50,6 +52,7 @@ def test_peer_bench_serves_one_workload_on_both_sides(
         *(sys.executable, "-m", "baton_serve.deploy.cli", "bench", "peer"),
         *("--model", str(tiny_model("qwen35")), "--threads", "2", "--json"),
         "--no-exact-reuse",  # the flag reaches Baton's engines (the default: every other test)
+        "--flash-attn",  # and this one both sides
         *("--out", str(tmp_path), *flags),
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
@@ -64,10 +67,11 @@ def test_peer_bench_serves_one_workload_on_both_sides(
         assert 0 < summary["ttft_s"]["p50"] <= summary["ttft_s"]["p95"] <= summary["ttft_s"]["p99"]
         assert 0 < summary["itl_s"]["p50"] <= summary["itl_s"]["p99"], side
         assert summary["requests_per_s"] > 0, side
-    setup = {"threads": 2, "slots": 2, "replicas": 2, "n_ctx": 1024, "exact_reuse": False}
-    assert result["setup"] == setup
+    setup = {"threads": 2, "slots": 2, "replicas": 2, "n_ctx": 1024}
+    assert result["setup"] == setup | {"exact_reuse": False, "flash_attn": True}
     engine = {"n_ctx": 1024, "n_slots": 1, "n_threads": 1, "node_cores": 2}
-    assert result["engine"] == engine | {"exact_reuse": False}
+    assert result["engine"] == engine | {"exact_reuse": False, "flash_attn": True}
+    assert "-fa on" in format_report(result) and "flash attention on" in format_report(result)
     rows = {row["figure"]: row for row in result["rows"]}
     assert set(rows) == {f"{m} p{q}" for m in ("ttft", "itl") for q in (50, 95, 99)} | {
         "requests/s"
@@ -96,3 +100,12 @@ def test_peer_bench_serves_one_workload_on_both_sides(
 
     assert first_prompts("llama-server") == first_prompts("baton") == first_prompts("baton-traced")
     assert_png(tmp_path / "peer_latency.png")
+
+
+def test_llama_server_computes_attention_as_batons_engines(tmp_path) -> None:
+    """llama-server's own default is `-fa auto` (on, on the CPU); the bench names the
+    setting Baton's engines run with, so both sides compute the same kernels."""
+    binary, model = tmp_path / "llama-server", tmp_path / "m.gguf"
+    for flash_attn, value in ((False, "off"), (True, "on")):
+        command = server_command(binary, model, ServerSettings(2, 2, 1024, flash_attn), 8080)
+        assert command[command.index("-fa") + 1] == value
