@@ -186,7 +186,8 @@ class Setup:
     replicas: int
     n_ctx: int
     exact_reuse: bool = True
-    flash_attn: bool = False  # both sides: Baton's `engine.flash_attn`, llama-server's `-fa`
+    # Both sides: Baton's `engine.flash_attn` (its default unless asked), llama-server's `-fa`.
+    flash_attn: bool = EngineConfig.model_fields["flash_attn"].default
 
     def baton(self, model: Path) -> BatonConfig:
         """Baton as `baton serve` lays it out on `threads` cores (`share_cpus`)."""
@@ -298,7 +299,7 @@ def peer_benchmark(
     slots: int | None = None,
     replicas: int | None = None,
     exact_reuse: bool = True,
-    flash_attn: bool = False,
+    flash_attn: bool = EngineConfig.model_fields["flash_attn"].default,
     traced: bool = True,
     progress: Progress = SILENT,
 ) -> tuple[dict, list[PeerRecord]]:
