@@ -31,7 +31,7 @@ class ServerSettings:
     threads: int
     slots: int
     n_ctx: int  # per slot
-    flash_attn: bool = False
+    flash_attn: bool
 
 
 def server_command(binary: Path, model: Path, settings: ServerSettings, port: int) -> list[str]:

@@ -185,9 +185,8 @@ class Setup:
     slots: int
     replicas: int
     n_ctx: int
+    flash_attn: bool  # both sides: Baton's `engine.flash_attn`, llama-server's `-fa`
     exact_reuse: bool = True
-    # Both sides: Baton's `engine.flash_attn` (its default unless asked), llama-server's `-fa`.
-    flash_attn: bool = EngineConfig.model_fields["flash_attn"].default
 
     def baton(self, model: Path) -> BatonConfig:
         """Baton as `baton serve` lays it out on `threads` cores (`share_cpus`)."""
