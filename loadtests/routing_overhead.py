@@ -47,6 +47,7 @@ from baton_serve.replicas.wire.prompt_types import Prompt
 from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
 from baton_serve.replicas.wire.sampling_params import SamplingParams
 from baton_serve.router.routing.request_router import BatonRouter
+from baton_serve.router.routing.route_decision import REASONS
 from baton_serve.router.routing.routing_metrics import decision_counts
 
 ROUTER_LOOKUP_TIMEOUT_S = 0.02  # BatonRouter's default: what `build_app` deploys
@@ -174,6 +175,7 @@ async def _route_backend(spec: str, workload: Workload, seed: int) -> dict:
         "staleness_ms": latency_ms(staleness),
         "decision_ms": latency_ms(latencies),
         "prefix_hit_share": reasons.get("prefix_hit", 0) / len(pendings),
+        "reuse_share": sum(reasons.get(r, 0) for r in REASONS.values()) / len(pendings),
         "decisions_by_reason": reasons,
     }
 
@@ -243,14 +245,14 @@ def format_routing(result: dict) -> str:
         f" {result['replicas']} replicas, {result['checkpoints']:,} checkpoints indexed,"
         f" {result['chain']}-hash chains ({result['prompt_tokens']:,}-token prompts),"
         f" lookup timeout {result['lookup_timeout_ms']:g} ms",
-        f"{'backend':<9} {'p50 ms':>7} {'p95 ms':>7} {'p99 ms':>7} {'max ms':>7} {'hits':>5}"
+        f"{'backend':<9} {'p50 ms':>7} {'p95 ms':>7} {'p99 ms':>7} {'max ms':>7} {'hits':>5} {'reuse':>5}"
         f" {'timeouts':>8} {'stale p50':>9} {'p95':>6} {'p99 ms':>7} {'view sync s':>11}",
     ]
     for name, r in result["backends"].items():
         ms, stale = r["decision_ms"], r["staleness_ms"]
         lines.append(
             f"{name:<9} {ms['p50']:>7.3f} {ms['p95']:>7.3f} {ms['p99']:>7.3f} {ms['max']:>7.2f}"
-            f" {r['prefix_hit_share']:>5.0%} {r['decisions_by_reason'].get('index_timeout', 0):>8}"
+            f" {r['prefix_hit_share']:>5.0%} {r['reuse_share']:>5.0%} {r['decisions_by_reason'].get('index_timeout', 0):>8}"
             f" {stale['p50']:>9.2f} {stale['p95']:>6.2f} {stale['p99']:>7.2f}"
             f" {r['view_sync_s']:>11.1f}"
         )

@@ -17,7 +17,12 @@ def test_routing_overhead_reports_both_backends(redis_server, ray_cluster) -> No
         ms = backend["decision_ms"]
         assert 0 < ms["p50"] <= ms["p99"] <= ms["max"]
         assert sum(backend["decisions_by_reason"].values()) == 50
-        assert 0 < backend["prefix_hit_share"] < 1  # most chains share a published prefix, some not
+        # Three chains in four share a published document's prefix, the rest none. Whether a
+        # reuse is the chosen replica's own prefix or a pull from its holder depends on the
+        # ledger's queues at decision time (the decided requests never complete), so only
+        # the reuse share is fixed by the workload (a run in CI had no own-prefix hit).
+        assert 0.5 < backend["reuse_share"] < 1
+        assert 0 <= backend["prefix_hit_share"] <= backend["reuse_share"]
     assert "redis" in format_report(result)
     assert "routing overhead, redis: 2,000 checkpoints, 50 decisions" in stderr.getvalue()
     assert "routing overhead, embedded index" in stderr.getvalue()
