@@ -185,7 +185,7 @@ class BatonConfig(BaseModel):
         default=2048,
         ge=1,
         description="most messages in one chat request; more get a 400 naming the setting, "
-        "before anything is rendered",
+        "before any message is validated",
     )
     max_prompts: int = Field(
         default=256,

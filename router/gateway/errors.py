@@ -25,6 +25,7 @@ from baton_serve.replicas.wire.protocol import (
     PromptTooLong,
 )
 from baton_serve.router.gateway import refused_fields
+from baton_serve.router.gateway.list_bounds import TOO_MANY_ITEMS
 
 logger = logging.getLogger("baton.gateway")
 
@@ -104,15 +105,6 @@ def invalid_api_key() -> APIError:
 def body_too_large(limit: int) -> APIError:
     return APIError(
         413, f"The request body exceeds {limit} bytes.", INVALID_REQUEST, code="request_too_large"
-    )
-
-
-def too_many_items(param: str, count: int, limit: int, setting: str) -> APIError:
-    """400: a list in the body (messages, prompts) is longer than the server's bound."""
-    return invalid_request(
-        f"{param} has {count} items; this server takes at most {limit} (its {setting} setting).",
-        param=param,
-        code="array_above_max_length",
     )
 
 
@@ -202,6 +194,8 @@ async def _invalid_body(request: Request, exc: Exception) -> JSONResponse:
         reason = first.get("ctx", {}).get("error", "invalid JSON")
         return invalid_request(f"The request body is not valid JSON: {reason}.").response()
     param = _path(first["loc"])
+    if first["type"] == TOO_MANY_ITEMS:  # a server bound (list_bounds), not a schema's
+        return invalid_request(first["msg"], param=param, code=TOO_MANY_ITEMS).response()
     if param is None:
         message = "The request body must be a JSON object (Content-Type: application/json)."
         return invalid_request(message).response()

@@ -45,7 +45,6 @@ from baton_serve.router.gateway.errors import (
     install_error_handlers,
     invalid_request,
     model_not_found,
-    too_many_items,
 )
 from baton_serve.router.gateway.event_stream import (
     ReplicaStream,
@@ -57,6 +56,7 @@ from baton_serve.router.gateway.event_stream import (
 from baton_serve.router.gateway.gateway_work import PromptThreads, Readiness, all_or_none
 from baton_serve.router.gateway.guided import guided_grammar, template_variables
 from baton_serve.router.gateway.http_telemetry import HTTPTelemetry
+from baton_serve.router.gateway.list_bounds import BoundLists, ListBounds
 from baton_serve.router.gateway.logprobs import LogprobFormat
 from baton_serve.router.gateway.middleware import APIKeyAuth, BodySizeLimit
 from baton_serve.router.gateway.prompt_builder import ChatEnding, PromptBuilder
@@ -137,6 +137,8 @@ def create_app(
     tokenizer = TokenizerAPI(builder)
     app.add_api_route("/tokenize", tokenizer.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", tokenizer.detokenize, methods=["POST"])
+    bounds = ListBounds(max_messages=settings.max_messages, max_prompts=settings.max_prompts)
+    app.add_middleware(BoundLists, bounds=bounds)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     if settings.api_keys:
         app.add_middleware(APIKeyAuth, keys=settings.api_keys, public=PUBLIC_PATHS)
@@ -164,9 +166,6 @@ class _Gateway:
 
     async def chat(self, body: api.ChatCompletionRequest) -> Response:
         self._check_model(body.model)
-        limit = self._settings.max_messages
-        if len(body.messages) > limit:
-            raise too_many_items("messages", len(body.messages), limit, "max_messages")
         tools = self._builder.template_tools
         plan = plan_chat(body, tools, self._call_grammar)
         grammar = self._reply_grammar(body, plan)
@@ -206,9 +205,6 @@ class _Gateway:
         self._check_model(body.model)
         if body.stream and len(body.prompt) > 1:
             raise invalid_request("Streaming takes a single prompt.", param="prompt")
-        if len(body.prompt) > self._settings.max_prompts:
-            limit = self._settings.max_prompts
-            raise too_many_items("prompt", len(body.prompt), limit, "max_prompts")
         with tracing.span("tokenise") as span:
             prompts = await self._prompt_threads.run_prompts(self._completion_prompts, body.prompt)
             span.set_attribute("baton.prompt_tokens", sum(len(p) for p in prompts))

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from baton_serve.router.gateway import refused_fields
+from baton_serve.router.gateway.list_bounds import counted, counted_as_sent
 from baton_serve.router.gateway.openai_inputs import (
     InputMessage,
     Prompts,
@@ -199,7 +200,9 @@ class _GenerationRequest(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     model_config = ConfigDict(json_schema_extra={"x-refused-fields": refused_fields.CHAT})
 
-    messages: list[InputMessage] = Field(min_length=1, description="The conversation.")
+    messages: Annotated[list[InputMessage], counted_as_sent("messages")] = Field(
+        min_length=1, description="The conversation."
+    )
     tools: list[Tool] | None = Field(default=None, description="Functions the model may call.")
     tool_choice: ToolChoice | None = Field(
         default=None, description='"none", "auto", "required" or a named function.'
@@ -273,7 +276,9 @@ class ChatCompletionRequest(_GenerationRequest):
 class CompletionRequest(_GenerationRequest):
     model_config = ConfigDict(json_schema_extra={"x-refused-fields": refused_fields.COMPLETIONS})
 
-    prompt: Prompts = Field(description="Text, texts, token ids, or lists of token ids.")
+    prompt: Annotated[Prompts, counted("prompt")] = Field(
+        description="Text, texts, token ids, or lists of token ids."
+    )
     max_tokens: int = Field(default=16, ge=1, description="The most tokens to generate.")
     echo: bool = Field(
         default=False, description="The prompt's text comes first in the reply's text."
