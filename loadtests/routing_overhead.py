@@ -245,14 +245,16 @@ def format_routing(result: dict) -> str:
         f" {result['replicas']} replicas, {result['checkpoints']:,} checkpoints indexed,"
         f" {result['chain']}-hash chains ({result['prompt_tokens']:,}-token prompts),"
         f" lookup timeout {result['lookup_timeout_ms']:g} ms",
-        f"{'backend':<9} {'p50 ms':>7} {'p95 ms':>7} {'p99 ms':>7} {'max ms':>7} {'hits':>5} {'reuse':>5}"
-        f" {'timeouts':>8} {'stale p50':>9} {'p95':>6} {'p99 ms':>7} {'view sync s':>11}",
+        f"{'backend':<9} {'p50 ms':>7} {'p95 ms':>7} {'p99 ms':>7} {'max ms':>7} {'hits':>5}"
+        f" {'reuse':>5} {'timeouts':>8} {'stale p50':>9} {'p95':>6} {'p99 ms':>7}"
+        f" {'view sync s':>11}",
     ]
     for name, r in result["backends"].items():
         ms, stale = r["decision_ms"], r["staleness_ms"]
         lines.append(
             f"{name:<9} {ms['p50']:>7.3f} {ms['p95']:>7.3f} {ms['p99']:>7.3f} {ms['max']:>7.2f}"
-            f" {r['prefix_hit_share']:>5.0%} {r['reuse_share']:>5.0%} {r['decisions_by_reason'].get('index_timeout', 0):>8}"
+            f" {r['prefix_hit_share']:>5.0%} {r['reuse_share']:>5.0%}"
+            f" {r['decisions_by_reason'].get('index_timeout', 0):>8}"
             f" {stale['p50']:>9.2f} {stale['p95']:>6.2f} {stale['p99']:>7.2f}"
             f" {r['view_sync_s']:>11.1f}"
         )
