@@ -49,27 +49,17 @@ class BoundLists:
             _bounds.reset(token)
 
 
-def counted_as_sent(field: str) -> BeforeValidator:
-    """Annotates the list `field` ("messages"): its items are counted as the client sent
-    them, before any is validated."""
+def counted(field: str, *, as_sent: bool = False) -> BeforeValidator | AfterValidator:
+    """Annotates the list `field` ("messages", "prompt") with its bound: its items counted as
+    the client sent them, before any is validated (`as_sent`), or once validated (a list of
+    token ids as sent is one prompt)."""
 
     def check(value: Any) -> Any:
         if isinstance(value, list):
             _check_count(field, len(value))
         return value
 
-    return BeforeValidator(check)
-
-
-def counted(field: str) -> AfterValidator:
-    """Annotates the list `field` ("prompt"): its items are counted once validated (a list
-    of token ids as sent is one prompt)."""
-
-    def check(value: list[Any]) -> list[Any]:
-        _check_count(field, len(value))
-        return value
-
-    return AfterValidator(check)
+    return BeforeValidator(check) if as_sent else AfterValidator(check)
 
 
 def _check_count(field: str, count: int) -> None:

@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from baton_serve.router.gateway import refused_fields
-from baton_serve.router.gateway.list_bounds import counted, counted_as_sent
+from baton_serve.router.gateway.list_bounds import counted
 from baton_serve.router.gateway.openai_inputs import (
     InputMessage,
     Prompts,
@@ -200,7 +200,7 @@ class _GenerationRequest(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     model_config = ConfigDict(json_schema_extra={"x-refused-fields": refused_fields.CHAT})
 
-    messages: Annotated[list[InputMessage], counted_as_sent("messages")] = Field(
+    messages: Annotated[list[InputMessage], counted("messages", as_sent=True)] = Field(
         min_length=1, description="The conversation."
     )
     tools: list[Tool] | None = Field(default=None, description="Functions the model may call.")
