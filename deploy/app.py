@@ -2,8 +2,9 @@
 
 `build_app(config)` is what `baton serve` runs; `app_builder(args)` is the import path a
 Serve config names (`serve run`, `serve deploy`, and the Helm chart's serveConfigV2), with
-`args` made by `deploy.config.to_serve_args`. The cluster key is never among a deployment's
-arguments (Serve stores and shows them): replicas read it on their node (`replica_key_file`).
+`args` made by `deploy.config.to_serve_args`. The cluster key and the API keys are never among
+a deployment's arguments (Serve stores and shows them): replicas read the one on their node
+(`replica_key_file`), gateways the others (`gateway_key_source`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ from baton_serve.deploy.index_placement import start_embedded_index_on_head
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.models.model_source import resolve_model
 from baton_serve.replicas.serve_deployment import ReplicaDeployment, ReplicaSettings
+from baton_serve.router.gateway.api_key_source import (
+    API_KEYS_ENV,
+    API_KEYS_FILE_ENV,
+    APIKeySource,
+    split_api_keys,
+)
 from baton_serve.router.gateway.gateway import GatewaySettings
+from baton_serve.router.gateway.grammar_limits import GrammarLimits
+from baton_serve.router.gateway.poison_requests import QuarantineSettings
 from baton_serve.router.gateway.serve_gateway import GatewayDeployment
 
 APP_NAME = "baton"
@@ -38,7 +47,6 @@ REPLICA_DEPLOYMENT = "Replica"
 GATEWAY_DEPLOYMENT = "Gateway"
 ROUTING_STATS_PERIOD_S = 0.5
 GATEWAY_CPUS = 0.1
-GATEWAY_MAX_ONGOING = 1000  # requests one gateway replica takes at once
 RETRY_AFTER_S = 1
 # What a leaving replica may take: requests in flight finish, then the hand-off, then
 # leaving the index, or writing what RAM holds to the disk tier for the next start.
@@ -160,6 +168,34 @@ def replica_key_file(config: BatonConfig) -> str | None:
     return str(write_private_key_file(key))
 
 
+def gateway_key_source(config: BatonConfig) -> APIKeySource:
+    """Where the gateways read the API keys, as `replica_key_file` for the cluster key:
+    `api_keys_file`; their own `BATON_API_KEYS` when the keys are this process's (every
+    node's environment holds it: the chart's pods, a local cluster); otherwise a private file
+    written here (mode 0600, deleted when this process exits) holding the keys given."""
+    if config.api_keys_file is not None:
+        return APIKeySource(required=True, file=config.api_keys_file)
+    keys = tuple(key.get_secret_value() for key in config.api_keys)
+    if not keys:
+        return APIKeySource(required=False)
+    if keys == split_api_keys(os.environ.get(API_KEYS_ENV, "")):
+        return APIKeySource(required=True)
+    key_file = write_private_key_file("\n".join(keys), "api-keys")
+    return APIKeySource(required=True, file=str(key_file))
+
+
+def gateway_actor_options(config: BatonConfig) -> dict:
+    """The gateway deployment's `ray_actor_options`: its CPU share, custom resources (where
+    it may run) and, where set, the memory it reserves."""
+    options: dict[str, object] = {
+        "num_cpus": GATEWAY_CPUS,
+        "resources": dict(config.gateway_resources),
+    }
+    if config.gateway_memory_bytes is not None:
+        options["memory"] = config.gateway_memory_bytes
+    return options
+
+
 def replica_max_ongoing(n_slots: int) -> int:
     """Requests one replica accepts at once. The router decides by load; this only bounds
     it."""
@@ -206,8 +242,8 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
         GatewayDeployment,
         name=GATEWAY_DEPLOYMENT,
         num_replicas=config.gateway_replicas,
-        ray_actor_options={"num_cpus": GATEWAY_CPUS, "resources": dict(config.gateway_resources)},
-        max_ongoing_requests=GATEWAY_MAX_ONGOING,
+        ray_actor_options=gateway_actor_options(config),
+        max_ongoing_requests=config.gateway_max_ongoing_requests,
     )
     settings = GatewaySettings(
         model_name=config.served_model_name,
@@ -215,15 +251,31 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
         n_ctx=config.engine.n_ctx,
         block_tokens=config.engine.block_tokens,
         chat_template=config.engine.chat_template,
-        api_keys=tuple(k.get_secret_value() for k in config.api_keys),
         max_body_bytes=config.max_body_bytes,
+        body_read_timeout_s=config.body_read_timeout_s,
         max_messages=config.max_messages,
         max_prompts=config.max_prompts,
         max_prompt_bytes=config.max_prompt_bytes,
+        max_tokens_cap=config.max_tokens_cap,
+        max_request_tokens=config.max_request_tokens,
+        max_tools=config.max_tools,
+        max_documents=config.max_documents,
+        max_logit_bias=config.max_logit_bias,
+        max_stop_token_ids=config.max_stop_token_ids,
+        max_message_parts=config.max_message_parts,
+        grammar_limits=GrammarLimits(
+            max_chars=config.max_grammar_chars,
+            max_nesting=config.engine.max_grammar_nesting,
+            max_choices=config.max_grammar_choices,
+            timeout_s=config.schema_timeout_s,
+        ),
         stream_ping_s=config.stream_ping_s,
         engine=f"emulated:{emulated.name}" if (emulated := config.engine.emulated) else "llama.cpp",
     )
-    return gateway.bind(settings, replica)
+    quarantine = QuarantineSettings(
+        quarantine_s=config.poison_quarantine_s, max_entries=config.poison_quarantine_entries
+    )
+    return gateway.bind(settings, replica, gateway_key_source(config), quarantine)
 
 
 def app_builder(args: dict) -> Application:
@@ -239,6 +291,11 @@ def app_builder(args: dict) -> Application:
         raise ConfigError(
             "a Serve config's args must not hold hmac_key (Serve stores and shows them): "
             f"set {KEY_ENV} or {KEY_FILE_ENV} on every Ray node instead"
+        )
+    if "api_keys" in args:
+        raise ConfigError(
+            "a Serve config's args must not hold api_keys (Serve stores and shows them): "
+            f"set {API_KEYS_ENV} or {API_KEYS_FILE_ENV} on every Ray node, or api_keys_file"
         )
     config = load_config(overrides=args)
     if config.hmac_key is None and config.hmac_key_file is None:

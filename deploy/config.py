@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import math
 import os
-import secrets
 from collections.abc import Iterator, Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
-    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
@@ -41,13 +38,20 @@ from baton_serve.deploy.config_sources import (
     read_yaml,
     without_none,
 )
+from baton_serve.deploy.credentials import Credentials
+from baton_serve.deploy.request_bounds import RequestBounds
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.models.default_model import DEFAULT_MODEL_FILE
 from baton_serve.replicas.models.hf_hub import HF_PREFIX, parse_hf_ref
 from baton_serve.replicas.models.model_source import TINY_PREFIX
 from baton_serve.replicas.models.tiny_model import ARCHITECTURES
 
-MIN_HMAC_KEY_CHARS = 16
+# Memory a gateway holds per byte of a body as it arrives: the buffer, then its copy (16
+# trickled 4 MiB bodies peaked at 1.05 bytes a byte: docs/robustness.md).
+GATEWAY_BODY_EXPANSION = 2
+# Requests one gateway replica takes at once: 256 bodies of 4 MiB (max_body_bytes' default)
+# × GATEWAY_BODY_EXPANSION is 2 GiB, what the chart's 8 GiB head pod spares beside Ray.
+GATEWAY_MAX_ONGOING = 256
 # Ray's built-in resources have settings of their own (or none to set): not custom resources.
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
@@ -61,7 +65,7 @@ class RouterPolicy(str, Enum):
     ROUND_ROBIN = "round-robin"
 
 
-class BatonConfig(BaseModel):
+class BatonConfig(Credentials, RequestBounds):
     """Everything `baton serve` deploys: the model, replicas, engine, index, router and API."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
@@ -97,6 +101,23 @@ class BatonConfig(BaseModel):
     )
     gateway_replicas: int = Field(
         default=1, ge=1, description="size of the gateway (HTTP) deployment"
+    )
+    gateway_max_ongoing_requests: int = Field(
+        default=GATEWAY_MAX_ONGOING,
+        ge=1,
+        description="requests one gateway replica takes at once (Serve's max_ongoing_requests; "
+        "beyond it, 503). Each may be a body of max_body_bytes arriving (2 bytes a byte: the "
+        "buffer, then its copy), so the default's 256 × 4 MiB × 2 = 2 GiB fits beside Ray "
+        "on the chart's 8 GiB head pod, where 1,000 did not; a request past its parse holds "
+        "about 24 bytes a byte of its prompt's text, which the context bounds",
+    )
+    gateway_memory_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description="memory a gateway replica reserves from Ray (its ray_actor_options "
+        "memory): it is placed only on a node with that much unreserved; at least "
+        "gateway_max_ongoing_requests × max_body_bytes × 2 (the bodies arriving; less is "
+        "refused); unset: none reserved",
     )
     replica_resources: dict[str, float] = Field(
         default_factory=dict,
@@ -148,25 +169,6 @@ class BatonConfig(BaseModel):
         "or pullable, and load), pow2 (Ray's default), prefix-affinity (Ray Serve LLM's "
         "PrefixCacheAffinityRouter) or round-robin",
     )
-    api_keys: tuple[SecretStr, ...] = Field(
-        default=(),
-        description="accepted API keys: when set, every path but /health needs "
-        "Authorization: Bearer KEY (deny-by-default); empty: no auth; BATON_API_KEYS is a "
-        "comma-separated list",
-    )
-    hmac_key: SecretStr | None = Field(
-        default=None,
-        description="the cluster key (at least 16 characters) that signs state blobs between "
-        "replicas and on disk; replicas read it from their environment or hmac_key_file, never "
-        "from Serve's arguments; unset: generated per serve, so a disk tier "
-        "(engine.checkpoint_dir) needs a fixed one",
-    )
-    hmac_key_file: str | None = Field(
-        default=None,
-        min_length=1,
-        description="a file holding the cluster key instead (a mounted Secret): every node "
-        "must have it at this path",
-    )
     host: str = Field(
         default="127.0.0.1", min_length=1, description="address the HTTP API listens on"
     )
@@ -177,26 +179,6 @@ class BatonConfig(BaseModel):
         le=65535,
         description="Prometheus /metrics port of the local Ray cluster baton serve starts "
         "(unset: Ray picks one)",
-    )
-    max_body_bytes: int = Field(
-        default=4 << 20, ge=1, description="largest request body accepted (larger: 413)"
-    )
-    max_messages: int = Field(
-        default=2048,
-        ge=1,
-        description="most messages in one chat request; more get a 400 naming the setting, "
-        "before any message is validated",
-    )
-    max_prompts: int = Field(
-        default=256,
-        ge=1,
-        description="most prompts in one completion request; more get a 400 naming the setting",
-    )
-    max_prompt_bytes: int = Field(
-        default=4 << 20,
-        ge=1,
-        description="largest prompt text, a chat as its template renders it; larger gets a "
-        "413, before it is tokenised",
     )
     max_queued_requests: int = Field(
         default=64,
@@ -286,20 +268,6 @@ class BatonConfig(BaseModel):
         parse_redis_address(value)  # its ValueError names what is wrong
         return value
 
-    @field_validator("api_keys")
-    @classmethod
-    def _check_api_keys(cls, value: tuple[SecretStr, ...]) -> tuple[SecretStr, ...]:
-        if any(not key.get_secret_value() for key in value):
-            raise ValueError("an API key must not be empty")
-        return value
-
-    @field_validator("hmac_key")
-    @classmethod
-    def _check_hmac_key(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None and len(value.get_secret_value()) < MIN_HMAC_KEY_CHARS:
-            raise ValueError(f"must be at least {MIN_HMAC_KEY_CHARS} characters")
-        return value
-
     @field_validator("replica_resources", "gateway_resources")
     @classmethod
     def _check_resources(cls, value: dict[str, float]) -> dict[str, float]:
@@ -314,10 +282,16 @@ class BatonConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_together(self) -> BatonConfig:
-        """Settings that must agree: one key source, liveness over heartbeats, and what only
-        Baton's router acts on refused with another."""
-        if self.hmac_key is not None and self.hmac_key_file is not None:
-            raise ValueError("set hmac_key (BATON_HMAC_KEY) or hmac_key_file, not both")
+        """Settings that must agree: the gateway's memory and its bodies, liveness over
+        heartbeats, and what only Baton's router acts on refused with another."""
+        bodies = self.gateway_max_ongoing_requests * self.max_body_bytes * GATEWAY_BODY_EXPANSION
+        if self.gateway_memory_bytes is not None and self.gateway_memory_bytes < bodies:
+            raise ValueError(
+                f"gateway_memory_bytes ({self.gateway_memory_bytes}) cannot hold "
+                f"gateway_max_ongoing_requests ({self.gateway_max_ongoing_requests}) bodies of "
+                f"max_body_bytes ({self.max_body_bytes}) arriving ({GATEWAY_BODY_EXPANSION} "
+                f"bytes a byte: {bodies}): raise it, or lower one of those"
+            )
         if self.liveness_ttl_s <= self.heartbeat_s:
             raise ValueError(
                 f"liveness_ttl_s ({self.liveness_ttl_s:g}) must exceed heartbeat_s "
@@ -353,12 +327,6 @@ class BatonConfig(BaseModel):
             return Path(parse_hf_ref(self.model).path).stem  # without the @revision
         return Path(self.model).stem
 
-    def with_hmac_key(self) -> BatonConfig:
-        """This config, with a random 32-byte (hex) `hmac_key` if none is set."""
-        if self.hmac_key is not None:
-            return self
-        return self.model_copy(update={"hmac_key": SecretStr(secrets.token_hex(32))})
-
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
         for name, value in super().__repr_args__():
             yield name, (redact(value) if name == "index" else value)
@@ -382,16 +350,14 @@ def load_config(
 
 
 def to_serve_args(config: BatonConfig) -> dict[str, Any]:
-    """The settings given explicitly, as plain JSON-able data with API keys revealed, and
-    without the cluster key: replicas read it from their nodes (`cache_store.cluster_key`).
+    """The settings given explicitly, as plain JSON-able data, without the cluster key or
+    the API keys: Serve stores and shows its args, so replicas and gateways read those on
+    their nodes (`cache_store.cluster_key`, `router.gateway.api_key_source`).
 
     Unset fields are left out, so defaults (such as `engine.n_threads`, the CPU count) are
     taken where the Serve app runs.
     """
-    args = config.model_dump(mode="json", exclude_unset=True, exclude={"hmac_key"})
-    if "api_keys" in args:
-        args["api_keys"] = [key.get_secret_value() for key in config.api_keys]
-    return args
+    return config.model_dump(mode="json", exclude_unset=True, exclude={"hmac_key", "api_keys"})
 
 
 def config_from_serve_args(args: Mapping[str, Any]) -> BatonConfig:

@@ -1,6 +1,7 @@
 """The configuration reference of docs/configuration.md, made from the fields of `BatonConfig`
-and `EngineConfig` (their defaults and `description`s) and the `baton serve` flags, so that
-the docs, `baton serve --help` and the code cannot disagree.
+(those it inherits from `Credentials` and `RequestBounds` in tables of their own) and
+`EngineConfig` (their defaults and `description`s) and the `baton serve` flags, so that the
+docs, `baton serve --help` and the code cannot disagree.
 
 `python -m baton_serve.deploy.config_reference [FILE]` rewrites the part of FILE (default
 docs/configuration.md) between the two markers below; a test checks it is current.
@@ -15,6 +16,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from baton_serve.deploy.config import BatonConfig
+from baton_serve.deploy.credentials import Credentials
+from baton_serve.deploy.request_bounds import RequestBounds
 from baton_serve.deploy.serve_flags import default_text, env_variable, flag_of
 from baton_serve.replicas.engine.engine_config import EngineConfig
 
@@ -25,8 +28,12 @@ DEFAULT_DOC = Path("docs/configuration.md")
 
 def reference() -> str:
     """The reference section: one table per model, a row per setting, markers included."""
+    inherited = {*Credentials.model_fields, *RequestBounds.model_fields}
+    own = [name for name in BatonConfig.model_fields if name not in inherited]
     lines = [BEGIN, ""]
-    lines += _table("BatonConfig", BatonConfig, prefix="")
+    lines += _table("BatonConfig", BatonConfig, prefix="", names=own)
+    lines += ["", *_table("BatonConfig: credentials (`Credentials`)", Credentials, prefix="")]
+    lines += ["", *_table("BatonConfig: request bounds (`RequestBounds`)", RequestBounds, "")]
     lines += ["", *_table("EngineConfig", EngineConfig, prefix="engine.")]
     return "\n".join([*lines, "", END])
 
@@ -39,14 +46,19 @@ def with_reference(document: str) -> str:
     return document[:start] + reference() + document[end + len(END) :]
 
 
-def _table(title: str, model: type[BaseModel], prefix: str) -> list[str]:
+def _table(
+    title: str, model: type[BaseModel], prefix: str, names: list[str] | None = None
+) -> list[str]:
+    """A table of `model`'s fields (those in `names`, if given)."""
     lines = [
-        f"### `{title}`",
+        f"### {title}" if "`" in title else f"### `{title}`",
         "",
         "| setting | default | bounds | flag | meaning |",
         "|---|---|---|---|---|",
     ]
     for name, field in model.model_fields.items():
+        if names is not None and name not in names:
+            continue
         path = prefix + name
         flag = flag_of(path)
         lines.append(

@@ -10,6 +10,8 @@ from typing import Any
 
 import yaml
 
+from baton_serve.router.gateway.api_key_source import split_api_keys
+
 ENV_PREFIX = "BATON_"
 ENV_NESTING = "__"
 
@@ -57,7 +59,7 @@ def from_env(env: Mapping[str, str], fields: Collection[str]) -> dict[str, Any]:
             continue
         setting: Any = value
         if path == ["api_keys"]:
-            setting = [key.strip() for key in value.split(",") if key.strip()]
+            setting = list(split_api_keys(value))
         for key in reversed(path):
             setting = {key: setting}
         data = merge(data, setting)

@@ -12,7 +12,8 @@ from typing import Any
 
 import yaml
 
-from baton_serve.deploy.config import BatonConfig, to_serve_args
+from baton_serve.deploy.config import BatonConfig, ConfigError, to_serve_args
+from baton_serve.router.gateway.api_key_source import API_KEYS_ENV, API_KEYS_FILE_ENV
 
 CHART_SERVE_CONFIG = Path(__file__).resolve().parent.parent / "helm/baton/files/serve_config.yaml"
 _CHART_HEADER = """\
@@ -28,7 +29,15 @@ def serve_config(
     app_name: str = "baton",
     import_path: str = "baton_serve.deploy.app:app_builder",
 ) -> dict[str, Any]:
-    """A `ServeDeploySchema`-shaped dict: one application built by `import_path` from `config`."""
+    """A `ServeDeploySchema`-shaped dict: one application built by `import_path` from `config`.
+    A config with API keys is refused: its args could not carry them (Serve stores and shows
+    args), and a gateway without them would serve without auth."""
+    if config.api_keys:
+        raise ConfigError(
+            "a Serve config cannot carry api_keys (Serve stores and shows its args): leave "
+            f"them out here (api_keys, {API_KEYS_ENV}) and give every Ray node {API_KEYS_ENV} "
+            f"or {API_KEYS_FILE_ENV}, or set api_keys_file"
+        )
     return {
         "http_options": {"host": config.host, "port": config.port},
         "applications": [
@@ -43,7 +52,8 @@ def serve_config(
 
 
 def write_serve_config(config: BatonConfig, path: str | Path) -> None:
-    """Write `serve_config(config)` as YAML, readable by its owner only (it holds secrets)."""
+    """Write `serve_config(config)` as YAML, readable by its owner only (an index address may
+    hold a password)."""
     text = yaml.safe_dump(serve_config(config), sort_keys=False)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)

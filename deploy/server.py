@@ -133,7 +133,8 @@ def _raise_interrupt(*_: object) -> None:
 
 def _banner(config: BatonConfig, metrics_port: int | None) -> str:
     url = f"http://{config.host}:{config.port}"
-    auth = ' -H "Authorization: Bearer $BATON_API_KEY"' if config.api_keys else ""
+    keyed = config.api_keys or config.api_keys_file
+    auth = ' -H "Authorization: Bearer $BATON_API_KEY"' if keyed else ""
     metrics = f"Metrics (Prometheus) at http://127.0.0.1:{metrics_port}/metrics\n"
     return (
         f"Baton is serving {config.served_model_name} at {url}/v1 "

@@ -1,12 +1,14 @@
 """`baton bench abuse`: abusive bodies against a live server, and what a normal request
 beside them sees.
 
-Each abusive body (a chat of 20,001 one-word messages, a completion of 2,000 prompts, a chat
-with one 1 MiB message) is sent over and over from a few clients for a while, as a normal
-small chat request is sent again and again beside them. Printed per body: the normal
-request's latency (p50/p99/max, and any that failed), and the abusive ones' statuses and
-times. Targets: the normal request under 1 s, every abusive one answered with a 4xx in
-under 2 s. A baseline without abuse comes first.
+Each abusive body (`abusive_bodies`: oversized lists and texts, and the poison requests whose
+client values once reached native code or the event loop unbounded — a huge `max_tokens`
+with a penalty, a deeply nested grammar, 150,000 choices, a backtracking pattern, aliased
+`logit_bias` ids, a request's whole work budget, a long `/detokenize`) is sent over and over
+from a few clients for a while, as a normal small chat request is sent again and again
+beside them. Printed per body: the normal request's latency (p50/p99/max, and any that
+failed), and the abusive ones' statuses and times. Targets: the normal request under 1 s,
+every abusive one answered with a 4xx in under 2 s. A baseline without abuse comes first.
 """
 
 from __future__ import annotations
@@ -52,7 +54,60 @@ def abusive_bodies(model: str) -> dict[str, tuple[str, dict]]:
                 "max_tokens": 1,
             },
         ),
+        **poison_bodies(model),
     }
+
+
+def poison_bodies(model: str) -> dict[str, tuple[str, dict]]:
+    """Small bodies whose values once reached llama.cpp or the event loop unbounded."""
+    chat = "/v1/chat/completions"
+    hello = [{"role": "user", "content": "hello"}]
+    return {
+        "max_tokens 2^31-1, penalty": (  # once an 8 GiB penalty window per choice
+            chat,
+            {"model": model, "messages": hello, "max_tokens": 2**31 - 1, "presence_penalty": 0.1},
+        ),
+        "grammar nested 30,000 deep": (  # once a segfault in llama.cpp's grammar parser
+            chat,
+            {"model": model, "messages": hello, "grammar": _nested_grammar(30_000)},
+        ),
+        "guided_choice of 150,000": (
+            chat,
+            {"model": model, "messages": hello, "guided_choice": [f"c{i}" for i in range(150_000)]},
+        ),
+        "pattern ^(a?){1000}a{1000}$": (
+            chat,
+            {
+                "model": model,
+                "messages": hello,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "p",
+                        "schema": {"type": "string", "pattern": "^(a?){1000}a{1000}$"},
+                    },
+                },
+            },
+        ),
+        "logit_bias, 20,000 aliased ids": (  # "7", "07", "007", ...: one id, many keys
+            chat,
+            {
+                "model": model,
+                "messages": hello,
+                "max_tokens": 1,
+                "logit_bias": {"0" * zeros + str(i): 1 for i in range(500) for zeros in range(40)},
+            },
+        ),
+        "256 prompts, n 16, 100k tokens": (
+            "/v1/completions",
+            {"model": model, "prompt": ["word"] * 256, "n": 16, "max_tokens": 100_000},
+        ),
+        "detokenize of 1,000,000 ids": ("/detokenize", {"tokens": [1] * 1_000_000}),
+    }
+
+
+def _nested_grammar(depth: int) -> str:
+    return "root ::= " + "(" * depth + '"a"' + ")" * depth
 
 
 def normal_body(model: str) -> dict:

@@ -24,7 +24,8 @@ from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
 
-from baton_serve.deploy.app import GATEWAY_CPUS, GATEWAY_MAX_ONGOING
+from baton_serve.deploy.app import GATEWAY_CPUS
+from baton_serve.deploy.config import GATEWAY_MAX_ONGOING
 from baton_serve.router.gateway.serve_gateway import own_handle
 
 INGRESS_DEPLOYMENT = "FloorIngress"

@@ -27,6 +27,7 @@ from baton_serve.replicas.shipping import (
     share_in_object_store,
 )
 from baton_serve.replicas.state_stream import StateReceiver, StreamOffer
+from baton_serve.replicas.stream_limits import StreamLimits
 from baton_serve.replicas.wire.protocol import Completion, GenerationRequest, ReplicaRequest
 
 NAMESPACE = "baton"
@@ -42,14 +43,15 @@ class ActorPeers:
     A peer's handle is looked up once (a blocking call to Ray's GCS, made off the event
     loop) and kept until a call to it fails."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: StreamLimits) -> None:
         self._handles: dict[str, ray.actor.ActorHandle] = {}
+        self._limits = limits  # the largest blob this replica's model can have
         self._receiver: StateReceiver | None = None  # opened by the first pull
 
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
     ) -> ShippedBlob | StillComputing | None:
-        self._receiver = self._receiver or StateReceiver()
+        self._receiver = self._receiver or StateReceiver(self._limits)
         with self._forgotten_on_error(replica_id):
             peer = await self._peer(replica_id)
             return await fetch_offering_stream(
@@ -119,7 +121,7 @@ class ReplicaHost:
             self.replica_id,
             engine,
             index=index,
-            peers=ActorPeers(),
+            peers=ActorPeers(StreamLimits.for_model(engine.n_ctx, engine.largest_state_bytes)),
             policy=self._policy,
             heartbeat_s=self._heartbeat_s,
         )

@@ -32,6 +32,7 @@ from baton_serve.replicas.shipping import (
     share_in_object_store,
 )
 from baton_serve.replicas.state_stream import StateReceiver, StreamOffer
+from baton_serve.replicas.stream_limits import StreamLimits
 from baton_serve.replicas.telemetry.setup import configure_process
 from baton_serve.replicas.telemetry.startup import report_stage
 from baton_serve.replicas.wire.protocol import (
@@ -67,18 +68,19 @@ class ReplicaSettings(BaseModel):
 class ServePeers:
     """Reaches a peer replica through a handle to this deployment, targeted by id."""
 
-    def __init__(self, handle: DeploymentHandle) -> None:
+    def __init__(self, handle: DeploymentHandle, limits: StreamLimits) -> None:
         # By reference whatever Serve's default transport: a peer on this node answers with
         # an ObjectRef to its state in the object store, and blobs are too large for gRPC's
         # 4 MB replica messages.
         self._handle = handle.options(method_name="export_best", _by_reference=True)
         self._adopt = handle.options(method_name="adopt", _by_reference=True)
+        self._limits = limits  # the largest blob this replica's model can have
         self._receiver: StateReceiver | None = None  # opened by the first pull
 
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
     ) -> ShippedBlob | StillComputing | None:
-        self._receiver = self._receiver or StateReceiver()
+        self._receiver = self._receiver or StateReceiver(self._limits)
         return await fetch_offering_stream(
             self._receiver,
             lambda offer: self._handle.remote(
@@ -115,7 +117,9 @@ class ReplicaDeployment:
                 )
         peers = None
         if settings.ship and index is not None:
-            peers = ServePeers(serve.get_deployment_handle(context.deployment, context.app_name))
+            handle = serve.get_deployment_handle(context.deployment, context.app_name)
+            limits = StreamLimits.for_model(engine.n_ctx, engine.largest_state_bytes)
+            peers = ServePeers(handle, limits)
             engine.share_states(share_in_object_store)  # peers may pull its states
         cost = ShipCost(bandwidth_bytes_per_s=settings.pull_bandwidth_bytes_per_s)
         self.replica = Replica(

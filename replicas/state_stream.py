@@ -14,6 +14,10 @@ stream is not encrypted, as Ray's own transfers are not.
 Nobody can hold the receiver: tickets are read by one thread for all connections, each
 with one deadline for the whole prefix, at most `max_pending` at once (the oldest is
 dropped for a new one); only a live ticket gets one of the `max_streams` worker threads.
+Nor can a sender make it allocate more than a real blob needs: the lengths a live ticket
+announces are checked against `StreamLimits`, the largest blob the pulling replica's model
+can have, before a byte of buffer is taken; a larger announcement fails the pull (the
+prefix is computed instead), with a log line.
 
 Wire: ``ticket 16s | head_len I | state_len Q`` (little-endian), the head, the state.
 """
@@ -35,13 +39,12 @@ from dataclasses import dataclass, field
 import ray
 
 from baton_serve.replicas.spare_buffer import SPARE_IDLE_S, SpareBuffer
+from baton_serve.replicas.stream_limits import StreamLimits
 
 logger = logging.getLogger("baton.state_stream")
 
 TICKET_BYTES = 16
 _PREFIX = struct.Struct("<16sIQ")  # ticket, head length, state length
-MAX_HEAD_BYTES = 64 << 20  # header + token ids of the longest prompt, with room to spare
-MAX_STATE_BYTES = 8 << 30  # `decode_blob`'s limit
 CONNECT_TIMEOUT_S = 2.0
 TICKET_DEADLINE_S = 2.0  # from accept until the whole prefix is in, however it trickles
 MAX_PENDING = 64  # connections reading their prefix at once
@@ -92,10 +95,12 @@ class _Pending:
 
 class StateReceiver:
     """A listening socket on this node's address; each pull takes a one-time ticket and a
-    future that the blob sent under it completes (thread-safe)."""
+    future that the blob sent under it completes (thread-safe). `limits`: the largest blob
+    this replica's model can have; a stream announcing more is refused unread."""
 
     def __init__(
         self,
+        limits: StreamLimits,
         host: str | None = None,
         node_id: str | None = None,
         *,
@@ -105,6 +110,7 @@ class StateReceiver:
         spare_idle_s: float = SPARE_IDLE_S,
     ) -> None:
         self.node_id = node_id or this_node()
+        self.limits = limits
         self._host = host or ray.util.get_node_ip_address()
         self._listener = socket.create_server((self._host, 0), backlog=64)
         self._listener.setblocking(False)
@@ -254,6 +260,12 @@ class StateReceiver:
         if received is None:
             self._drop(conn)  # no such pull (a stranger, or one already given up)
             return
+        refusal = self.limits.refusal(head_len, state_len)
+        if refusal is not None:  # before any buffer is taken for it: the pull computes instead
+            logger.warning("the state receiver on port %d refused a stream: %s", self.port, refusal)
+            _settle(received, exception=StreamRefused(refusal))
+            self._drop(conn)
+            return
         self._pending.pop(conn)
         self._selector.unregister(conn)
         self._workers.submit(self._receive, conn, received, head_len, state_len)
@@ -269,8 +281,6 @@ class StateReceiver:
     ) -> None:
         with conn:
             try:
-                if head_len > MAX_HEAD_BYTES or state_len > MAX_STATE_BYTES:
-                    raise StreamRefused(f"a stream announced {head_len} + {state_len} bytes")
                 deadline = time.monotonic() + stream_deadline_s(head_len + state_len)
                 head = bytes(_read(conn, head_len, deadline))
                 state = self.spare.take(state_len)

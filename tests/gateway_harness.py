@@ -1,13 +1,15 @@
 """A real gateway over real HTTP for tests: uvicorn serving `create_app` over one replica
-of a generated model, in a background thread."""
+of a generated model, in a background thread; and a client that trickles its body."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import re
 import socket
 import threading
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from dataclasses import dataclass
 
 import uvicorn
@@ -88,3 +90,51 @@ def serving(settings: GatewaySettings, config: EngineConfig) -> Iterator[Served]
             yield Served(url, engine, readiness)
     finally:
         engine.close()
+
+
+async def post_slowly(
+    url: str,
+    body: bytes,
+    gap_s: float,
+    *,
+    keep_alive: bool = True,
+    headers: Mapping[str, str] | None = None,
+) -> tuple[float, bytes, bool]:
+    """POST `body` to the chat endpoint a byte every `gap_s` (headers at once, with its
+    Content-Length), as a client trickling its body does, and stop sending once answered:
+    the seconds until the server answered, its reply, and whether it then closed the
+    connection within 2 s (with `keep_alive`, only the server decides)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    started = time.monotonic()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
+        b"Content-Type: application/json\r\n"
+        + (b"" if keep_alive else b"Connection: close\r\n")
+        + "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items()).encode()
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+    )
+
+    async def trickle() -> None:
+        for i in range(len(body)):
+            writer.write(body[i : i + 1])
+            await writer.drain()
+            await asyncio.sleep(gap_s)
+
+    sending = asyncio.create_task(trickle())
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+        answered_s = time.monotonic() - started
+        sending.cancel()
+        length = re.search(rb"(?i)content-length: *(\d+)", head)
+        reply = head + await reader.readexactly(int(length[1]) if length else 0)
+        try:
+            closed = await asyncio.wait_for(reader.read(), 2) == b""
+        except ConnectionResetError:  # closed with our bytes unread
+            closed = True
+        except asyncio.TimeoutError:
+            closed = False
+    finally:
+        sending.cancel()
+        writer.close()
+    return answered_s, reply, closed

@@ -16,6 +16,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -31,7 +32,12 @@ import pytest
 import yaml
 
 from baton_serve.cache_store.index.redis_address import parse_redis_address
-from baton_serve.deploy.config import BatonConfig, config_from_serve_args, load_config
+from baton_serve.deploy.config import (
+    GATEWAY_MAX_ONGOING,
+    BatonConfig,
+    config_from_serve_args,
+    load_config,
+)
 from baton_serve.deploy.helm_binary import HELM_SHA256, HELM_VERSION, HelmBinaryError, extract_helm
 from baton_serve.deploy.serve_config import CHART_SERVE_CONFIG, chart_serve_config_text
 from baton_serve.replicas.engine.engine_config import EngineConfig
@@ -45,6 +51,7 @@ KUBERAY_SCHEMAS = ROOT.parent / "shared" / "schemas" / "kuberay"
 KUBERNETES_VERSIONS = ("1.27.0", "1.34.0")  # the chart's kubeVersion floor, and a recent one
 CUSTOM_KINDS = {"RayService", "ServiceMonitor"}  # no built-in schema: RayService is checked below
 RELEASE, NAMESPACE = "baton", "llm"
+GATEWAY_RESOURCE = "baton_gateway"  # the Ray resource the chart's gateways ask one unit of
 
 # Values of the Secrets the ci/ files name but do not create (as an operator would).
 EXISTING_SECRETS = {
@@ -158,10 +165,14 @@ def serve_config_v2(docs: Docs) -> dict[str, Any]:
 
 
 def ray_pods(docs: Docs) -> dict[str, dict[str, Any]]:
-    """The head's and the (one) worker group's pod templates."""
+    """The head's and the GPU worker group's pod templates, and the gateway group's where
+    the gateways run apart from the head (gateway.placement workers)."""
     cluster = one(docs, "RayService")["spec"]["rayClusterConfig"]
-    (workers,) = cluster["workerGroupSpecs"]
-    return {"head": cluster["headGroupSpec"]["template"], "worker": workers["template"]}
+    workers, *gateways = cluster["workerGroupSpecs"]
+    pods = {"head": cluster["headGroupSpec"]["template"], "worker": workers["template"]}
+    for group in gateways:
+        pods["gateway"] = group["template"]
+    return pods
 
 
 def secret_values(docs: Docs) -> dict[tuple[str, str], str]:
@@ -293,12 +304,14 @@ CHART_REDIS = [
     ("Service", "baton-redis"),
     ("StatefulSet", "baton-redis"),
 ]
+GCS_REDIS = [(kind, "baton-gcs-redis") for kind, _ in CHART_REDIS]  # the GCS's, apart
 AUTH = [("Secret", "baton-auth"), ("Secret", "baton-ray-auth")]
 ACCOUNT = [("ServiceAccount", "baton")]
 EXPECTED_OBJECTS = {
-    "default": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT,
+    "default": LOCKED_DOWN + CHART_REDIS + GCS_REDIS + AUTH + ACCOUNT,
     "autoscaling-4gpu": LOCKED_DOWN
     + CHART_REDIS
+    + GCS_REDIS
     + AUTH
     + ACCOUNT
     + [
@@ -308,14 +321,15 @@ EXPECTED_OBJECTS = {
     ],
     "download-model": LOCKED_DOWN + AUTH + ACCOUNT,
     "external-redis": LOCKED_DOWN + ACCOUNT + [("Secret", "baton-ray-auth")],
-    "hf-model": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT,
+    "hf-model": LOCKED_DOWN + CHART_REDIS + GCS_REDIS + AUTH + ACCOUNT,
     "external-redis-url": LOCKED_DOWN + AUTH + ACCOUNT,
     "external-redis-sentinel": LOCKED_DOWN + AUTH + ACCOUNT,
     "external-redis-cluster": LOCKED_DOWN + AUTH + ACCOUNT,
-    "extra-env-tracing": LOCKED_DOWN + CHART_REDIS + AUTH,
-    "ingress-pvc": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT + [("Ingress", "baton")],
+    "extra-env-tracing": LOCKED_DOWN + CHART_REDIS + GCS_REDIS + AUTH,
+    "ingress-pvc": LOCKED_DOWN + CHART_REDIS + GCS_REDIS + AUTH + ACCOUNT + [("Ingress", "baton")],
     "lockdown-off": CHART_REDIS[1:] + [("Secret", "baton-auth")],  # no NetworkPolicy
-    "disk-tier": LOCKED_DOWN + CHART_REDIS + AUTH + ACCOUNT,
+    "disk-tier": LOCKED_DOWN + CHART_REDIS + GCS_REDIS + AUTH + ACCOUNT,
+    "gateway-workers": LOCKED_DOWN + CHART_REDIS + GCS_REDIS + AUTH + ACCOUNT,
 }
 
 
@@ -371,7 +385,7 @@ def test_ray_pods(render: Callable[[Path | None], Docs], values: Path | None) ->
     docs = render(values)
     cluster = one(docs, "RayService")["spec"]["rayClusterConfig"]
     head_params = cluster["headGroupSpec"]["rayStartParams"]
-    (workers,) = cluster["workerGroupSpecs"]
+    workers = cluster["workerGroupSpecs"][0]  # the GPU group (then the gateways' group, if any)
     assert head_params["num-gpus"] == "0"
     assert isinstance(workers["rayStartParams"], dict)
     assert workers["minReplicas"] <= workers["replicas"] <= workers["maxReplicas"]
@@ -634,6 +648,7 @@ def test_serve_builds_and_deploys_the_app_the_chart_describes(
     from ray.serve.schema import ServeApplicationSchema
 
     from baton_serve.deploy.app import GATEWAY_CPUS, GATEWAY_DEPLOYMENT, REPLICA_DEPLOYMENT
+    from baton_serve.router.gateway.api_key_source import APIKeySource
 
     docs = render(values)
     (head,) = ray_pods(docs)["head"]["spec"]["containers"]
@@ -647,12 +662,20 @@ def test_serve_builds_and_deploys_the_app_the_chart_describes(
     built = {d.name: d for d in build_app(app, name=app_config["name"]).deployments}
 
     gateway = built[GATEWAY_DEPLOYMENT]
-    assert gateway.ray_actor_options == {"num_cpus": GATEWAY_CPUS, "resources": {}}
+    expected = {"num_cpus": GATEWAY_CPUS, "resources": {GATEWAY_RESOURCE: 1}}
+    if "gateway_memory_bytes" in args:
+        expected["memory"] = args["gateway_memory_bytes"]
+    assert gateway.ray_actor_options == expected
+    ongoing = args.get("gateway_max_ongoing_requests", GATEWAY_MAX_ONGOING)
+    assert gateway._deployment_config.max_ongoing_requests == ongoing
     keys = os.environ.get("BATON_API_KEYS")
-    assert gateway.init_args[0].api_keys == (tuple(keys.split(",")) if keys else ())
+    settings, _, key_source, *_ = gateway.init_args
+    assert settings.api_keys == () and key_source == APIKeySource(required=bool(keys))
+    assert key_source.read() == (tuple(keys.split(",")) if keys else ())
     replica = built[REPLICA_DEPLOYMENT]
-    # The cluster key reaches the replicas as each pod's BATON_HMAC_KEY, never in what
-    # Serve stores of a deployment (its arguments, options and config).
+    # The cluster key and the API keys reach the replicas and gateways as each pod's
+    # BATON_HMAC_KEY and BATON_API_KEYS, never in what Serve stores of a deployment (its
+    # arguments, options and config).
     assert replica.init_args[0].hmac_key_file is None
     kept = cloudpickle.dumps(
         [
@@ -660,7 +683,8 @@ def test_serve_builds_and_deploys_the_app_the_chart_describes(
             for d in built.values()
         ]
     )
-    assert os.environ["BATON_HMAC_KEY"].encode() not in kept
+    for secret in [os.environ["BATON_HMAC_KEY"], *(keys.split(",") if keys else [])]:
+        assert secret.encode() not in kept
     info = DeploymentInfo(
         deployment_config=replica._deployment_config,
         replica_config=replica._replica_config,
@@ -683,6 +707,62 @@ def test_serve_builds_and_deploys_the_app_the_chart_describes(
     else:
         assert autoscaling is None
         assert deployed.deployment_config.num_replicas == replica_options["num_replicas"]
+
+
+def declared_resources(ray_start_params: dict[str, str]) -> dict[str, float]:
+    """The custom resources a group's `ray start --resources` declares (its value is quoted
+    for the shell KubeRay runs it in)."""
+    if "resources" not in ray_start_params:
+        return {}
+    (value,) = shlex.split(ray_start_params["resources"])
+    return json.loads(value)
+
+
+def test_gateways_run_where_the_placement_puts_them(
+    render: Callable[[Path | None], Docs], render_with: Callable[[dict[str, Any]], Docs]
+) -> None:
+    """Each gateway asks one unit of baton_gateway. By default only the head declares it (as
+    many as gateways may come), so none lands on a GPU worker; with placement workers, a CPU
+    group of gateway.replicas pods declares one each and the head none. Those pods are Ray pods (the
+    network policies let them in, the index's Redis too: the router runs in the gateway),
+    with the workers' environment and no GPU, ready once their Serve ingress answers, and
+    outside the GPU workers' disruption budget."""
+    docs = render(None)
+    cluster = one(docs, "RayService")["spec"]["rayClusterConfig"]
+    (args,) = [app["args"] for app in serve_config_v2(docs)["applications"]]
+    assert args["gateway_resources"] == {GATEWAY_RESOURCE: 1}
+    head_resources = declared_resources(cluster["headGroupSpec"]["rayStartParams"])
+    assert set(head_resources) == {GATEWAY_RESOURCE}
+    assert head_resources[GATEWAY_RESOURCE] >= args["gateway_replicas"]
+    (gpu_group,) = cluster["workerGroupSpecs"]
+    assert declared_resources(gpu_group["rayStartParams"]) == {}
+    # More gateways change the Serve config only: the head's spec (a new cluster) stays.
+    more = one(render_with({"gateway": {"replicas": 3}}), "RayService")["spec"]
+    assert more["rayClusterConfig"]["headGroupSpec"] == cluster["headGroupSpec"]
+
+    docs = render(CHART / "ci" / "gateway-workers-values.yaml")
+    cluster = one(docs, "RayService")["spec"]["rayClusterConfig"]
+    (args,) = [app["args"] for app in serve_config_v2(docs)["applications"]]
+    assert args["gateway_resources"] == {GATEWAY_RESOURCE: 1}
+    gpu_group, gateway_group = cluster["workerGroupSpecs"]
+    assert declared_resources(cluster["headGroupSpec"]["rayStartParams"]) == {}
+    assert declared_resources(gpu_group["rayStartParams"]) == {}
+    assert declared_resources(gateway_group["rayStartParams"]) == {GATEWAY_RESOURCE: 1}
+    sizes = {gateway_group[k] for k in ("replicas", "minReplicas", "maxReplicas")}
+    assert sizes == {args["gateway_replicas"]}
+    assert gateway_group["rayStartParams"]["num-gpus"] == "0"
+    pods = ray_pods(docs)
+    (gateway,) = pods["gateway"]["spec"]["containers"]
+    (worker,) = pods["worker"]["spec"]["containers"]
+    assert "nvidia.com/gpu" not in gateway["resources"]["limits"]
+    assert (gateway["env"], gateway.get("envFrom")) == (worker["env"], worker.get("envFrom"))
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/-/healthz", "port": "serve"}
+    labels = pods["gateway"]["metadata"]["labels"]
+    ray_policy = named(docs, "NetworkPolicy", "baton-ray")["spec"]
+    assert labels_match(ray_policy["podSelector"], labels)
+    (index_rule,) = named(docs, "NetworkPolicy", "baton-redis")["spec"]["ingress"]
+    assert labels_match(index_rule["from"][0]["podSelector"], labels)
+    assert not labels_match(one(docs, "PodDisruptionBudget")["spec"]["selector"], labels)
 
 
 def test_a_new_replica_count_scales_instead_of_replacing_replicas(
@@ -715,8 +795,10 @@ def test_the_disk_tier_is_a_volume_and_the_engines_checkpoint_dir(
             disk["hostPath"] = {"path": "/nvme/baton"}
         docs = render_with({"diskTier": disk, "engine": {"disk_budget_bytes": 1 << 30}})
         engine = serve_config_v2(docs)["applications"][0]["args"]["engine"]
-        assert engine["checkpoint_dir"] == path and engine["disk_budget_bytes"] == 1 << 30
-        assert EngineConfig(**engine).checkpoint_dir == path
+        # a directory of the tier's own in the mount (an emptyDir's is world-writable)
+        assert engine["checkpoint_dir"] == f"{path}/baton"
+        assert engine["disk_budget_bytes"] == 1 << 30
+        assert EngineConfig(**engine).checkpoint_dir == f"{path}/baton"
         for pod in ray_pods(docs).values():
             spec = pod["spec"]
             assert {"name": "checkpoints", **source} in spec["volumes"]
@@ -776,7 +858,8 @@ def named(docs: Docs, kind: str, name: str) -> dict[str, Any]:
 def test_only_ray_pods_may_reach_redis(render: Callable[[Path | None], Docs]) -> None:
     docs = render(None)
     policy = named(docs, "NetworkPolicy", "baton-redis")["spec"]
-    redis_labels = one(docs, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
+    redis = named(docs, "StatefulSet", "baton-redis")
+    redis_labels = redis["spec"]["template"]["metadata"]["labels"]
     assert labels_match(policy["podSelector"], redis_labels)
     (rule,) = policy["ingress"]
     (source,) = rule["from"]
@@ -832,7 +915,8 @@ def test_ray_network_policy(render: Callable[[Path | None], Docs]) -> None:
     docs = render(CHART / "ci" / "autoscaling-4gpu-values.yaml")
     policy = named(docs, "NetworkPolicy", "baton-ray")["spec"]
     pods = ray_pods(docs)
-    redis_labels = one(docs, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
+    redis = named(docs, "StatefulSet", "baton-redis")
+    redis_labels = redis["spec"]["template"]["metadata"]["labels"]
     for pod in pods.values():
         assert labels_match(policy["podSelector"], pod["metadata"]["labels"])
     assert not labels_match(policy["podSelector"], redis_labels)
@@ -871,31 +955,57 @@ def test_ray_network_policy(render: Callable[[Path | None], Docs]) -> None:
     }
 
 
-def test_gcs_fault_tolerance(render: Callable[[Path | None], Docs]) -> None:
-    """The chart's Redis with its generated password, or an external one; the head keeps
-    neither REDIS_PASSWORD nor RAY_REDIS_ADDRESS (KubeRay refuses a head that sets them); the
-    chart's Redis evicts only keys with a TTL (the index's), never the GCS tables."""
+def test_gcs_fault_tolerance(
+    render: Callable[[Path | None], Docs], render_with: Callable[[dict[str, Any]], Docs]
+) -> None:
+    """The GCS tables (Serve's pickled deployments among them: writing them is Ray's access)
+    go to a Redis of their own, never the index's: its own password, only the head pods may
+    connect, nothing evicted; or to an external one. The head keeps neither REDIS_PASSWORD nor
+    RAY_REDIS_ADDRESS (KubeRay refuses a head that sets them)."""
     docs = render(None)
     options = one(docs, "RayService")["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
-    redis_service = named(docs, "Service", "baton-redis")["spec"]
+    gcs_service = named(docs, "Service", "baton-gcs-redis")["spec"]
     assert options == {
-        "redisAddress": f"baton-redis:{redis_service['ports'][0]['port']}",
+        "redisAddress": f"baton-gcs-redis:{gcs_service['ports'][0]['port']}",
         "redisPassword": {
-            "valueFrom": {"secretKeyRef": {"name": "baton-redis", "key": "redis-password"}}
+            "valueFrom": {"secretKeyRef": {"name": "baton-gcs-redis", "key": "redis-password"}}
         },
     }
     assert "externalStorageNamespace" not in options  # KubeRay's: one per RayCluster
     head = ray_pods(docs)["head"]["spec"]["containers"][0]
-    assert not {"REDIS_PASSWORD", "RAY_REDIS_ADDRESS"} & {e["name"] for e in head["env"]}
-    (redis,) = one(docs, "StatefulSet")["spec"]["template"]["spec"]["containers"]
-    assert redis["args"][redis["args"].index("--maxmemory-policy") + 1] == "volatile-lru"
+    env = container_env(head, secret_values(docs))
+    assert not {"REDIS_PASSWORD", "RAY_REDIS_ADDRESS"} & set(env)
+    secrets = secret_values(docs)
+    gcs_password = secrets[("baton-gcs-redis", "redis-password")]
+    assert gcs_password != secrets[("baton-redis", "redis-password")]
+    assert "baton-gcs-redis" not in env["BATON_INDEX"]  # the index is the other Redis
+    index_redis = named(docs, "StatefulSet", "baton-redis")["spec"]["template"]
+    gcs_redis = named(docs, "StatefulSet", "baton-gcs-redis")["spec"]["template"]
+    (index_container,) = index_redis["spec"]["containers"]
+    (gcs_container,) = gcs_redis["spec"]["containers"]
+    for container, expected in ((index_container, "volatile-lru"), (gcs_container, "noeviction")):
+        policy = container["args"][container["args"].index("--maxmemory-policy") + 1]
+        assert policy == expected
+    selector = {"matchLabels": gcs_service["selector"]}
+    assert labels_match(selector, gcs_redis["metadata"]["labels"])
+    assert not labels_match(selector, index_redis["metadata"]["labels"])
+    (rule,) = named(docs, "NetworkPolicy", "baton-gcs-redis")["spec"]["ingress"]
+    (source,) = rule["from"]
+    pods = ray_pods(docs)
+    assert labels_match(source["podSelector"], pods["head"]["metadata"]["labels"])
+    assert not labels_match(source["podSelector"], pods["worker"]["metadata"]["labels"])
+    assert rule["ports"] == [{"protocol": "TCP", "port": 6379}]
 
+    embedded = render_with({"redis": {"mode": "none"}})  # the GCS's Redis needs no index Redis
+    assert named(embedded, "StatefulSet", "baton-gcs-redis")
+    assert not [d for d in embedded if d["metadata"]["name"] == "baton-redis"]
     external = one(render(CHART / "ci" / "external-redis-url-values.yaml"), "RayService")
     options = external["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
-    assert options == {"redisAddress": "rediss://redis.internal.example.com:6380"}
+    assert options == {"redisAddress": "rediss://ray-gcs.internal.example.com:6380"}
     for values in ("download-model", "external-redis", "lockdown-off"):
-        rayservice = one(render(CHART / "ci" / f"{values}-values.yaml"), "RayService")
-        assert "gcsFaultToleranceOptions" not in rayservice["spec"]["rayClusterConfig"]
+        off = render(CHART / "ci" / f"{values}-values.yaml")
+        assert "gcsFaultToleranceOptions" not in one(off, "RayService")["spec"]["rayClusterConfig"]
+        assert not [d for d in off if d["metadata"]["name"] == "baton-gcs-redis"]
 
 
 def test_the_index_can_be_a_sentinel_or_a_cluster(render: Callable[[Path | None], Docs]) -> None:
@@ -1052,7 +1162,8 @@ def test_metrics(render: Callable[[Path | None], Docs]) -> None:
     selector = {"matchLabels": service["spec"]["selector"]}
     for pod in ray_pods(docs).values():
         assert labels_match(selector, {**pod["metadata"]["labels"], "ray.io/is-ray-node": "yes"})
-    redis_labels = one(docs, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
+    redis = named(docs, "StatefulSet", "baton-redis")
+    redis_labels = redis["spec"]["template"]["metadata"]["labels"]
     assert not labels_match(selector, redis_labels)
     monitor = one(docs, "ServiceMonitor")["spec"]
     assert labels_match(monitor["selector"], service["metadata"]["labels"])

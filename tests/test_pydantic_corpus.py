@@ -13,7 +13,8 @@ from grammar_sampler import GrammarSampler
 from pydantic_corpus import MODELS
 
 from baton_serve.replicas.engine.llama_model import LlamaModel
-from baton_serve.router.gateway.structured_output import grammar_parses, schema_grammar
+from baton_serve.replicas.engine.sampling import grammar_problem
+from baton_serve.router.gateway.structured_output import schema_grammar
 
 SEEDS = 2
 
@@ -50,7 +51,7 @@ def test_model_schema_is_served_and_output_validates(
 ) -> None:
     grammar = schema_grammar(MODELS[name].model_json_schema())
     assert re.search(r"^root ::= ", grammar, re.MULTILINE)
-    assert grammar_parses(grammar, model.vocab)
+    assert grammar_problem(grammar, model.vocab) is None
     for seed in range(SEEDS):
         text, ended = sampler.generate(grammar, seed)
         assert ended, f"seed {seed}: no end of generation: {text!r}"

@@ -28,14 +28,16 @@ from baton_serve.replicas.state_stream import (
     StreamSender,
     push_blob,
 )
+from baton_serve.replicas.stream_limits import StreamLimits
 
 HEAD = b"signed head and token ids " * 40
 STATE = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)  # 3 MiB
+LIMITS = StreamLimits(max_head_bytes=64 << 10, max_state_bytes=64 << 20)  # a model's largest
 
 
 @pytest.fixture
 def receiver():
-    receiver = StateReceiver(host="127.0.0.1", node_id="puller-node")
+    receiver = StateReceiver(LIMITS, host="127.0.0.1", node_id="puller-node")
     yield receiver
     receiver.close()
 
@@ -106,7 +108,7 @@ def test_the_sender_streams_only_to_a_reachable_peer_on_another_node(
     assert not asyncio.run(same_node.send(receiver.offer()[0], HEAD, memoryview(STATE)))
     assert not asyncio.run(sender.send(None, HEAD, memoryview(STATE)))
 
-    closed = StateReceiver(host="127.0.0.1", node_id="gone-node")
+    closed = StateReceiver(LIMITS, host="127.0.0.1", node_id="gone-node")
     gone, _ = closed.offer()
     closed.close()
     with caplog.at_level(logging.WARNING, logger="baton.state_stream"):
@@ -145,7 +147,7 @@ def test_slow_strangers_over_the_bound_do_not_keep_a_blob_out() -> None:
     """Five strangers that each send one byte of a prefix and wait, against a bound of four:
     the receiver never reads more than four prefixes at once, and a real pull still gets
     its blob at once, long before the strangers' deadline."""
-    receiver = StateReceiver(host="127.0.0.1", node_id="puller-node", max_pending=4)
+    receiver = StateReceiver(LIMITS, host="127.0.0.1", node_id="puller-node", max_pending=4)
     offer, received = receiver.offer()
     strangers = [socket.create_connection((offer.host, offer.port), timeout=5) for _ in range(5)]
     try:
@@ -269,7 +271,7 @@ def test_the_spare_buffer_is_let_go_after_an_idle_period() -> None:
     """After a stream the receiver maps a spare buffer of the same size for the next one;
     with no stream for `spare_idle_s` it is unmapped (its memory leaves the process)."""
     idle_s = 0.5
-    receiver = StateReceiver(host="127.0.0.1", node_id="puller-node", spare_idle_s=idle_s)
+    receiver = StateReceiver(LIMITS, host="127.0.0.1", node_id="puller-node", spare_idle_s=idle_s)
     state = np.full(64 << 20, 7, dtype=np.uint8)
     try:
         offer, received = receiver.offer()

@@ -22,11 +22,11 @@ from llama_cpp.llama_grammar import JSON_GBNF
 from pydantic import TypeAdapter, ValidationError
 
 from baton_serve.replicas.engine.llama_model import LlamaModel
+from baton_serve.replicas.engine.sampling import grammar_problem
 from baton_serve.router.gateway.structured_output import (
     JsonSchemaFormat,
     ResponseFormat,
     SchemaNotEnforceable,
-    grammar_parses,
     response_grammar,
 )
 
@@ -54,7 +54,7 @@ def model(tiny_model: Callable[[str], Path]) -> Iterator[LlamaModel]:
 def test_supported_schema_converts_and_parses(name: str, model: LlamaModel) -> None:
     grammar = response_grammar(_format(SUPPORTED[name]))
     assert grammar and re.search(r"^root ::= ", grammar, re.MULTILINE)
-    assert grammar_parses(grammar, model.vocab)
+    assert grammar_problem(grammar, model.vocab) is None
 
 
 @pytest.mark.parametrize(
@@ -72,7 +72,7 @@ def test_json_object_is_an_object_rooted_grammar(model: LlamaModel) -> None:
     grammar = response_grammar(RESPONSE_FORMAT.validate_python({"type": "json_object"}))
     assert grammar == JSON_GBNF
     assert re.search(r"^root\s+::= object$", grammar, re.MULTILINE)
-    assert grammar_parses(grammar, model.vocab)
+    assert grammar_problem(grammar, model.vocab) is None
 
 
 def test_text_needs_no_grammar() -> None:
@@ -116,8 +116,8 @@ def test_strings_exclude_control_characters() -> None:
 
 
 def test_a_grammar_llama_cpp_cannot_parse_is_refused() -> None:
-    assert not grammar_parses('root ::= "\\d"')
-    assert not grammar_parses("root ::= undefined-rule")
+    assert grammar_problem('root ::= "\\d"') is not None
+    assert grammar_problem("root ::= undefined-rule") is not None
 
 
 # ---- sampling ------------------------------------------------------------------------------

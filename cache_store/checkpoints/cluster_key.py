@@ -50,12 +50,13 @@ def read_cluster_key(key_file: str | None = None, env: Mapping[str, str] | None 
     return key.encode()
 
 
-def write_private_key_file(key: str) -> Path:
-    """Write `key` to a new file, mode 0600, in a new directory, mode 0700, that is deleted
-    when this process exits: for replicas on this machine (a local cluster)."""
+def write_private_key_file(key: str, name: str = "hmac-key") -> Path:
+    """Write `key` to a new file `name`, mode 0600, in a new directory, mode 0700, that is
+    deleted when this process exits: for replicas (or gateways) on this machine (a local
+    cluster)."""
     folder = Path(tempfile.mkdtemp(prefix="baton-key-"))  # 0700
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    path = folder / "hmac-key"
+    path = folder / name
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as file:
         file.write(key)

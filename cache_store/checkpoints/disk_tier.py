@@ -12,6 +12,9 @@ miss. llama.cpp only ever sees a state that passed.
 
 Several replicas may share one directory: each claims a subdirectory `<model>/<n>` with a
 file lock, held while it runs, and a restarted replica adopts whichever one is free.
+Every directory must be this user's own and writable by nobody else, and no symbolic link
+is followed (`disk_dir`); an entry of the directory that is not a regular file is skipped
+with a log line.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import stat
 import sys
 import threading
 import time
@@ -33,7 +37,9 @@ from baton_serve.cache_store.checkpoints.checkpoint import Checkpoint
 from baton_serve.cache_store.checkpoints.disk_dir import (
     check_checkpoint_dir,
     claim_subdir,
+    open_regular,
     probe_read_speed,
+    read_regular,
     write_durably,
 )
 from baton_serve.cache_store.checkpoints.state_blob import HEADER_SIZE, BlobHead, head_length
@@ -182,7 +188,7 @@ class DiskTier:
             return None
         started = time.perf_counter()
         try:
-            checkpoint = self._decode(entry.path.read_bytes())
+            checkpoint = self._decode(read_regular(entry.path))
             if checkpoint.prefix_hash != prefix_hash:
                 raise ValueError("the file holds another prefix than its entry")
         except (OSError, ValueError) as exc:
@@ -300,9 +306,10 @@ class DiskTier:
     def _adopt(self) -> None:
         """Take over the files a previous run left whose heads are valid (reading nothing
         else); delete everything else."""
-        for leftover in self.dir.glob("*.tmp"):
+        for leftover in self._regular_files("*.tmp"):
             leftover.unlink(missing_ok=True)
-        files = sorted(self.dir.glob(f"*{SUFFIX}"), key=_mtime)  # least recently written first
+        # least recently written first
+        files = sorted(self._regular_files(f"*{SUFFIX}"), key=_mtime)
         for path in files:
             try:
                 self._add(self._read_entry(path))
@@ -315,9 +322,29 @@ class DiskTier:
             logger.info("adopted %d checkpoint files from %s", len(self._files), self.dir)
         self._read_bytes_per_s = probe_read_speed(self.dir)
 
+    def _regular_files(self, pattern: str) -> list[Path]:
+        """The regular files of this tier's directory matching `pattern`; anything else there
+        (a symbolic link, a directory, a FIFO) is left alone, with a log line."""
+        regular = []
+        for path in self.dir.glob(pattern):
+            try:
+                mode = path.lstat().st_mode
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(mode):
+                regular.append(path)
+            else:
+                logger.warning(
+                    "skipping %s in checkpoint directory %s: not a regular file (%s)",
+                    path.name,
+                    self.dir,
+                    "a symbolic link" if stat.S_ISLNK(mode) else f"mode {mode:o}",
+                )
+        return regular
+
     def _read_entry(self, path: Path) -> DiskEntry:
         """The entry of the file at `path`, from its authenticated head alone."""
-        with path.open("rb") as file:
+        with os.fdopen(open_regular(path), "rb") as file:
             file_bytes = os.fstat(file.fileno()).st_size
             header = file.read(HEADER_SIZE)
             head = header + file.read(head_length(header) - len(header))

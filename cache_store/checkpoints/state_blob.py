@@ -228,6 +228,11 @@ def encode_blob(
     return b"".join((head, state_view))
 
 
+def head_bytes(n_tokens: int) -> int:
+    """Bytes of the head (header and token ids) of a blob of `n_tokens` tokens."""
+    return HEADER_SIZE + TOKEN_DTYPE.itemsize * n_tokens
+
+
 @dataclass(frozen=True, eq=False)
 class BlobHead:
     """A blob's authenticated head: its model, prefix and tokens, and the length and seal
@@ -288,7 +293,7 @@ class _Header:
 
     @property
     def head_len(self) -> int:
-        return HEADER_SIZE + 4 * self.n_tokens
+        return head_bytes(self.n_tokens)
 
 
 def _parse_header(head: memoryview, max_state_bytes: int, max_tokens: int) -> _Header:

@@ -42,8 +42,8 @@ from baton_serve.replicas.engine.prompt import (
     no_chat_template_message,
     text_prompt,
 )
+from baton_serve.replicas.engine.request_check import check_request
 from baton_serve.replicas.engine.request_handle import RequestHandle
-from baton_serve.replicas.engine.sampling import sampling_problem
 from baton_serve.replicas.engine.slots import Phase, Running, Slot, start_request
 from baton_serve.replicas.engine.stats import EngineLoad, EngineStats
 from baton_serve.replicas.engine.step_guard import StepGuard
@@ -56,8 +56,6 @@ from baton_serve.replicas.wire.protocol import (
     EngineError,
     EngineStalled,
     GenerationRequest,
-    InvalidGeneration,
-    PromptTooLong,
 )
 from baton_serve.replicas.wire.sampling_params import SamplingParams
 
@@ -120,19 +118,8 @@ class Engine(EngineFace):
 
     def check(self, request: GenerationRequest) -> None:
         """Raise `PromptError`, `PromptTooLong` or `InvalidGeneration` if it is unservable."""
-        n_prompt = len(request.prompt)
-        if n_prompt == 0:
-            raise PromptError("the prompt is empty")
-        if n_prompt >= self.n_ctx:
-            raise PromptTooLong(n_prompt, self.n_ctx)
-        if not all(0 <= t < self.model.n_vocab for t in request.prompt.tokens):
-            raise PromptError(f"token ids must be in [0, {self.model.n_vocab})")
         self._check_open()
-        if problem := sampling_problem(request.sampling, self.model):
-            raise InvalidGeneration(problem)
-        if request.n > len(self._slots):
-            message = f"n is {request.n}; this replica serves n <= {len(self._slots)}"
-            raise InvalidGeneration(message, param="n")
+        check_request(request, self.model, self.n_ctx, len(self._slots), self.config)
 
     def submit(
         self, request: GenerationRequest, prefix_hashes: Sequence[bytes] = ()
@@ -300,7 +287,18 @@ class Engine(EngineFace):
         cuts = self._cache.checkpoints_for(prompt, cached)
         pieces = prefill_pieces(cached, len(prompt), cuts, self.config.prefill_chunk)
         checkpoints = set(cuts) & set(pieces)
-        start_request(handle, self.model, slot, free, cached, pieces, checkpoints, admitted_at)
+        start_request(
+            handle,
+            self.model,
+            slot,
+            free,
+            cached,
+            pieces,
+            checkpoints,
+            admitted_at,
+            self.n_ctx,
+            max_grammar_nesting=self.config.max_grammar_nesting,
+        )
 
     # ---- steps ---------------------------------------------------------------------------
 
@@ -342,16 +340,14 @@ class Engine(EngineFace):
         if wants_logits:
             row = logits[len(entries) - 1]
             for fork in run.forks:  # n > 1: each choice starts from this prompt's state
-                if self._guard.run("copying its prompt's state", fork, self._fork, run, fork):
+                copy = self._cache.states.copy
+                if self._guard.run("copying its prompt's state", fork, copy, run.slot, fork.slot):
                     self._guard.run("sampling a token", fork, self._sampled, fork, row)
                 if run.handle.cancelled:
                     return  # failed: its other choices stop at the next step
             self._guard.run("sampling a token", run, self._sampled, run, row)
         elif run.phase is Phase.REPLAY and not run.pieces:
             slot.release()
-
-    def _fork(self, run: Running, fork: Running) -> None:
-        self._cache.states.copy(run.slot, fork.slot)
 
     def _sampled(self, run: Running, logits: np.ndarray) -> None:
         """Pick the next token from `logits`; stream it; finish when a stop rule fires."""

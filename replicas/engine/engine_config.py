@@ -9,6 +9,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from baton_serve.replicas.engine.emulated_timing import EmulatedTiming
+from baton_serve.replicas.engine.grammar_nesting import DEFAULT_MAX_GRAMMAR_NESTING
 
 logger = logging.getLogger("baton.engine")
 
@@ -115,7 +116,8 @@ class EngineConfig(BaseModel):
         min_length=1,
         description="the disk tier: checkpoints evicted from RAM are kept in this directory (a "
         "node's NVMe) as signed files, and a restart with the same model and HMAC key adopts "
-        "them; unset: RAM only",
+        "them; it must be this user's own directory, not a symbolic link, writable by nobody "
+        "else (created with mode 0700 if missing; a start refuses any other); unset: RAM only",
     )
     disk_budget_bytes: int = Field(
         default=16 << 30,
@@ -137,6 +139,15 @@ class EngineConfig(BaseModel):
         gt=0,
         allow_inf_nan=False,
         description="the part of a request's deadline allowed for waiting for a slot",
+    )
+    max_grammar_nesting: int = Field(
+        default=DEFAULT_MAX_GRAMMAR_NESTING,
+        ge=1,
+        description="deepest nesting of groups in a request's grammar; deeper is refused "
+        "before llama.cpp parses it, by the gateway (a 400) and the replica. Its parser "
+        "recurses once per group with no bound of its own, ~300-400 bytes of stack a level: "
+        "3,000 levels crashed a thread with a 1 MiB stack, 30,000 a replica (8 MiB). The "
+        "default is llama.cpp's own cap upstream (PR #26602)",
     )
     stall_timeout_s: float = Field(
         default=60.0,

@@ -142,6 +142,11 @@ class EngineFace:
         """A state's exact size as (fixed, per token) bytes; None where it is not linear."""
         return self._cache.states.state_size
 
+    @property
+    def largest_state_bytes(self) -> int:
+        """The largest state a sequence can have here: a whole context's (KV and recurrent)."""
+        return self._cache.states.largest_state_bytes
+
     # ---- hashes --------------------------------------------------------------------------
 
     def hash_chain(self, tokens: Sequence[int], known: Sequence[bytes] = ()) -> list[bytes]:

@@ -59,7 +59,15 @@ class PrefixStates:
         self.stats = stats
         self.kind = model.kind
         self.hasher = PrefixHasher(model.fingerprint, config.block_tokens)
-        self.state_size = self._measure_state_size()  # before any blob is read
+        # A state's exact size, measured before any blob is read, so that a signed but
+        # malformed blob never reaches llama.cpp. A sliding window's cache stops growing at
+        # the window, so its size is not linear (only the blob's own checks apply there), but
+        # the line measured below the window still bounds it: the largest state, the most a
+        # stream from a peer may announce.
+        line = context.state_size_line(0, model.any_token)
+        self.state_size = None if model.sliding_window else line
+        fixed, per_token = line
+        self.largest_state_bytes = fixed + per_token * context.n_ctx_per_seq
         self.listeners: list[CheckpointListener] = []
         self.codec = CheckpointCodec(
             model.fingerprint, self.hasher, hmac_key, self.state_size, stats
@@ -230,16 +238,6 @@ class PrefixStates:
     def _evicted(self, checkpoint: Stored) -> None:
         metrics.CHECKPOINTS_EVICTED.inc()
         self._tell(lambda listener: listener.checkpoint_removed(checkpoint))
-
-    def _measure_state_size(self) -> tuple[int, int] | None:
-        """The exact size of a state, so a signed but malformed blob never reaches llama.cpp.
-
-        Sliding-window caches keep at most a window of tokens, so their size is not linear:
-        for those models only the blob's own checks apply.
-        """
-        if self.model.sliding_window:
-            return None
-        return self.context.state_size_line(0, self.model.any_token)
 
     def _disk_tier(self) -> DiskTier | None:
         """The disk tier of `checkpoint_dir`: the same signed blobs, checked the same way."""

@@ -18,6 +18,11 @@ import weakref
 import llama_cpp
 import numpy as np
 
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.grammar_nesting import (
+    DEFAULT_MAX_GRAMMAR_NESTING,
+    check_grammar_nesting,
+)
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.wire.sampling_params import SamplingParams, TokenLogprob
 
@@ -32,7 +37,8 @@ class TokenSampler:
     `prompt` feeds the repetition penalty (it counts prompt and reply tokens, as in vLLM);
     presence and frequency penalties count the reply only, as OpenAI defines them. Until
     `params.min_tokens` tokens are accepted, `end_tokens` (the model's end-of-generation
-    tokens) and the stop token ids cannot be picked.
+    tokens) and the stop token ids cannot be picked. `n_ctx`, the context a request's prompt
+    and reply share, bounds the penalties' windows: no `max_tokens` sizes one beyond it.
     """
 
     def __init__(
@@ -43,14 +49,18 @@ class TokenSampler:
         vocab: llama_cpp.llama_vocab_p | None = None,
         prompt: tuple[int, ...] = (),
         end_tokens: tuple[int, ...] = (),
+        n_ctx: int | None = None,
+        max_grammar_nesting: int = DEFAULT_MAX_GRAMMAR_NESTING,
     ) -> None:
         self.params = params
         self._n_vocab = n_vocab
         ends = {*end_tokens, *params.stop_token_ids} if params.min_tokens else set()
         self._too_early = np.array(sorted(t for t in ends if 0 <= t < n_vocab), dtype=np.int64)
         self._accepted = 0
-        self._grammar = _grammar(params.grammar, vocab) if params.grammar else None
-        self._chain = _chain(params, n_vocab, prompt)
+        self._grammar = (
+            _grammar(params.grammar, vocab, max_grammar_nesting) if params.grammar else None
+        )
+        self._chain = _chain(params, n_vocab, prompt, n_ctx)
         self._argmax_only = llama_cpp.llama_sampler_chain_n(self._chain) == 1 and params.greedy
         owned = [s for s in (self._chain, self._grammar) if s]
         self._finalizer = weakref.finalize(self, _free, owned)
@@ -106,26 +116,33 @@ class TokenSampler:
         return _array_of(candidates)
 
 
-def sampling_problem(params: SamplingParams, model: LlamaModel) -> str | None:
-    """What makes `params` unservable (a token id outside the vocabulary, a grammar
-    llama.cpp cannot parse), if anything: a request's mistake, found before it queues."""
+def sampling_problem(params: SamplingParams, model: LlamaModel, config: EngineConfig) -> str | None:
+    """What makes `params` unservable on an engine of `config` (a token id outside the
+    vocabulary, a grammar nested too deep or that llama.cpp cannot parse), if anything: a
+    request's mistake, found before it queues."""
     ids = [token for token, _ in params.logit_bias] + list(params.stop_token_ids)
     bad = [token for token in ids if not 0 <= token < model.n_vocab]
     if bad:
         return f"token id {bad[0]} is not in the vocabulary [0, {model.n_vocab})"
     if params.grammar is not None and params.ignore_eos:
         return "ignore_eos cannot be combined with a grammar (the grammar ends the reply)"
-    if params.grammar is not None and not grammar_parses(params.grammar, model.vocab):
-        return "llama.cpp could not parse the grammar (its log says where)"
+    if params.grammar is not None:
+        return grammar_problem(params.grammar, model.vocab, config.max_grammar_nesting)
     return None
 
 
-def grammar_parses(text: str, vocab: llama_cpp.llama_vocab_p | None = None) -> bool:
-    """Whether llama.cpp's grammar sampler accepts `text` (parsing needs no vocabulary)."""
-    sampler = llama_cpp.llama_sampler_init_grammar(vocab, text.encode(), b"root")
-    if sampler:
-        llama_cpp.llama_sampler_free(sampler)
-    return bool(sampler)
+def grammar_problem(
+    text: str,
+    vocab: llama_cpp.llama_vocab_p | None = None,
+    max_nesting: int = DEFAULT_MAX_GRAMMAR_NESTING,
+) -> str | None:
+    """Why llama.cpp's grammar sampler cannot take `text`, if it cannot (parsing needs no
+    vocabulary)."""
+    try:
+        llama_cpp.llama_sampler_free(_parsed_grammar(text, vocab, max_nesting))
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
@@ -161,7 +178,24 @@ def _array_of(candidates: np.ndarray) -> llama_cpp.llama_token_data_array:
     )
 
 
-def _chain(params: SamplingParams, n_vocab: int, prompt: tuple[int, ...]) -> ctypes.c_void_p:
+def _penalty_windows(
+    params: SamplingParams, prompt: tuple[int, ...], n_ctx: int | None
+) -> tuple[int, int]:
+    """How many tokens the repetition penalty (prompt and reply) and the presence and
+    frequency penalties (the reply) look back over: all a request can have. llama.cpp
+    allocates each window as a ring buffer of that many tokens, so it is bounded by the
+    context, where the reply ends at the latest (`max_tokens` 2**31 - 1 once asked 8 GiB)."""
+    whole = len(prompt) + params.max_tokens
+    reply = params.max_tokens
+    if n_ctx is not None:
+        whole = min(whole, n_ctx)
+        reply = min(reply, n_ctx - len(prompt))
+    return whole, max(reply, 1)
+
+
+def _chain(
+    params: SamplingParams, n_vocab: int, prompt: tuple[int, ...], n_ctx: int | None
+) -> ctypes.c_void_p:
     chain_params = llama_cpp.llama_sampler_chain_default_params()
     chain_params.no_perf = True
     chain = llama_cpp.llama_sampler_chain_init(chain_params)
@@ -172,10 +206,10 @@ def _chain(params: SamplingParams, n_vocab: int, prompt: tuple[int, ...]) -> cty
     if params.logit_bias:
         biases = (llama_cpp.llama_logit_bias * len(params.logit_bias))(*params.logit_bias)
         add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(biases), biases))
+    whole, reply = _penalty_windows(params, prompt, n_ctx)
     if params.repetition_penalty != 1.0:
-        window = len(prompt) + params.max_tokens
         repetition = llama_cpp.llama_sampler_init_penalties(
-            n_vocab, window, params.repetition_penalty, 0.0, 0.0
+            n_vocab, whole, params.repetition_penalty, 0.0, 0.0
         )
         for token in prompt:
             llama_cpp.llama_sampler_accept(repetition, token)
@@ -184,7 +218,7 @@ def _chain(params: SamplingParams, n_vocab: int, prompt: tuple[int, ...]) -> cty
         add(
             llama_cpp.llama_sampler_init_penalties(
                 n_vocab,
-                max(params.max_tokens, 1),
+                reply,
                 1.0,
                 params.frequency_penalty,
                 params.presence_penalty,
@@ -220,10 +254,24 @@ def _chain(params: SamplingParams, n_vocab: int, prompt: tuple[int, ...]) -> cty
     return chain
 
 
-def _grammar(text: str, vocab: llama_cpp.llama_vocab_p | None) -> ctypes.c_void_p:
+def _grammar(text: str, vocab: llama_cpp.llama_vocab_p | None, max_nesting: int) -> ctypes.c_void_p:
     if vocab is None:
         raise ValueError("a grammar needs the model's vocabulary")
-    sampler = llama_cpp.llama_sampler_init_grammar(vocab, text.encode(), b"root")
+    return _parsed_grammar(text, vocab, max_nesting)
+
+
+def _parsed_grammar(
+    text: str, vocab: llama_cpp.llama_vocab_p | None, max_nesting: int
+) -> ctypes.c_void_p:
+    """llama.cpp's grammar sampler for `text`; `ValueError` if it cannot be made. The one
+    way a grammar reaches native code: its nesting is counted first, since llama.cpp's
+    parser recurses once per group with no bound of its own (`grammar_nesting`)."""
+    check_grammar_nesting(text, max_nesting)
+    try:
+        encoded = text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("the grammar is not valid text (a lone surrogate)") from None
+    sampler = llama_cpp.llama_sampler_init_grammar(vocab, encoded, b"root")
     if not sampler:
         raise ValueError("llama.cpp could not parse the grammar (its log says where)")
     return sampler

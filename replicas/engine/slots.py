@@ -200,11 +200,14 @@ def start_request(
     pieces: list[int],
     checkpoints: set[int],
     admitted_at: float,
+    n_ctx: int,
+    *,
+    max_grammar_nesting: int,
 ) -> Running:
     """Put `handle`'s request in `slot` (which holds `cached` tokens of its prompt) and, for
     n > 1, its other choices in the least recently used other `free` slots, waiting to fork
     from the prompt's state. Each choice samples on its own; with a seed, choice i draws
-    from seed + i."""
+    from seed + i. `n_ctx`, a slot's context, bounds the samplers' penalty windows."""
     request, started = handle.request, time.perf_counter()
     others = sorted((s for s in free if s is not slot), key=lambda s: s.last_used)
     runs = []
@@ -218,6 +221,8 @@ def start_request(
             vocab=model.vocab,
             prompt=request.prompt.tokens,
             end_tokens=model.end_tokens if params.min_tokens else (),
+            n_ctx=n_ctx,
+            max_grammar_nesting=max_grammar_nesting,
         )
         target.running = Running(
             handle=handle,

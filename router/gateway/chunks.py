@@ -16,6 +16,7 @@ from baton_serve.router.gateway.event_stream import finish_reason
 from baton_serve.router.gateway.logprobs import LogprobFormat
 from baton_serve.router.gateway.openai_tools import Tool, ToolCall, call_deltas
 from baton_serve.router.gateway.reply_parser import Part, Piece, ReplyParser
+from baton_serve.router.gateway.strict_calls import StrictCalls
 from baton_serve.router.gateway.tool_calls import parse_tool_calls
 
 
@@ -30,7 +31,8 @@ class ReplyIds:
 
 class ReplyReader:
     """Reads one chat reply's text: reasoning (left out unless `reasoning`), content, and
-    calls to the offered tools."""
+    calls to the offered tools (a strict function's checked by `strict`). `finish` may take
+    a while with tools (it reads and checks the calls): callers run it off the event loop."""
 
     def __init__(
         self,
@@ -39,11 +41,13 @@ class ReplyReader:
         *,
         parallel: bool,
         reasoning: bool = True,
+        strict: StrictCalls | None = None,
     ) -> None:
         self._parser = parser
         self._tools = tools
         self._parallel = parallel
         self._reasoning = reasoning
+        self._strict = strict
 
     def feed(self, text: str) -> list[Piece]:
         return self._shown(self._parser.feed(text))
@@ -58,7 +62,7 @@ class ReplyReader:
         if not section:
             return pieces, []
         parsed = parse_tool_calls(
-            section, self._tools, parallel=self._parallel, truncated=truncated
+            section, self._tools, parallel=self._parallel, truncated=truncated, strict=self._strict
         )
         if parsed.content:
             pieces.append(Piece(Part.CONTENT, parsed.content))

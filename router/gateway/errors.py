@@ -72,12 +72,15 @@ def invalid_request(message: str, *, param: str | None = None, code: str | None 
     return APIError(400, message, INVALID_REQUEST, param, code)
 
 
-def context_length_exceeded(prompt_tokens: int, n_ctx: int, *, at_least: bool = False) -> APIError:
+def context_length_exceeded(
+    prompt_tokens: int, n_ctx: int, *, at_least: bool = False, param: str | None = None
+) -> APIError:
     """400; `at_least`: `prompt_tokens` is a lower bound (the text was too long to count)."""
     has = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
     return invalid_request(
         f"This model's maximum context length is {n_ctx} tokens, but the prompt has "
         f"{has} tokens (at most {n_ctx - 1} leave room for one generated token).",
+        param=param,
         code="context_length_exceeded",
     )
 
@@ -108,6 +111,19 @@ def body_too_large(limit: int) -> APIError:
     )
 
 
+def body_read_timeout(timeout_s: float) -> APIError:
+    """408: the body did not arrive whole within the server's deadline (a trickling client);
+    the connection is closed, its unread bytes with it."""
+    return APIError(
+        408,
+        f"The request body did not arrive within {timeout_s:g} s (this server's "
+        "body_read_timeout_s setting).",
+        INVALID_REQUEST,
+        code="request_timeout",
+        headers={"Connection": "close"},
+    )
+
+
 def prompt_too_large(size: int, limit: int, param: str, setting: str) -> APIError:
     """413: the prompt's text (a chat as rendered) is larger than the server's bound."""
     return APIError(
@@ -128,9 +144,32 @@ def no_capacity(
     return APIError(503, message, SERVER_ERROR, code="no_capacity", headers=headers)
 
 
-def replica_lost() -> APIError:
-    """503: the replica serving the request stopped (and retrying found none to take it)."""
-    return no_capacity("The replica serving the request stopped; retry shortly.")
+def replica_died(request_id: str, quarantine_s: float) -> APIError:
+    """500: the replica running the request died before finishing it. Not a 503 with
+    Retry-After, which invites a resend (proxies' retry policies name 503, rarely 500): the
+    request may be what killed the replica. An SDK that resends any 5xx meets the quarantine."""
+    refused = (
+        f"; identical requests are refused for {quarantine_s:g} s (the poison_quarantine_s setting)"
+        if quarantine_s > 0
+        else ""
+    )
+    message = (
+        f"The replica running request {request_id} died before finishing it. The request was "
+        f"not sent to another replica, in case it is what killed this one{refused}."
+    )
+    return APIError(500, message, SERVER_ERROR, code="replica_died")
+
+
+def request_quarantined(quarantine_s: float, left_s: int) -> APIError:
+    """400: an identical request was running on a replica that died less than `quarantine_s`
+    ago. A client error, not a 5xx that SDKs retry: the same body gets the same answer until
+    the quarantine ends; a changed one is served."""
+    return invalid_request(
+        "An identical request was running on a replica that died; it may be what killed it, "
+        f"so identical requests are refused for {quarantine_s:g} s (the poison_quarantine_s "
+        f"setting; {left_s} s left). Send a different request, or this one later.",
+        code="request_quarantined",
+    )
 
 
 def replica_timeout(exc: EngineTimeout) -> APIError:

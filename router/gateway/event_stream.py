@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import anyio.to_thread
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
@@ -38,7 +39,9 @@ class ChunkFormat(Protocol):
         """Chunks for the next piece of choice `index`'s text (none while it is held back)."""
         ...
 
-    def finish(self, done: Completion) -> list[BaseModel]: ...
+    def finish(self, done: Completion) -> list[BaseModel]:
+        """The last chunks; run off the event loop (a chat reads its tool calls here)."""
+        ...
 
     def usage(self, usage: api.Usage) -> BaseModel: ...
 
@@ -160,7 +163,7 @@ async def _events(
                 for index, pending in logprobs.items():  # tokens that showed no text
                     for chunk in chunks.text("", pending, index) if pending else []:
                         yield sse(chunk)
-                for chunk in chunks.finish(item):
+                for chunk in await anyio.to_thread.run_sync(chunks.finish, item):
                     yield sse(chunk)
                 if usage.final:
                     yield _sse(chunks.usage(usage_of([item])).model_dump_json())

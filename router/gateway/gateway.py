@@ -17,7 +17,8 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from functools import partial
+from typing import Protocol
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -33,7 +34,6 @@ from baton_serve.replicas.wire.protocol import (
 )
 from baton_serve.replicas.wire.sampling_params import SamplingParams
 from baton_serve.router.gateway import openai_types as api
-from baton_serve.router.gateway.chat_plan import ChatPlan, plan_chat
 from baton_serve.router.gateway.chunks import (
     ChatChunks,
     ReplyIds,
@@ -54,18 +54,26 @@ from baton_serve.router.gateway.event_stream import (
     usage_of,
 )
 from baton_serve.router.gateway.gateway_work import PromptThreads, Readiness, all_or_none
-from baton_serve.router.gateway.guided import guided_grammar, template_variables
+from baton_serve.router.gateway.grammar_limits import GrammarLimits
+from baton_serve.router.gateway.guided import template_variables
 from baton_serve.router.gateway.http_telemetry import HTTPTelemetry
-from baton_serve.router.gateway.list_bounds import BoundLists, ListBounds
+from baton_serve.router.gateway.list_bounds import (
+    MAX_DOCUMENTS,
+    MAX_LOGIT_BIAS,
+    MAX_MESSAGE_PARTS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOOLS,
+    BoundLists,
+    ListBounds,
+)
 from baton_serve.router.gateway.logprobs import LogprobFormat
 from baton_serve.router.gateway.middleware import APIKeyAuth, BodySizeLimit
 from baton_serve.router.gateway.prompt_builder import ChatEnding, PromptBuilder
-from baton_serve.router.gateway.structured_output import (
-    SchemaNotEnforceable,
-    response_grammar,
-    schema_grammar,
-)
+from baton_serve.router.gateway.reply_budget import ReplyBudget
+from baton_serve.router.gateway.reply_grammar import ReplyGrammars
+from baton_serve.router.gateway.token_ids import in_vocabulary, logit_bias_pairs
 from baton_serve.router.gateway.tokenizer_api import TokenizerAPI
+from baton_serve.router.gateway.transport_defaults import BODY_READ_TIMEOUT_S
 
 PUBLIC_PATHS = frozenset({"/health"})  # with API keys, every other path needs one
 REPLICA_HEADER = "X-Baton-Replica"  # on non-streamed replies: the replica(s) that served them
@@ -93,11 +101,19 @@ class GatewaySettings:
     stream_ping_s: float = 15.0  # an SSE comment after this long without an event (0: none)
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     max_body_bytes: int = 4 << 20
-    max_tokens_cap: int | None = None
+    body_read_timeout_s: float = BODY_READ_TIMEOUT_S  # the whole body, else 408
+    max_tokens_cap: int | None = None  # the most tokens a choice may generate (None: n_ctx)
+    max_request_tokens: int | None = None  # reply_budget's work budget (None: 16 × n_ctx)
+    max_tools: int = MAX_TOOLS
+    max_documents: int = MAX_DOCUMENTS
+    max_logit_bias: int = MAX_LOGIT_BIAS  # entries
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
+    max_message_parts: int = MAX_MESSAGE_PARTS  # content parts and tool calls, all messages
     max_messages: int = 2048  # in one chat request
     max_prompts: int = 256  # in one completion request
     max_prompt_bytes: int = 4 << 20  # a prompt's text: a chat as rendered, or one prompt
     prompt_threads: int = 4  # chats rendered and prompts tokenised at once, off the event loop
+    grammar_limits: GrammarLimits = GrammarLimits()  # a reply's grammar; strict calls' checks
     engine: str | None = None  # what computes, for /health ("llama.cpp", "emulated:NAME")
 
 
@@ -115,7 +131,8 @@ def create_app(
         chat_template=settings.chat_template,
         max_prompt_bytes=settings.max_prompt_bytes,
     )
-    gateway = _Gateway(settings, replicas, builder, Readiness(ready) if ready else None)
+    threads = PromptThreads(settings.prompt_threads)
+    gateway = _Gateway(settings, replicas, builder, threads, Readiness(ready) if ready else None)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -134,12 +151,24 @@ def create_app(
     )
     app.add_api_route("/v1/models", gateway.models, methods=["GET"], response_model=api.ModelList)
     app.add_api_route("/health", gateway.health, methods=["GET"])
-    tokenizer = TokenizerAPI(builder)
+    tokenizer = TokenizerAPI(builder, threads)
     app.add_api_route("/tokenize", tokenizer.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", tokenizer.detokenize, methods=["POST"])
-    bounds = ListBounds(max_messages=settings.max_messages, max_prompts=settings.max_prompts)
+    bounds = ListBounds(
+        max_messages=settings.max_messages,
+        max_prompts=settings.max_prompts,
+        max_tools=settings.max_tools,
+        max_documents=settings.max_documents,
+        max_logit_bias=settings.max_logit_bias,
+        max_stop_token_ids=settings.max_stop_token_ids,
+        max_message_parts=settings.max_message_parts,
+    )
     app.add_middleware(BoundLists, bounds=bounds)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=settings.max_body_bytes,
+        read_timeout_s=settings.body_read_timeout_s,
+    )
     if settings.api_keys:
         app.add_middleware(APIKeyAuth, keys=settings.api_keys, public=PUBLIC_PATHS)
     app.add_middleware(HTTPTelemetry)  # the outermost: its span covers all the others
@@ -154,6 +183,7 @@ class _Gateway:
         settings: GatewaySettings,
         replicas: ReplicaClient,
         builder: PromptBuilder,
+        threads: PromptThreads,
         ready: Readiness | None,
     ) -> None:
         self._settings = settings
@@ -162,29 +192,36 @@ class _Gateway:
         self._ready = ready
         self._started = int(time.time())
         self._logprobs = LogprobFormat(builder.token_bytes)
-        self._prompt_threads = PromptThreads(settings.prompt_threads)
+        self._prompt_threads = threads
+        self._grammars = ReplyGrammars(settings.grammar_limits, threads)
+        self._budget = ReplyBudget(
+            builder.n_ctx, settings.max_tokens_cap, settings.max_request_tokens
+        )
 
     async def chat(self, body: api.ChatCompletionRequest) -> Response:
         self._check_model(body.model)
+        self._budget.check_asked(body, prompts=1)
         tools = self._builder.template_tools
-        plan = plan_chat(body, tools, self._call_grammar)
-        grammar = self._reply_grammar(body, plan)
+        plan = await self._grammars.plan(body, tools)
+        grammar = await self._grammars.chat(body, plan)
+        sampling = self._sampling(body, grammar)
         extras = template_variables(body, plan.extras)
         with tracing.span("tokenise") as span:
             prompt = await self._prompt_threads.run(
                 self._builder.from_messages, plan.messages, extras, _chat_ending(body)
             )
             span.set_attribute("baton.prompt_tokens", len(prompt))
+        (max_tokens,) = self._budget.replies(body, [len(prompt)])
         request_id = bound_request() or uuid.uuid4().hex
         routed = [{"role": m.role, "content": m.content or ""} for m in plan.messages]
-        call = self._replica_request(prompt, body, request_id, messages=routed, grammar=grammar)
+        call = self._replica_request(
+            prompt, body, request_id, sampling, max_tokens, messages=routed
+        )
         in_reasoning = self._builder.opens_reasoning(prompt)
 
         def reader() -> ReplyReader:  # one per choice
             parser = plan.reply_parser(tools, in_reasoning)
-            return ReplyReader(
-                parser, plan.tools, parallel=plan.parallel, reasoning=body.include_reasoning
-            )
+            return self._grammars.reader(parser, plan, reasoning=body.include_reasoning)
 
         reply_id = f"chatcmpl-{body.request_id or request_id}"
         reply = ReplyIds(reply_id, int(time.time()), self._settings.model_name)
@@ -196,7 +233,8 @@ class _Gateway:
                 self._settings.stream_ping_s,
             )
         done = await self._replicas.generate(call)
-        choices = [chat_choice(c, reader(), self._logprobs) for c in done.choices]
+        read = [partial(chat_choice, c, reader(), self._logprobs) for c in done.choices]
+        choices = [await self._prompt_threads.run(r) if plan.tools else r() for r in read]
         return _json(
             api.ChatCompletion(**asdict(reply), choices=choices, usage=usage_of([done])), [done]
         )
@@ -205,17 +243,22 @@ class _Gateway:
         self._check_model(body.model)
         if body.stream and len(body.prompt) > 1:
             raise invalid_request("Streaming takes a single prompt.", param="prompt")
+        self._budget.check_asked(body, prompts=len(body.prompt))
+        grammar = await self._grammars.guided(body)
+        sampling = self._sampling(body, grammar)
         with tracing.span("tokenise") as span:
             prompts = await self._prompt_threads.run_prompts(self._completion_prompts, body.prompt)
             span.set_attribute("baton.prompt_tokens", sum(len(p) for p in prompts))
+        replies = self._budget.replies(body, [len(p) for p in prompts])
         request_id = bound_request() or uuid.uuid4().hex
         calls = []
-        grammar = guided_grammar(body)
         for i, (prompt, given) in enumerate(zip(prompts, body.prompt, strict=True)):
             text = given if isinstance(given, str) else ""
             # One prompt keeps the request's id (so its replica's log lines name it).
             call_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            calls.append(self._replica_request(prompt, body, call_id, text=text, grammar=grammar))
+            calls.append(
+                self._replica_request(prompt, body, call_id, sampling, replies[i], text=text)
+            )
         echoed = [
             self._echoed(p, given) if body.echo else "" for p, given in zip(prompts, body.prompt)
         ]
@@ -277,45 +320,20 @@ class _Gateway:
         prompt: Prompt,
         body: GenerationBody,
         request_id: str,
+        sampling: SamplingParams,
+        max_tokens: int,
         *,
         text: str = "",
         messages: list[dict[str, str]] | None = None,
-        grammar: str | None = None,
     ) -> ReplicaRequest:
-        max_tokens = self._max_tokens(body.requested_tokens, len(prompt))
+        """`prompt`'s request: `sampling` (from `_sampling`) with its own `max_tokens`."""
         if body.min_tokens > max_tokens:
             raise invalid_request(
                 f"min_tokens is {body.min_tokens}, more than the {max_tokens} tokens this "
                 "request may generate.",
                 param="min_tokens",
             )
-        sampling = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_k=max(body.top_k, 0),
-            top_p=body.top_p,
-            min_p=body.min_p,
-            typical_p=body.typical_p,
-            top_n_sigma=body.top_n_sigma,
-            xtc_probability=body.xtc_probability,
-            xtc_threshold=body.xtc_threshold,
-            mirostat=body.mirostat,
-            mirostat_tau=body.mirostat_tau,
-            mirostat_eta=body.mirostat_eta,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty,
-            logit_bias=self._logit_bias(body.logit_bias),
-            seed=body.seed,
-            stop=tuple(body.stop),
-            stop_token_ids=tuple(self._token_ids(body.stop_token_ids, "stop_token_ids")),
-            ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output,
-            skip_special_tokens=body.skip_special_tokens,
-            logprobs=body.logprobs_count,
-            grammar=grammar,
-        )
+        sampling = sampling.model_copy(update={"max_tokens": max_tokens})
         with tracing.span("hash") as span:
             hashes = self._builder.hashes(prompt)
             span.set_attribute("baton.blocks", len(hashes))
@@ -329,68 +347,36 @@ class _Gateway:
             trace_context=tracing.inject(),
         )
 
-    @staticmethod
-    def _call_grammar(schema: dict[str, Any]) -> str:
-        """A grammar for a tool call's JSON (its name first)."""
-        try:
-            return schema_grammar(schema, prop_order=["name", "arguments", "parameters"])
-        except SchemaNotEnforceable as exc:
-            raise invalid_request(f"A tool's parameters: {exc}", param="tools") from None
-
-    @staticmethod
-    def _reply_grammar(body: api.ChatCompletionRequest, plan: ChatPlan) -> str | None:
-        """The grammar of a forced tool call, or of `response_format` or `guided_json` /
-        `guided_choice` (one of them)."""
-        try:
-            grammar = response_grammar(body.response_format)
-        except SchemaNotEnforceable as exc:
-            raise invalid_request(str(exc), param="response_format") from None
-        guided = guided_grammar(body)
-        if grammar is not None and guided is not None:
-            raise invalid_request(
-                "send response_format or a guided_* / json_schema / grammar field, not both.",
-                param="response_format",
-            )
-        grammar = grammar or guided
-        if grammar is not None and plan.tools:
-            raise invalid_request(
-                "response_format (or a guided_* / json_schema / grammar field) cannot be combined with "
-                'tools the model may call; send tool_choice "none", or no format.',
-                param="response_format",
-            )
-        return grammar or plan.grammar
-
-    def _logit_bias(self, biases: dict[str, float]) -> tuple[tuple[int, float], ...]:
-        """OpenAI's `logit_bias` (token ids as JSON object keys) as (id, bias) pairs."""
-        try:
-            ids = [int(key) for key in biases]
-        except ValueError:
-            raise invalid_request(
-                "logit_bias keys must be token ids (integers as strings).", param="logit_bias"
-            ) from None
-        return tuple(zip(self._token_ids(ids, "logit_bias"), biases.values(), strict=True))
-
-    def _token_ids(self, ids: Sequence[int], param: str) -> list[int]:
+    def _sampling(self, body: GenerationBody, grammar: str | None) -> SamplingParams:
+        """How the request's tokens are picked, its token ids checked against the
+        vocabulary (`max_tokens` is each prompt's own: `_replica_request` sets it)."""
         n_vocab = self._builder.n_vocab
-        bad = [token for token in ids if not 0 <= token < n_vocab]
-        if bad:
-            raise invalid_request(
-                f"{param}: token id {bad[0]} is not in the vocabulary [0, {n_vocab}).", param=param
-            )
-        return list(ids)
-
-    def _max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
-        """The client's limit within the server's cap; by default, the rest of the context."""
-        cap = self._settings.max_tokens_cap
-        if requested is not None and cap is not None and requested > cap:
-            raise invalid_request(
-                f"max_tokens is {requested}, but this server generates at most {cap} tokens.",
-                param="max_tokens",
-            )
-        if requested is not None:
-            return requested
-        room = self._builder.n_ctx - prompt_tokens
-        return room if cap is None else min(room, cap)
+        return SamplingParams(
+            temperature=body.temperature,
+            top_k=body.top_k if 0 < body.top_k < n_vocab else 0,  # ≥ n_vocab: keeps every token
+            top_p=body.top_p,
+            min_p=body.min_p,
+            typical_p=body.typical_p,
+            top_n_sigma=body.top_n_sigma,
+            xtc_probability=body.xtc_probability,
+            xtc_threshold=body.xtc_threshold,
+            mirostat=body.mirostat,
+            mirostat_tau=body.mirostat_tau,
+            mirostat_eta=body.mirostat_eta,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=logit_bias_pairs(body.logit_bias, n_vocab),
+            seed=body.seed,
+            stop=tuple(body.stop),
+            stop_token_ids=tuple(in_vocabulary(body.stop_token_ids, n_vocab, "stop_token_ids")),
+            ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+            logprobs=body.logprobs_count,
+            grammar=grammar,
+        )
 
 
 def _chat_ending(body: api.ChatCompletionRequest) -> ChatEnding:

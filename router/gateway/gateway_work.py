@@ -24,12 +24,26 @@ class PromptThreads:
         if threads < 1:
             raise ValueError(f"prompt_threads must be at least 1, not {threads}")
         self._threads = threads
-        self._limiter: CapacityLimiter | None = None  # made on the loop that uses it
+        self._limiter: CapacityLimiter | None = None
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
-        if self._limiter is None:
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=self._capacity)
+
+    async def run_within(self, timeout_s: float, fn: Callable[..., T], *args: object) -> T:
+        """`run`, but once `fn` has a thread, waits for it at most `timeout_s`
+        (`TimeoutError`). The thread runs on to its end (a Python thread cannot be
+        stopped) without holding a place: `fn`'s inputs must be bounded so it ends soon."""
+        async with self._capacity:
+            with anyio.fail_after(timeout_s):
+                return await anyio.to_thread.run_sync(
+                    functools.partial(fn, *args), abandon_on_cancel=True
+                )
+
+    @property
+    def _capacity(self) -> CapacityLimiter:
+        if self._limiter is None:  # made on the loop that uses it
             self._limiter = CapacityLimiter(self._threads)
-        return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=self._limiter)
+        return self._limiter
 
     async def run_prompts(
         self, fn: Callable[[Sequence[str | list[int]]], T], prompts: Sequence[str | list[int]]

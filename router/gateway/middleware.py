@@ -1,8 +1,9 @@
-"""The gateway's ASGI middleware: API keys (deny by default), and a body size limit
-enforced before parsing."""
+"""The gateway's ASGI middleware: API keys (deny by default), and a body size limit and
+read deadline enforced before parsing."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import Collection, Sequence
 
@@ -11,7 +12,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from baton_serve.replicas.telemetry import tracing
 from baton_serve.router.gateway.asgi_path import app_path
-from baton_serve.router.gateway.errors import body_too_large, invalid_api_key
+from baton_serve.router.gateway.errors import (
+    APIError,
+    body_read_timeout,
+    body_too_large,
+    invalid_api_key,
+)
 
 
 class APIKeyAuth:
@@ -48,11 +54,14 @@ class APIKeyAuth:
 
 class BodySizeLimit:
     """Answers 413 to a body over `max_bytes` before anything parses it, going by its
-    Content-Length and by the bytes that actually arrive."""
+    Content-Length and by the bytes that actually arrive; and 408 to a body not received
+    whole within `read_timeout_s`, so a client trickling its body holds a gateway slot (one
+    of the deployment's ongoing requests) no longer than that."""
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, max_bytes: int, read_timeout_s: float) -> None:
         self._app = app
         self._max_bytes = max_bytes
+        self._read_timeout_s = read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -62,18 +71,28 @@ class BodySizeLimit:
         if declared.isdigit() and int(declared) > self._max_bytes:
             await body_too_large(self._max_bytes).response()(scope, receive, send)
             return
+        try:
+            body = await asyncio.wait_for(self._read(receive), self._read_timeout_s)
+        except asyncio.TimeoutError:
+            body = body_read_timeout(self._read_timeout_s)
+        if isinstance(body, APIError):
+            await body.response()(scope, receive, send)
+        elif body is not None:
+            await self._app(scope, _replaying(body, receive), send)
+
+    async def _read(self, receive: Receive) -> bytes | APIError | None:
+        """The whole body; the error to answer; or None when the client went away."""
         body = bytearray()
         more = True
         while more:
             message = await receive()
             if message["type"] != "http.request":
-                return  # the client went away
+                return None
             body += message.get("body", b"")
             if len(body) > self._max_bytes:
-                await body_too_large(self._max_bytes).response()(scope, receive, send)
-                return
+                return body_too_large(self._max_bytes)
             more = message.get("more_body", False)
-        await self._app(scope, _replaying(bytes(body), receive), send)
+        return bytes(body)
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:

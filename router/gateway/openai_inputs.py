@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, model_validator
 
+from baton_serve.router.gateway.list_bounds import counted_in_total
 from baton_serve.router.gateway.openai_tools import ToolCall
 
 MAX_STOP_SEQUENCES = 4
@@ -74,7 +75,9 @@ def _prompt_list(value: object) -> list[str | list[int]]:
 
 
 MessageContent = Annotated[
-    str, BeforeValidator(_joined_text_parts, json_schema_input_type=str | list[dict[str, str]])
+    str,
+    BeforeValidator(_joined_text_parts, json_schema_input_type=str | list[dict[str, str]]),
+    counted_in_total("content"),  # parts counted first (the last before-validator runs first)
 ]
 StopSequences = Annotated[
     list[Annotated[str, Field(min_length=1)]],
@@ -98,7 +101,7 @@ class InputMessage(BaseModel):
     role: str = Field(min_length=1)
     content: MessageContent | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: Annotated[list[ToolCall], counted_in_total("tool_calls")] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 

@@ -36,7 +36,6 @@ from baton_serve.router.gateway.structured_output import ResponseFormat
 MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16
-MAX_GRAMMAR_CHARS = 64 << 10  # a raw GBNF grammar: parsed by llama.cpp per request
 # Fields that each give the reply a grammar: at most one per request.
 GUIDES = ("guided_json", "guided_choice", "json_schema", "grammar")
 
@@ -102,18 +101,19 @@ class _GenerationRequest(BaseModel):
         description="vLLM: no end-of-generation token, stop token id or stop string "
         "before this many tokens.",
     )
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
-        default=[], description="vLLM: token ids that end the reply (not returned)."
-    )
+    stop_token_ids: Annotated[
+        list[Annotated[int, Field(ge=0)]], counted("stop_token_ids", as_sent=True)
+    ] = Field(default=[], description="vLLM: token ids that end the reply (not returned).")
     n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="Choices; at most the slots.")
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="Reply tokens.")
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="Reply tokens.")
     repetition_penalty: float = Field(
         default=1.0, gt=0.0, le=10.0, description="vLLM: counts prompt and reply tokens."
     )
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(
-        default={}, description="Token id (as a string) → a bias added to its logit."
-    )
+    logit_bias: Annotated[
+        dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+        counted("logit_bias", as_sent=True),
+    ] = Field(default={}, description="Token id (as a string) → a bias added to its logit.")
     guided_json: dict[str, Any] | None = Field(
         default=None, description="vLLM: the reply is JSON valid against this schema."
     )
@@ -123,10 +123,9 @@ class _GenerationRequest(BaseModel):
     json_schema: dict[str, Any] | None = Field(
         default=None, description="llama-server: the same as guided_json."
     )
-    grammar: str | None = Field(
+    grammar: str | None = Field(  # its size and nesting: the gateway's grammar_limits
         default=None,
         min_length=1,
-        max_length=MAX_GRAMMAR_CHARS,
         description="llama-server: a llama.cpp GBNF grammar (rule `root`) the reply follows.",
     )
     skip_special_tokens: bool = Field(
@@ -203,7 +202,9 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: Annotated[list[InputMessage], counted("messages", as_sent=True)] = Field(
         min_length=1, description="The conversation."
     )
-    tools: list[Tool] | None = Field(default=None, description="Functions the model may call.")
+    tools: Annotated[list[Tool], counted("tools", as_sent=True)] | None = Field(
+        default=None, description="Functions the model may call."
+    )
     tool_choice: ToolChoice | None = Field(
         default=None, description='"none", "auto", "required" or a named function.'
     )
@@ -228,7 +229,7 @@ class ChatCompletionRequest(_GenerationRequest):
         "not none, unless chat_template_kwargs sets it); templates that do not read them "
         "are unaffected.",
     )
-    documents: list[dict[str, str]] | None = Field(
+    documents: Annotated[list[dict[str, str]], counted("documents", as_sent=True)] | None = Field(
         default=None, description="vLLM: a chat template variable (for RAG templates)."
     )
     include_reasoning: bool = Field(

@@ -90,12 +90,7 @@ class PromptBuilder:
 
     def from_text(self, text: str) -> Prompt:
         """Raw text, with BOS where the model wants one."""
-        limit = self.max_prompt_bytes
-        if limit is not None and len(text) > limit // 4:  # ≥ 1 byte a character
-            size = len(text.encode("utf-8", errors="surrogatepass"))
-            if size > limit:
-                raise prompt_too_large(size, limit, "prompt", "max_prompt_bytes")
-        self._refuse_unfitting(text)
+        self.check_text(text, "prompt")
         try:
             prompt = text_prompt(self._model, text, add_bos=self._model.add_bos)
         except PromptError as exc:
@@ -147,7 +142,17 @@ class PromptBuilder:
         """The prompt's block hash chain (what the router looks up in the index)."""
         return tuple(self._hasher.chain(prompt.tokens))
 
-    def _refuse_unfitting(self, text: str) -> None:
+    def check_text(self, text: str, param: str) -> None:
+        """Refuse `text`, field `param`'s, before it is tokenised: larger than
+        `max_prompt_bytes` (413), or too long to fit the context (400)."""
+        limit = self.max_prompt_bytes
+        if limit is not None and len(text) > limit // 4:  # ≥ 1 byte a character
+            size = len(text.encode("utf-8", errors="surrogatepass"))
+            if size > limit:
+                raise prompt_too_large(size, limit, param, "max_prompt_bytes")
+        self._refuse_unfitting(text, param)
+
+    def _refuse_unfitting(self, text: str, param: str | None = None) -> None:
         """Refuse text that cannot fit the context before spending time tokenising it: no
         token stands for more bytes than the vocabulary's longest, so the text has at least
         its size over that many tokens."""
@@ -155,7 +160,7 @@ class PromptBuilder:
             return
         at_least = -(-len(text.encode("utf-8", errors="surrogatepass")) // self._longest_token)
         if at_least + 1 > self.n_ctx:
-            raise context_length_exceeded(at_least, self.n_ctx, at_least=True)
+            raise context_length_exceeded(at_least, self.n_ctx, at_least=True, param=param)
 
     @functools.cached_property
     def _longest_token(self) -> int:

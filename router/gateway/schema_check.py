@@ -10,6 +10,10 @@ where it is handled), normalises numeric bounds (`schema_numbers`), checks `form
 (`string_formats`; a length keyword only where the format implies it), lists the values of
 `uniqueItems` arrays (items with at most `MAX_UNIQUE_VALUES` values), and checks that a
 `discriminator`'s alternatives are disjoint, so that enforcing `oneOf` as `anyOf` is exact.
+Each place offers at most the caller's bound of alternatives (an `enum`'s values, `anyOf` /
+`oneOf` branches, a `pattern`'s `|` branches, an object's optional properties): llama.cpp's
+matcher follows each at every token. The walk stops once what the grammar must hold (a
+character a node, names twice, literals and patterns as written) passes the size bound.
 """
 
 from __future__ import annotations
@@ -49,11 +53,13 @@ MAX_UNIQUE_VALUES = 16  # uniqueItems: the item's possible values, in canonical 
 _RULE_CHARS = re.compile(r"[^a-zA-Z0-9-]+")  # the converter's rule-name escaping
 
 
-def prepare(schema: Any) -> dict[str, Any]:
-    """`schema` as the converter should see it; `SchemaError` for what it cannot enforce."""
+def prepare(schema: Any, *, max_alternatives: int, max_chars: int) -> dict[str, Any]:
+    """`schema` as the converter should see it; `SchemaError` for what it cannot enforce,
+    for more than `max_alternatives` alternatives in one place, or for a grammar sure to be
+    longer than `max_chars`."""
     if not isinstance(schema, dict):
         raise SchemaError("schema", "", "the schema must be a JSON object")
-    return _Walker(schema).root()
+    return _Walker(schema, max_alternatives, max_chars).root()
 
 
 def _has_type(value: Any, kind: str) -> bool:
@@ -87,8 +93,11 @@ def _safe_literal(value: Any) -> bool:
 
 
 class _Walker:
-    def __init__(self, schema: dict[str, Any]) -> None:
+    def __init__(self, schema: dict[str, Any], max_alternatives: int, max_chars: int) -> None:
         self.schema = schema
+        self.max_alternatives = max_alternatives
+        self.max_chars = max_chars
+        self.least_chars = 0  # of the grammar, from what has been walked
         defs: dict[str, Any] = {}
         for key in ("$defs", "definitions"):
             found = schema.get(key, {})
@@ -136,6 +145,7 @@ class _Walker:
             raise SchemaError("schema", path, f"nested deeper than {MAX_DEPTH} levels")
         if not isinstance(node, dict):
             raise SchemaError("schema", path, "subschemas must be JSON objects (no booleans)")
+        self._grammar_holds(1, "schema", path)
         node = {k: v for k, v in node.items() if k not in ANNOTATIONS}
         if is_root:
             node = {k: v for k, v in node.items() if k not in ("$defs", "definitions")}
@@ -174,6 +184,7 @@ class _Walker:
                 alts = node[key]
                 if not isinstance(alts, list) or not alts:
                     raise SchemaError(key, pointer(path, key), "must be a non-empty list")
+                self._alternatives(len(alts), key, pointer(path, key))
                 items = [
                     self.visit(a, pointer(pointer(path, key), i), sub) for i, a in enumerate(alts)
                 ]
@@ -194,9 +205,12 @@ class _Walker:
             try:
                 if not isinstance(node["pattern"], str):
                     raise PatternError("must be a string")
-                return {"type", "pattern"}, {**node, "pattern": rewrite_pattern(node["pattern"])}
+                self._grammar_holds(len(node["pattern"]), "pattern", pointer(path, "pattern"))
+                rewritten = rewrite_pattern(node["pattern"])
             except PatternError as exc:
                 raise SchemaError("pattern", pointer(path, "pattern"), str(exc)) from None
+            self._alternatives(rewritten.alternatives, "pattern", pointer(path, "pattern"))
+            return {"type", "pattern"}, {**node, "pattern": rewritten.pattern}
         if kind in (None, "string") and "format" in node:
             return self._format(node, path)
         if kind == "string" and ("minLength" in node or "maxLength" in node):
@@ -282,6 +296,24 @@ class _Walker:
             raise SchemaError("uniqueItems", pointer(path, "uniqueItems"), reason)
         return values
 
+    def _grammar_holds(self, chars: int, keyword: str, path: str) -> None:
+        """The grammar will hold at least `chars` more characters for `keyword`."""
+        self.least_chars += chars
+        if self.least_chars > self.max_chars:
+            reason = (
+                f"the grammar made from the schema would be longer than {self.max_chars} "
+                "characters (this server's max_grammar_chars setting)"
+            )
+            raise SchemaError(keyword, path, reason)
+
+    def _alternatives(self, count: int, keyword: str, path: str) -> None:
+        if count > self.max_alternatives:
+            reason = (
+                f"{count} alternatives; this server takes at most {self.max_alternatives} "
+                "in one place of a grammar (its max_grammar_choices setting)"
+            )
+            raise SchemaError(keyword, path, reason)
+
     def _ref(self, ref: Any, path: str) -> str:
         if ref not in self.defs:
             reason = "only '#/$defs/NAME' and '#/definitions/NAME' at the root are supported"
@@ -296,6 +328,8 @@ class _Walker:
         where = pointer(path, key)
         if not isinstance(values, list) or not values:
             raise SchemaError(key, where, "must be a non-empty list")
+        self._alternatives(len(values), key, where)
+        self._grammar_holds(sum(len(json.dumps(v)) for v in values), key, where)
         if not all(map(_safe_literal, values)):
             reason = "strings with '\"', '\\', control characters or characters past U+FFFF"
             raise SchemaError(key, where, reason)
@@ -314,9 +348,13 @@ class _Walker:
             if not _safe_literal(name):
                 reason = f"property name {name!r} has '\"', '\\' or control characters"
                 raise SchemaError("properties", pointer(path, "properties"), reason)
+            self._grammar_holds(2 * len(name), "properties", pointer(path, "properties"))
         if not isinstance(required, list) or not all(r in props for r in required):
             reason = "must list properties defined in 'properties' (others are never generated)"
             raise SchemaError("required", pointer(path, "required"), reason)
+        # Any optional property may come first: each is an alternative after the `{`.
+        optional = len(props) - len(set(required))
+        self._alternatives(optional, "properties", pointer(path, "properties"))
         out: dict[str, Any] = {
             "type": "object",
             "properties": {

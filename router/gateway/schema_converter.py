@@ -9,6 +9,9 @@ the base converter's:
 - strings with a `format` from `string_formats.FORMATS`;
 - arrays with `uniqueItems` over an `enum` of values: the values in the enum's order, each
   at most once (a narrowing: every such array is unique), within `minItems`/`maxItems`.
+
+The grammar is counted as its rules are added: building stops (`GrammarTooLarge`) once it
+is longer than the caller's bound, so no schema makes the converter write much more.
 """
 
 from __future__ import annotations
@@ -17,23 +20,34 @@ from typing import Any
 
 from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
 
+from baton_serve.router.gateway.grammar_limits import GrammarTooLarge
 from baton_serve.router.gateway.number_ranges import Bound, decimal, integer_range, number_range
 from baton_serve.router.gateway.string_formats import FORMATS
 
 
-def schema_to_gbnf(schema: dict[str, Any], prop_order: list[str]) -> str:
-    """The grammar (root rule `root`) for a schema `prepare` returned."""
-    converter = _Converter(
-        prop_order={name: i for i, name in enumerate(prop_order)},
-        allow_fetch=False,
-        dotall=False,
-        raw_pattern=False,
-    )
+def schema_to_gbnf(schema: dict[str, Any], prop_order: list[str], max_chars: int) -> str:
+    """The grammar (root rule `root`) for a schema `prepare` returned; `GrammarTooLarge`
+    once it is longer than `max_chars`."""
+    converter = _Converter({name: i for i, name in enumerate(prop_order)}, max_chars)
     converter.visit(converter.resolve_refs(schema, "stdin"), "")
     return converter.format_grammar()
 
 
 class _Converter(SchemaConverter):
+    def __init__(self, prop_order: dict[str, int], max_chars: int) -> None:
+        self._max_chars = max_chars
+        self._chars = 0  # written so far: each rule as `name ::= rule` and a newline
+        super().__init__(prop_order=prop_order, allow_fetch=False, dotall=False, raw_pattern=False)
+
+    def _add_rule(self, name: str, rule: str) -> str:
+        known = len(self._rules)
+        key = super()._add_rule(name, rule)
+        if len(self._rules) > known:  # a new rule (a name already added keeps its rule)
+            self._chars += len(key) + len(rule) + 6
+            if self._chars > self._max_chars:
+                raise GrammarTooLarge(self._chars, self._max_chars, at_least=True)
+        return key
+
     def visit(self, schema: dict[str, Any], name: str) -> str:
         body = self._own_rule(schema, name)
         if body is None:

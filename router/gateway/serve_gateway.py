@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
+import dataclasses
 from collections.abc import AsyncGenerator
 
 from ray import serve
@@ -14,62 +14,58 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from baton_serve.replicas.telemetry.setup import configure_process
 from baton_serve.replicas.wire.protocol import Admitted, Completion, ReplicaRequest, TokenEvent
-from baton_serve.router.gateway.errors import replica_lost, too_busy
+from baton_serve.router.gateway.api_key_source import APIKeySource
+from baton_serve.router.gateway.errors import too_busy
 from baton_serve.router.gateway.gateway import GatewaySettings, create_app
+from baton_serve.router.gateway.poison_requests import PoisonQuarantine, QuarantineSettings
 
 READY_TIMEOUT_S = 2.0
-ATTEMPTS = 3  # a replica that dies before answering: the request goes to another one
-
-logger = logging.getLogger("baton.gateway")
 
 
 class HandleReplicas:
-    """The gateway's `ReplicaClient` over a handle to the replica deployment."""
+    """The gateway's `ReplicaClient` over a handle to the replica deployment.
 
-    def __init__(self, handle: DeploymentHandle) -> None:
+    A call is never resent here. Serve's router sends a call again itself until a replica
+    accepts it (Serve's strict `max_ongoing_requests`: each replica confirms or refuses a
+    call; a replica gone when chosen never confirms); a Ray actor error that reaches this code
+    came after a replica accepted the call: it died running it (`poison_requests`)."""
+
+    def __init__(self, handle: DeploymentHandle, quarantine: PoisonQuarantine) -> None:
         self._handle = handle
+        self._quarantine = quarantine
 
     async def generate(self, request: ReplicaRequest) -> Completion:
-        for attempt in range(1, ATTEMPTS + 1):
-            response = self._handle.generate.remote(request)
-            try:
-                return await response
-            except asyncio.CancelledError:  # a sibling failed, or the client went away
-                _cancel(response)
-                raise
-            except RayTaskError as exc:
-                raise exc.cause from None  # the replica's own error (e.g. a bad prompt → 400)
-            except BackPressureError as exc:
-                raise too_busy(exc) from None  # as an OpenAI error (Serve's own is plain text)
-            except RayActorError:
-                _log_replica_lost(request, attempt)
-        raise replica_lost()
+        self._quarantine.check(request.generation)
+        response = self._handle.generate.remote(request)
+        try:
+            return await response
+        except asyncio.CancelledError:  # a sibling failed, or the client went away
+            _cancel(response)
+            raise
+        except RayTaskError as exc:
+            raise exc.cause from None  # the replica's own error (e.g. a bad prompt → 400)
+        except BackPressureError as exc:
+            raise too_busy(exc) from None  # as an OpenAI error (Serve's own is plain text)
+        except RayActorError as exc:
+            raise self._quarantine.lost(request.generation, exc) from None
 
     async def stream(
         self, request: ReplicaRequest
     ) -> AsyncGenerator[Admitted | TokenEvent | Completion, None]:
-        for attempt in range(1, ATTEMPTS + 1):
-            response = None
-            started = False  # the client has tokens: the request cannot be sent again
-            try:
-                response = self._handle.options(stream=True).stream.remote(request)
-                async for batch in response:  # the items ready at once (`stream_batches`)
-                    for item in batch:
-                        started = started or not isinstance(item, Admitted)
-                        yield item
-                return
-            except RayTaskError as exc:
-                raise exc.cause from None
-            except BackPressureError as exc:
-                raise too_busy(exc) from None
-            except RayActorError:
-                if started:  # the client has part of a reply: it cannot be sent again
-                    raise replica_lost() from None
-                _log_replica_lost(request, attempt)
-            finally:
-                if response is not None:
-                    _cancel(response)
-        raise replica_lost()
+        self._quarantine.check(request.generation)
+        response = self._handle.options(stream=True).stream.remote(request)
+        try:
+            async for batch in response:  # the items ready at once (`stream_batches`)
+                for item in batch:
+                    yield item
+        except RayTaskError as exc:
+            raise exc.cause from None
+        except BackPressureError as exc:
+            raise too_busy(exc) from None
+        except RayActorError as exc:
+            raise self._quarantine.lost(request.generation, exc) from None
+        finally:
+            _cancel(response)
 
     async def ready(self) -> bool:
         try:
@@ -93,23 +89,22 @@ def own_handle(handle: DeploymentHandle) -> DeploymentHandle:
     return serve.get_deployment_handle(handle.deployment_name, handle.app_name)
 
 
-def _log_replica_lost(request: ReplicaRequest, attempt: int) -> None:
-    logger.warning(
-        "replica lost before answering request %s (attempt %d of %d)",
-        request.generation.request_id,
-        attempt,
-        ATTEMPTS,
-    )
-
-
 @serve.ingress()
 class GatewayDeployment:
-    """OpenAI-compatible HTTP API (CPU only); the ASGI app is built per gateway replica."""
+    """OpenAI-compatible HTTP API (CPU only); the ASGI app is built per gateway replica.
+    The API keys are read here, on the gateway's node, from where `keys` says: Serve stores
+    a deployment's arguments."""
 
-    def __init__(self, settings: GatewaySettings, replicas: DeploymentHandle) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        replicas: DeploymentHandle,
+        keys: APIKeySource,
+        quarantine: QuarantineSettings,
+    ) -> None:
         configure_process("gateway")
-        self._settings = settings
-        self._replicas = HandleReplicas(own_handle(replicas))
+        self._settings = dataclasses.replace(settings, api_keys=keys.read())
+        self._replicas = HandleReplicas(own_handle(replicas), PoisonQuarantine(quarantine))
 
     def __serve_build_asgi_app__(self):
         return create_app(self._settings, self._replicas, ready=self._replicas.ready)

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import jsonschema
-
+from baton_serve.router.gateway.grammar_limits import SCHEMA_TIMEOUT_S
 from baton_serve.router.gateway.openai_tools import FunctionCall, Tool, ToolCall
+from baton_serve.router.gateway.strict_calls import StrictCalls
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_MARK = "[TOOL_CALLS]"
@@ -63,26 +63,32 @@ class ParsedReply:
 
 
 def parse_tool_calls(
-    text: str, tools: Sequence[Tool], *, parallel: bool = True, truncated: bool = False
+    text: str,
+    tools: Sequence[Tool],
+    *,
+    parallel: bool = True,
+    truncated: bool = False,
+    strict: StrictCalls | None = None,
 ) -> ParsedReply:
     """The calls in `text` to functions of `tools`, and the text around them.
 
     Marked calls (Hermes blocks, `[TOOL_CALLS]`, `<|python_tag|>`): every complete call to
     an offered function is read; the markup of anything else — a call cut off by
     `max_tokens`, invalid JSON, a function not offered, a `strict` function's call that its
-    schema rejects — is dropped, never returned as content. A reply that is only JSON is
-    read as calls when every value in it is one, and is content otherwise; `truncated` (the
-    reply was cut off) lets a trailing incomplete value go. Without `parallel`, only the
-    first call counts (the request allowed one)."""
+    schema rejects (or `strict` did not check in time) — is dropped, never returned as
+    content. A reply that is only JSON is read as calls when every value in it is one, and
+    is content otherwise; `truncated` (the reply was cut off) lets a trailing incomplete
+    value go. Without `parallel`, only the first call counts (the request allowed one)."""
     by_name = {tool.function.name: tool for tool in tools}
+    strict = strict or StrictCalls(SCHEMA_TIMEOUT_S)
     for read in (_hermes, _mistral, _llama):
         found = read(text)
         if found is not None:
             content, objects = found
-            calls = [call for obj in objects if (call := _call(obj, by_name)) is not None]
+            calls = [c for obj in objects if (c := _call(obj, by_name, strict)) is not None]
             return ParsedReply(content.strip(), calls if parallel else calls[:1])
     objects = _bare_json(text, truncated=truncated)
-    calls = [call for obj in objects if (call := _call(obj, by_name)) is not None]
+    calls = [call for obj in objects if (call := _call(obj, by_name, strict)) is not None]
     if calls and len(calls) == len(objects):
         return ParsedReply("", calls if parallel else calls[:1])
     return ParsedReply(text, [])
@@ -190,7 +196,7 @@ def _json(text: str) -> Any:
         return None
 
 
-def _call(obj: Any, tools: dict[str, Tool]) -> ToolCall | None:
+def _call(obj: Any, tools: dict[str, Tool], strict: StrictCalls) -> ToolCall | None:
     """A call object in any format's shape (OpenAI's own `function` wrapper too)."""
     if not isinstance(obj, dict):
         return None
@@ -203,9 +209,7 @@ def _call(obj: Any, tools: dict[str, Tool]) -> ToolCall | None:
     if name not in tools or not isinstance(arguments, dict):
         return None
     function = tools[name].function
-    if function.strict and not jsonschema.Draft202012Validator(function.parameters).is_valid(
-        arguments
-    ):
+    if function.strict and not strict.match(function.parameters, arguments):
         return None
     text = json.dumps(arguments, ensure_ascii=False)
     return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=text))

@@ -46,12 +46,24 @@ app.kubernetes.io/component: {{ .component }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
-{{/* A label selector of the release's Ray pods (heads and workers). */}}
+{{/* A label selector of the release's Ray pods (heads, GPU workers and gateway workers). */}}
 {{- define "baton.rayPodSelector" -}}
 matchLabels:
   {{- include "baton.selectorLabels" . | nindent 2 }}
 matchExpressions:
-  - {key: app.kubernetes.io/component, operator: In, values: [ray-head, ray-worker]}
+  - {key: app.kubernetes.io/component, operator: In, values: [ray-head, ray-worker, ray-gateway]}
+{{- end }}
+
+{{/* The Ray resource each gateway replica asks one unit of (deploy/config.py's
+gateway_resources): the nodes that declare it are where gateways run. */}}
+{{- define "baton.gatewayResourceName" -}}
+baton_gateway
+{{- end }}
+
+{{/* That resource as `ray start --resources` takes it in KubeRay's rayStartParams (quoted for
+its shell): pass the amount a node declares. */}}
+{{- define "baton.gatewayResource" -}}
+{{- printf "\"{\\\"%s\\\": %d}\"" (include "baton.gatewayResourceName" nil) (int .) }}
 {{- end }}
 
 {{/* A NetworkPolicy peer: pass a {namespace, podLabels} value. */}}
@@ -104,6 +116,15 @@ podSelector:
 {{- .Values.redis.auth.existingSecret | default (include "baton.redisName" .) }}
 {{- end }}
 
+{{/* The Redis of Ray's GCS fault tolerance (gcsFaultTolerance.redis chart): never the index's. */}}
+{{- define "baton.gcsRedisName" -}}
+{{- printf "%s-gcs-redis" (include "baton.fullname" .) }}
+{{- end }}
+
+{{- define "baton.gcsRedisSecretName" -}}
+{{- .Values.gcsFaultTolerance.chartRedis.auth.existingSecret | default (include "baton.gcsRedisName" .) }}
+{{- end }}
+
 {{/* The model file the replicas load; empty for the model inside the image. */}}
 {{- define "baton.modelPath" -}}
 {{- if ne .Values.model.source "image" }}
@@ -146,10 +167,6 @@ podSelector:
 {{- $disk := .Values.diskTier }}
 {{- if and $disk.enabled (eq $disk.volume "hostPath") (not ($disk.hostPath | default dict).path) }}
 {{- fail "diskTier.volume is hostPath: set diskTier.hostPath.path (a directory on every GPU node)" }}
-{{- end }}
-{{- $gcs := .Values.gcsFaultTolerance }}
-{{- if and $gcs.enabled (eq $gcs.redis "chart") (ne .Values.redis.mode "chart") }}
-{{- fail (printf "gcsFaultTolerance.redis is chart but redis.mode is %s: set gcsFaultTolerance.redis external (and external.address), or gcsFaultTolerance.enabled false" .Values.redis.mode) }}
 {{- end }}
 {{- $chartEnv := list "RAY_AUTH_MODE" "RAY_AUTH_TOKEN" "RAY_REDIS_ADDRESS" "REDIS_PASSWORD" "REDIS_USERNAME" }}
 {{- range include "baton.rayEnv" . | fromYamlArray }}

@@ -1,11 +1,14 @@
 {{/*
 The RayService's serveConfigV2: files/serve_config.yaml, which deploy/serve_config.py writes
 (the same Serve config `serve run` deploys), with the application's `args` and the HTTP port
-set from the values (the disk tier's mount path as the engine's checkpoint_dir), and the
+set from the values (the disk tier's `baton` directory in its mount as the engine's
+checkpoint_dir: the mount point of an emptyDir is world-writable, which the tier refuses), and the
 Replica deployment's size or Ray Serve autoscaling in the file's one `deployments` entry: not
 in `args`, which are part of Serve's code version, so that a new size scales the deployment
 instead of replacing every replica (and its cached states). Secrets never appear here: API keys, the HMAC key and a Redis URL with
-a password reach the app builder as BATON_* environment variables (see baton.rayEnv).
+a password reach the app builder as BATON_* environment variables (see baton.rayEnv), and the
+gateways and replicas read the keys from their own pods' environment. Gateways ask one unit of
+baton_gateway, which the head or the gateway group's pods declare (rayservice.yaml).
 */}}
 {{- define "baton.serveConfig" -}}
 {{- $config := .Files.Get "files/serve_config.yaml" | fromYaml }}
@@ -17,6 +20,7 @@ a password reach the app builder as BATON_* environment variables (see baton.ray
   "num_gpus_per_replica" .Values.replicas.gpus
   "num_cpus_per_replica" .Values.replicas.cpus
   "gateway_replicas" (int .Values.gateway.replicas)
+  "gateway_resources" (dict (include "baton.gatewayResourceName" .) 1)
   "engine" (deepCopy .Values.engine)
   "rollout_surge_percent" (int .Values.replicas.rolloutSurgePercent)
 }}
@@ -27,10 +31,19 @@ a password reach the app builder as BATON_* environment variables (see baton.ray
 {{- end }}
 {{- end }}
 {{- if .Values.diskTier.enabled }}
-{{- $_ := set $args.engine "checkpoint_dir" .Values.diskTier.path }}
+{{- $_ := set $args.engine "checkpoint_dir" (printf "%s/baton" (trimSuffix "/" .Values.diskTier.path)) }}
 {{- end }}
 {{- with .Values.serve.maxBodyBytes }}
 {{- $_ := set $args "max_body_bytes" (int64 .) }}
+{{- end }}
+{{- with .Values.gateway.maxOngoingRequests }}
+{{- $_ := set $args "gateway_max_ongoing_requests" (int .) }}
+{{- end }}
+{{- with .Values.gateway.memoryBytes }}
+{{- $_ := set $args "gateway_memory_bytes" (int64 .) }}
+{{- end }}
+{{- with .Values.gateway.bodyReadTimeoutSeconds }}
+{{- $_ := set $args "body_read_timeout_s" . }}
 {{- end }}
 {{- with include "baton.modelPath" . }}
 {{- $_ := set $args "model" . }}
