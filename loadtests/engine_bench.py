@@ -33,9 +33,16 @@ class TurnRow:
     new_tokens: int
     cached_tokens: int
     computed_tokens: int
-    ttft_s: float
+    ttft_s: float  # from admission: `restore_s` is part of it
     computed_tokens_no_cache: int
     ttft_s_no_cache: float
+    restore_s: float = 0.0  # the cache-on request's slot readied (`Timings.restore_s`)
+    restored_bytes: int = 0  # that request's own state copies (`Timings`)
+    saved_bytes: int = 0
+    # Everything the cache-on engine copied over the turn: the request's, plus the rewind
+    # and the replay after its reply.
+    turn_restored_bytes: int = 0
+    turn_saved_bytes: int = 0
 
 
 SPEED_PROMPT_TOKENS = 1024
@@ -107,8 +114,10 @@ def run_chat(
             question = filler_text(turn_tokens, count, seed=turn, topic=f"Question {turn}:")
             messages.append({"role": "user", "content": question})
             prompt = cached.chat_prompt(messages)
+            saved, restored = cached.stats.saved_bytes, cached.stats.restored_bytes
             on = cached.generate(prompt, sampling)
             off = plain.generate(prompt, sampling)
+            cached.wait_idle()  # its replay done, so the turn's copies are all counted
             rows.append(
                 TurnRow(
                     turn=turn,
@@ -119,6 +128,11 @@ def run_chat(
                     ttft_s=on.ttft_s or 0.0,
                     computed_tokens_no_cache=off.usage.computed_tokens,
                     ttft_s_no_cache=off.ttft_s or 0.0,
+                    restore_s=on.timings.restore_s,
+                    restored_bytes=on.timings.restored_bytes,
+                    saved_bytes=on.timings.saved_bytes,
+                    turn_restored_bytes=cached.stats.restored_bytes - restored,
+                    turn_saved_bytes=cached.stats.saved_bytes - saved,
                 )
             )
             history = list(prompt.tokens) + on.tokens
@@ -126,7 +140,8 @@ def run_chat(
             progress.step(
                 f"turn {turn}: computed {row.computed_tokens} vs"
                 f" {row.computed_tokens_no_cache} tokens, TTFT {row.ttft_s:.2f} vs"
-                f" {row.ttft_s_no_cache:.2f} s (cache on vs off)",
+                f" {row.ttft_s_no_cache:.2f} s (cache on vs off), restored"
+                f" {_mb(row.restored_bytes)} MB in {row.restore_s:.3f} s",
                 done=turn,
             )
             messages.append({"role": "assistant", "content": on.text})
@@ -180,22 +195,13 @@ def engine_benchmark(
         threads=threads,
         progress=progress,
     )
-    new = sum(r.new_tokens for r in rows)
     result: dict = {
         "model": str(model),
         "threads": threads,
         "cpu_backend": backend.name,
         "system_info": ggml_backends.system_info(),
         "speed": speed,
-        "turns": [asdict(r) for r in rows],
-        "new_tokens": new,
-        "computed_tokens": sum(r.computed_tokens for r in rows),
-        "computed_tokens_no_cache": sum(r.computed_tokens_no_cache for r in rows),
-        "computed_over_new": sum(r.computed_tokens for r in rows) / new,
-        "computed_over_new_no_cache": sum(r.computed_tokens_no_cache for r in rows) / new,
-        "ttft_total_s": sum(r.ttft_s for r in rows),
-        "ttft_total_s_no_cache": sum(r.ttft_s_no_cache for r in rows),
-    }
+    } | chat_figures(rows)
     if concurrency > 1:
         progress.step(f"decode throughput: 1 stream, then {concurrency}")
         one = decode_throughput(model, streams=1, tokens=64, n_ctx=512, threads=threads)
@@ -204,9 +210,33 @@ def engine_benchmark(
     return result
 
 
+def chat_figures(rows: list[TurnRow]) -> dict:
+    """The multi-turn chat's part of the result: each turn, and the totals."""
+    new = sum(r.new_tokens for r in rows)
+    return {
+        "turns": [asdict(r) for r in rows],
+        "new_tokens": new,
+        "computed_tokens": sum(r.computed_tokens for r in rows),
+        "computed_tokens_no_cache": sum(r.computed_tokens_no_cache for r in rows),
+        "computed_over_new": sum(r.computed_tokens for r in rows) / new,
+        "computed_over_new_no_cache": sum(r.computed_tokens_no_cache for r in rows) / new,
+        "ttft_total_s": sum(r.ttft_s for r in rows),
+        "ttft_total_s_no_cache": sum(r.ttft_s_no_cache for r in rows),
+        "restore_total_s": sum(r.restore_s for r in rows),
+        "restored_bytes": sum(r.restored_bytes for r in rows),
+        "saved_bytes": sum(r.saved_bytes for r in rows),
+        "turn_restored_bytes": sum(r.turn_restored_bytes for r in rows),
+        "turn_saved_bytes": sum(r.turn_saved_bytes for r in rows),
+    }
+
+
 def _rate(speed: dict, key: str) -> str:
     low, high = speed[f"{key}_range"]
     return f"{speed[key]:.1f} [{low:.1f}-{high:.1f}]"
+
+
+def _mb(n_bytes: int) -> str:
+    return f"{n_bytes / 1e6:.1f}"
 
 
 def format_report(result: dict) -> str:
@@ -220,21 +250,30 @@ def format_report(result: dict) -> str:
         f"speed (cache off, median [min-max] of {SPEED_RUNS}): prefill "
         f"{_rate(speed, 'prefill_tokens_per_s')} tok/s ({SPEED_PROMPT_TOKENS}-token prompt), "
         f"decode {_rate(speed, 'decode_tokens_per_s')} tok/s (1 stream)",
+        "state copies (cache on), MB: the request's own restored (rest) and saved (save); the"
+        " turn's all told, with the rewind and replay after the reply (turn rest, turn save)",
         f"{'turn':>4} {'prompt':>7} {'new':>6} {'cached':>7} {'computed':>9} {'ttft_s':>8}"
+        f" {'restore_s':>9} {'rest':>6} {'save':>6} {'turn rest':>9} {'turn save':>9}"
         f" | {'computed (no cache)':>19} {'ttft_s (no cache)':>18}",
     ]
     for r in result["turns"]:
         lines.append(
             f"{r['turn']:>4} {r['prompt_tokens']:>7} {r['new_tokens']:>6} {r['cached_tokens']:>7}"
-            f" {r['computed_tokens']:>9} {r['ttft_s']:>8.3f} | {r['computed_tokens_no_cache']:>19}"
-            f" {r['ttft_s_no_cache']:>18.3f}"
+            f" {r['computed_tokens']:>9} {r['ttft_s']:>8.3f} {r['restore_s']:>9.3f}"
+            f" {_mb(r['restored_bytes']):>6} {_mb(r['saved_bytes']):>6}"
+            f" {_mb(r['turn_restored_bytes']):>9} {_mb(r['turn_saved_bytes']):>9}"
+            f" | {r['computed_tokens_no_cache']:>19} {r['ttft_s_no_cache']:>18.3f}"
         )
     lines += [
         f"new tokens: {result['new_tokens']}",
         f"computed / new: {result['computed_over_new']:.3f} with checkpoints, "
         f"{result['computed_over_new_no_cache']:.3f} without",
         f"total TTFT: {result['ttft_total_s']:.2f} s with checkpoints, "
-        f"{result['ttft_total_s_no_cache']:.2f} s without",
+        f"{result['ttft_total_s_no_cache']:.2f} s without; of it restores"
+        f" {result['restore_total_s']:.2f} s",
+        f"state copies (cache on): requests restored {_mb(result['restored_bytes'])} MB and"
+        f" saved {_mb(result['saved_bytes'])} MB; with the rewinds and replays"
+        f" {_mb(result['turn_restored_bytes'])} MB and {_mb(result['turn_saved_bytes'])} MB",
     ]
     if "decode_tokens_per_s" in result:
         d = result["decode_tokens_per_s"]

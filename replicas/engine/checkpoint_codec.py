@@ -74,6 +74,7 @@ class CheckpointCodec:
         started = time.perf_counter()
         parts = encode_parts(**self._fields(checkpoint))
         self.stats.blobs_exported += 1
+        self.stats.exported_bytes += len(parts[0]) + parts[1].nbytes
         self.stats.blob_export_seconds += time.perf_counter() - started
         return parts
 

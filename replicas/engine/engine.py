@@ -283,11 +283,12 @@ class Engine(EngineFace):
 
     def _start(self, handle: RequestHandle, free: list[Slot]) -> None:
         prompt, admitted_at = handle.request.prompt, time.perf_counter()
+        saved, restored = self.stats.saved_bytes, self.stats.restored_bytes
         slot, cached = self._cache.place(prompt.tokens, free, handle.prefix_hashes)
         cuts = self._cache.checkpoints_for(prompt, cached)
         pieces = prefill_pieces(cached, len(prompt), cuts, self.config.prefill_chunk)
         checkpoints = set(cuts) & set(pieces)
-        start_request(
+        run = start_request(
             handle,
             self.model,
             slot,
@@ -299,6 +300,9 @@ class Engine(EngineFace):
             self.n_ctx,
             max_grammar_nesting=self.config.max_grammar_nesting,
         )
+        # copied by `place`, before `run` was there to count them: an evicted KV, a restore
+        run.saved_bytes = self.stats.saved_bytes - saved
+        run.restored_bytes = self.stats.restored_bytes - restored
 
     # ---- steps ---------------------------------------------------------------------------
 

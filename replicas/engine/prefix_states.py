@@ -189,12 +189,16 @@ class PrefixStates:
 
     def restore(self, slot: Slot, checkpoint: Checkpoint, chain: Sequence[bytes] = ()) -> bool:
         """Load a checkpoint into `slot` (whose tokens `chain` hashes, if known); False,
-        the slot emptied and the checkpoint dropped, if llama.cpp refuses it."""
+        the slot emptied and the checkpoint dropped, if llama.cpp refuses it. Its bytes
+        count for the engine and for the request running in the slot, if any."""
         started = time.perf_counter()
         try:
             self.context.restore_state(slot.seq_id, checkpoint.state)
             self.stats.last_restore_done = time.perf_counter()
             self.stats.restore_seconds += self.stats.last_restore_done - started
+            self.stats.restored_bytes += len(checkpoint.state)
+            if slot.running is not None:
+                slot.running.restored_bytes += len(checkpoint.state)
         except StateRestoreError:
             logger.warning("dropping a checkpoint that llama.cpp refused to restore")
             self.store.remove(checkpoint.prefix_hash)
@@ -211,7 +215,8 @@ class PrefixStates:
 
     def save(self, slot: Slot) -> None:
         """Store what `slot` holds, hashing only the tokens past its known chain (which then
-        covers them, for the slot's next checkpoint)."""
+        covers them, for the slot's next checkpoint). Its bytes count for the engine and
+        for the request running in the slot, if any."""
         chain = self.hasher.chain(slot.tokens, slot.chain)
         if len(chain) > len(slot.chain):
             slot.follows(chain)
@@ -222,6 +227,8 @@ class PrefixStates:
         state = self.context.save_state(slot.seq_id)
         self.stats.save_seconds += time.perf_counter() - started
         self.stats.saved_bytes += len(state)
+        if slot.running is not None:
+            slot.running.saved_bytes += len(state)
         checkpoint = Checkpoint(prefix_hash=prefix_hash, tokens=slot.tokens, state=state)
         if self.store.put(checkpoint):
             self.stats.checkpoints_saved += 1

@@ -91,7 +91,7 @@ class Running:
     checkpoints: set[int]  # positions after which the state is saved
     sampler: TokenSampler
     text: TextStream
-    submitted_at: float  # when the slot was ready (after `admitted_at` and any restore)
+    ready_at: float  # when the slot was ready (after `admitted_at` and any restore)
     admitted_at: float  # when it left the queue for this slot
     phase: Phase = Phase.PREFILL
     generated: list[int] = field(default_factory=list)
@@ -102,6 +102,8 @@ class Running:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     index: int = 0  # which choice of the request
     forks: list[Running] = field(default_factory=list)  # choices that start from this prompt
+    saved_bytes: int = 0  # `Timings.saved_bytes`, so far
+    restored_bytes: int = 0  # `Timings.restored_bytes`, so far
 
     def view(self) -> RunView[Running]:
         """What `plan_step` reads of it: a prompt or replay being computed (in the pieces
@@ -109,7 +111,7 @@ class Running:
         seq_id = self.slot.seq_id
         if self.phase in (Phase.PREFILL, Phase.REPLAY):
             done, end, pieces = len(self.slot.tokens), len(self.feed), tuple(self.pieces)
-            return RunView(self, seq_id, False, done, end, pieces, self.submitted_at)
+            return RunView(self, seq_id, False, done, end, pieces, self.ready_at)
         return RunView(self, seq_id, decoding=self.phase is Phase.DECODE)
 
     def checkpoint_at(self, position: int, max_piece: int) -> bool:
@@ -178,13 +180,15 @@ class Running:
                 computed_tokens=n_prompt - self.cached,
                 completion_tokens=len(self.generated),
             ),
-            ttft_s=None if first is None else first - self.submitted_at,
-            total_s=now - self.submitted_at,
+            ttft_s=None if first is None else first - self.admitted_at,
+            total_s=now - self.admitted_at,
             timings=Timings(
                 queued_s=self.admitted_at - self.handle.submitted_at,
-                restore_s=self.submitted_at - self.admitted_at,
-                prefill_s=(now if first is None else first) - self.submitted_at,
+                restore_s=self.ready_at - self.admitted_at,
+                prefill_s=(now if first is None else first) - self.ready_at,
                 decode_s=0.0 if first is None else now - first,
+                restored_bytes=self.restored_bytes,
+                saved_bytes=self.saved_bytes,
             ),
             logits=self.last_logits,
             logprobs=None if self.params.logprobs is None else list(self.logprobs),
@@ -238,7 +242,7 @@ def start_request(
                 keep_stop=params.include_stop_str_in_output,
                 min_tokens=params.min_tokens,
             ),
-            submitted_at=started,
+            ready_at=started,
             admitted_at=admitted_at,
             phase=Phase.PREFILL if not index else Phase.WAIT,
             index=index,

@@ -33,9 +33,11 @@ class EngineStats:
     request_faults: int = 0  # requests ended by a fault in their own work (`step_guard`)
     prefill_seconds: float = 0.0
     blobs_exported: int = 0
+    exported_bytes: int = 0  # signed blobs handed to peers (head and state)
     blob_export_seconds: float = 0.0  # signing stored states for peers (any thread)
     blob_validate_seconds: float = 0.0  # checking peers' blobs before they are stored
     restore_seconds: float = 0.0  # llama_state_seq_set_data
+    restored_bytes: int = 0
     last_restore_done: float = 0.0  # time.perf_counter() when the last restore finished
     save_seconds: float = 0.0  # llama_state_seq_get_data, into a new buffer
     saved_bytes: int = 0

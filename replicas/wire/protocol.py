@@ -34,7 +34,8 @@ class Usage(BaseModel):
 
 
 class Timings(BaseModel):
-    """Where a request's time went on the engine, in seconds, one phase after the other."""
+    """Where a request's time went on the engine, in seconds, one phase after the other, and
+    the sequence-state bytes its slot copied between host memory and the llama context."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -42,6 +43,10 @@ class Timings(BaseModel):
     restore_s: float = 0.0  # the slot readied: a reused prefix restored or cut back
     prefill_s: float = 0.0  # the rest of the prompt computed, to the first token
     decode_s: float = 0.0  # the rest of the reply generated
+    restored_bytes: int = 0  # states loaded into its slot (llama_state_seq_set_data)
+    # States saved (llama_state_seq_get_data) as its slot was readied (an evicted slot's KV)
+    # and at its prompt's checkpoints; the replay's, after the reply, are not in here.
+    saved_bytes: int = 0
 
 
 class Completion(BaseModel):
@@ -54,8 +59,8 @@ class Completion(BaseModel):
     text: str
     finish_reason: str  # "stop", "length" or "cancelled"
     usage: Usage
-    ttft_s: float | None
-    total_s: float
+    ttft_s: float | None  # from leaving the queue (restore included) to the first token
+    total_s: float  # from leaving the queue to the end
     timings: Timings = Timings()
     logits: np.ndarray | None = None  # logits of the last sampling step, when asked for
     logprobs: list[TokenLogprob] | None = None  # one per generated token, when asked for
