@@ -92,6 +92,18 @@ def serving(settings: GatewaySettings, config: EngineConfig) -> Iterator[Served]
         engine.close()
 
 
+BOUNDED_MODEL = "baton-tiny"  # the served name of `bounded_gateway`'s model
+
+
+@contextlib.contextmanager
+def bounded_gateway(model_path: str) -> Iterator[Served]:
+    """The default bounds but a 256 KiB prompt text limit (so a larger text meets it), over
+    a two-slot replica of a 1,024-token context: the abuse tests' gateway."""
+    settings = GatewaySettings(BOUNDED_MODEL, model_path, n_ctx=1024, max_prompt_bytes=256 << 10)
+    with serving(settings, EngineConfig(n_ctx=1024, n_slots=2, n_threads=1)) as served:
+        yield served
+
+
 async def post_slowly(
     url: str,
     body: bytes,

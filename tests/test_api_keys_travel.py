@@ -6,7 +6,6 @@ The apps are built as Serve's controller builds them; the last test serves one."
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +15,8 @@ import httpx
 import pytest
 from fixtures_ray import wait_healthy
 from gateway_harness import post_slowly
-from ray import cloudpickle, serve
+from ray import serve
+from serve_build import clear_baton_variables, deployments, kept_by_serve
 
 from baton_serve.deploy import app as app_module
 from baton_serve.deploy.app import APP_NAME, GATEWAY_DEPLOYMENT, build_app
@@ -31,14 +31,7 @@ HMAC_KEY = "cluster-key-for-the-api-key-tests"
 
 @pytest.fixture(autouse=True)
 def no_baton_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in [n for n in os.environ if n.startswith("BATON_") and n != "BATON_CACHE_DIR"]:
-        monkeypatch.delenv(name)
-
-
-def built_deployments(app: Any) -> dict[str, Any]:
-    from ray.serve._private.build_app import build_app as serve_build_app
-
-    return {d.name: d for d in serve_build_app(app, name=APP_NAME).deployments}
+    clear_baton_variables(monkeypatch)
 
 
 def gateway_keys(built: dict[str, Any]) -> APIKeySource:
@@ -51,14 +44,7 @@ def gateway_keys(built: dict[str, Any]) -> APIKeySource:
 def assert_no_key_in(built: dict[str, Any]) -> None:
     """Nothing Serve keeps of any deployment (arguments, options, config) holds a key."""
     for deployment in built.values():
-        kept = cloudpickle.dumps(
-            (
-                deployment.init_args,
-                deployment.init_kwargs,
-                deployment.ray_actor_options,
-                deployment._deployment_config,
-            )
-        )
+        kept = kept_by_serve(deployment)
         assert not [key for key in KEYS if key.encode() in kept]
 
 
@@ -79,7 +65,7 @@ def test_a_local_app_hands_gateways_a_private_key_file_not_the_keys(
     tiny_model: Callable[[str], Path],
 ) -> None:
     config = BatonConfig(model=str(tiny_model("llama")), replicas=1, api_keys=KEYS)
-    built = built_deployments(build_app(config))
+    built = deployments(build_app(config))
     assert_no_key_in(built)
     keys = gateway_keys(built)
     assert keys.required and keys.file is not None
@@ -88,7 +74,7 @@ def test_a_local_app_hands_gateways_a_private_key_file_not_the_keys(
     assert key_file.parent.stat().st_mode & 0o777 == 0o700
     assert keys.read(env={}) == KEYS
 
-    open_app = built_deployments(build_app(BatonConfig(model=str(tiny_model("llama")))))
+    open_app = deployments(build_app(BatonConfig(model=str(tiny_model("llama")))))
     assert gateway_keys(open_app) == APIKeySource(required=False)
 
 
@@ -97,7 +83,7 @@ def test_with_the_keys_in_the_environment_gateways_read_their_own(
 ) -> None:
     monkeypatch.setenv("BATON_API_KEYS", ",".join(KEYS))
     config = load_config(overrides={"model": str(tiny_model("llama")), "replicas": 1})
-    built = built_deployments(build_app(config))
+    built = deployments(build_app(config))
     assert gateway_keys(built) == APIKeySource(required=True)
     assert_no_key_in(built)
     assert gateway_keys(built).read() == KEYS
@@ -114,7 +100,7 @@ def test_app_builder_takes_the_keys_from_the_nodes_never_from_args(
     mounted = tmp_path / "api-keys"
     mounted.write_text("\n".join(KEYS) + "\n")  # as a Secret mounted as a file may hold them
     monkeypatch.setenv("BATON_API_KEYS_FILE", str(mounted))
-    built = built_deployments(app_module.app_builder(args))
+    built = deployments(app_module.app_builder(args))
     assert gateway_keys(built) == APIKeySource(required=True, file=str(mounted))
     assert_no_key_in(built)
 

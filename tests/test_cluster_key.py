@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from ray import cloudpickle
+from serve_build import clear_baton_variables, deployments, kept_by_serve
 
 from baton_serve.cache_store.checkpoints.cluster_key import ClusterKeyError, read_cluster_key
 from baton_serve.deploy import app as app_module
@@ -26,28 +26,14 @@ KEY = "cluster-key-do-not-leak-0123456789"
 
 @pytest.fixture(autouse=True)
 def no_baton_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in [n for n in os.environ if n.startswith("BATON_") and n != "BATON_CACHE_DIR"]:
-        monkeypatch.delenv(name)
-
-
-def deployments(app: Any) -> dict[str, Any]:
-    from ray.serve._private.build_app import build_app as serve_build_app
-
-    return {d.name: d for d in serve_build_app(app, name="baton").deployments}
+    clear_baton_variables(monkeypatch)
 
 
 def assert_no_key_material(built: dict[str, Any], key: str) -> None:
     """Nothing Serve keeps of any deployment (its arguments, options, config) holds the key,
     raw or hex-encoded as the replicas' arguments once carried it."""
     for deployment in built.values():
-        kept = cloudpickle.dumps(
-            (
-                deployment.init_args,
-                deployment.init_kwargs,
-                deployment.ray_actor_options,
-                deployment._deployment_config,
-            )
-        )
+        kept = kept_by_serve(deployment)
         assert key.encode() not in kept and key.encode().hex().encode() not in kept
 
 

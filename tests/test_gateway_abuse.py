@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi import FastAPI
-from gateway_harness import Served, serving
+from gateway_harness import BOUNDED_MODEL, Served, bounded_gateway, serving
 
 from baton_serve.loadtests.abuse_bench import abuse_benchmark, abusive_bodies, format_report
 from baton_serve.replicas.engine.engine_config import EngineConfig
@@ -21,7 +21,7 @@ from baton_serve.replicas.wire.protocol import Completion, ReplicaRequest
 from baton_serve.router.gateway.gateway import GatewaySettings, create_app
 from baton_serve.router.gateway.openai_types import ChatCompletionRequest
 
-MODEL = "baton-tiny"
+MODEL = BOUNDED_MODEL
 KEY = "sk-abuse"
 # Seconds, far below the minutes the 20,001-message chat once held a normal request for: the
 # bench's own target. Such a body costs the gateway's event loop its JSON parse and a count
@@ -32,11 +32,7 @@ NORMAL_P50_LIMIT_S = 1.0
 
 @pytest.fixture(scope="module")
 def served(tiny_model: Callable[[str], Path]) -> Iterator[Served]:
-    """Default bounds, but a 256 KiB prompt text limit, so the 1 MiB message meets it."""
-    settings = GatewaySettings(
-        MODEL, str(tiny_model("qwen35")), n_ctx=1024, max_prompt_bytes=256 << 10
-    )
-    with serving(settings, EngineConfig(n_ctx=1024, n_slots=2, n_threads=1)) as served:
+    with bounded_gateway(str(tiny_model("qwen35"))) as served:
         yield served
 
 
