@@ -69,7 +69,7 @@ class PoisonQuarantine:
 
     def check(self, generation: GenerationRequest) -> None:
         """Raise the 400 refusal if an identical request was lost with its replica lately."""
-        if self._lost is None:
+        if not self._lost:  # none lost lately: no request is hashed
             return
         lost_at = self._lost.get(fingerprint(generation))
         if lost_at is None:
