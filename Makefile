@@ -7,7 +7,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.baton-installed
 HELM := $(BIN)/helm
 
-.PHONY: install serve test redis-server helm vulkan vulkan-debs cuda llama-server bench clean
+.PHONY: install serve test redis-server helm vulkan vulkan-debs cuda llama-server kube kube-test \
+	bench clean
 
 # More CMake flags for llama.cpp, e.g. LLAMA_CMAKE_ARGS="-DGGML_CUDA=on" (portable CPU
 # flags are always set: see deploy/llama_build.py).
@@ -71,21 +72,41 @@ llama-server: install
 test: install redis-server helm vulkan llama-server
 	$(BIN)/python -m pytest
 
+# The chart on a real control plane (tests/test_kube_chart.py): etcd, kube-apiserver,
+# kube-scheduler, kube-controller-manager, the KubeRay operator and KWOK (fake nodes), built
+# from Go modules with `go` once per version into ~/.cache/baton/kube (deploy/kube_build.py).
+# Its own target, not part of `make test` (CI's time): run it before every change to helm/.
+kube: install
+	$(BIN)/python -m baton_serve.deploy.kube_build install
+
+kube-test: install helm kube
+	BATON_KUBE_TESTS=1 $(BIN)/python -m pytest tests/test_kube_chart.py
+
+# Every bench `baton bench --help` lists, in its order (tests/test_docs_benches.py checks the
+# list). `bench device` measures the device llama.cpp finds, else the CPU: on a GPU, run it
+# with BENCH_DEVICE_FLAGS="--contexts 2048,8192 --repeats 5" as docs/benchmarks.md does.
+BENCH_DEVICE_FLAGS ?= --contexts 2048 --repeats 3
+
 bench: install redis-server llama-server
 	$(BIN)/baton bench engine --model tiny:qwen35
 	$(BIN)/baton bench engine --concurrency 4
 	$(BIN)/baton bench sampling
 	$(BIN)/baton bench index
 	$(BIN)/baton bench ship
+	$(BIN)/baton bench disk
 	$(BIN)/baton bench serve
 	mkdir -p bench-out
 	$(BIN)/baton make-model --arch qwen35 --layers 12 --embd 512 --out bench-out/qwen35-12x512.gguf
 	$(BIN)/baton bench routing --model bench-out/qwen35-12x512.gguf --out bench-out/routing-qwen35
 	$(BIN)/baton bench routing --out bench-out/routing-smollm2
+	$(BIN)/baton bench sim
 	$(BIN)/baton bench soak --minutes 8
+	$(BIN)/baton bench device $(BENCH_DEVICE_FLAGS) --out bench-out/device
 	$(BIN)/baton bench restart
 	$(BIN)/baton bench peer --out bench-out/peer-smollm2
 	$(BIN)/baton bench peer --model bench-out/qwen35-12x512.gguf --out bench-out/peer-qwen35
+	$(BIN)/baton bench abuse
+	$(BIN)/baton bench gateway
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

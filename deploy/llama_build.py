@@ -5,7 +5,7 @@ on a VM whose CPU advertises instructions the VM does not let a process run (AMX
 or on any older node, it dies with SIGILL. Baton builds it as llama.cpp's own releases do:
 `GGML_NATIVE=OFF`, every CPU variant as a loadable backend module
 (`GGML_BACKEND_DL=ON`, `GGML_CPU_ALL_VARIANTS=ON`), installed beside `libllama.so`;
-`replicas.ggml_backends` picks, at start, the best variant this machine really runs.
+`replicas.engine.ggml_backends` picks, at start, the best variant this machine really runs.
 
 pip caches a built wheel by version only, not by `CMAKE_ARGS`, so a machine that once built
 a native wheel would silently reinstall it. Wheels are therefore built with pip's cache off

@@ -6,8 +6,9 @@ compiled from the `vendor/llama.cpp` of the llama-cpp-python sdist Baton install
 `GGML_BACKEND_DL=ON`; never native, see `llama_build`). Its CPU kernels are not compiled a
 second time (`GGML_CPU=OFF`, which leaves the 14 variant modules out: about 40 of the 60
 minutes on 2 cores): ggml loads CPU backends at run time from the binary's folder or the
-working directory, and `cpu_backend_dir` gives it the very module of the installed wheel
-that Baton's engine loads (`replicas.engine.ggml_backends`), so both run identical kernels.
+working directory, and `loadtests/llama_server.py` starts it in a directory that links the very
+module of the installed wheel that Baton's engine loads (`replicas.engine.ggml_backends`), so
+both run identical kernels.
 
 The result is kept in `~/.cache/baton/llama-server/<hash of version and flags>/` (binary and
 shared libraries side by side; the binary finds them through `$ORIGIN`).

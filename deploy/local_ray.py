@@ -38,7 +38,7 @@ NAMESPACE = "baton"
 # (docs/benchmarks.md). The controller runs its loop every 0.5 s, not 0.1: each loop that
 # collects a replica's routing stats sends every replica's to every handle of the deployment
 # (the gateway's and each replica's, for its peers), so at 0.1 s this traffic took 0.4 of a
-# core from an idle cluster of 16 replicas (docs/architecture.md). Serve's gRPC messages may
+# core from an idle cluster of 16 replicas (docs/operations.md). Serve's gRPC messages may
 # be 64 MiB, not 4: a request carries its prompt's tokens, block hashes and text (twice: as
 # rendered and as messages), 4 MiB from about 250k tokens. A driver keeps Ray's defaults: a
 # handle whose router shares the caller's loop cannot be used outside asyncio (and a handle

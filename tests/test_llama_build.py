@@ -1,8 +1,8 @@
 """The installed llama.cpp is the portable build, and the CPU backend in use was tested here.
 
 `make install` builds llama-cpp-python with every CPU variant as a loadable module
-(`deploy/llama_build.py`); `replicas.ggml_backends` picks the best variant this machine
-runs, after a child process showed it does.
+(`deploy/llama_build.py`); `replicas.engine.ggml_backends` picks the best variant this
+machine runs, after a child process showed it does.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Child-process checks of llama.cpp backends (run by `replicas.ggml_backends`).
+"""Child-process checks of llama.cpp backends (run by `replicas.engine.ggml_backends`).
 
 `python -m baton_serve.replicas.models.backend_probe scores` prints every CPU variant's score for this CPU;
 `python -m baton_serve.replicas.models.backend_probe run [--variant FILE] --repack 0|1` loads that variant and
