@@ -1,13 +1,12 @@
 """`baton bench device`: one process, two engines on the device (every layer offloaded).
 
-Engine A (one slot) serves, per context length, a cold prompt and then a cached follow-up
-(the same prompt plus `NEW_TOKENS`), a few times each: prefill tok/s and TTFT from the
-cold runs; restore GB/s (host → device) from A's counters over each follow-up, which
-restores the cold prompt's checkpoint (a short other prompt runs in between, so the slot
-no longer holds it); save GB/s (device → host) over a prompt that adds `SAVE_STEP_TOKENS`
-to that checkpoint and saves one of its own (a state is read once the device has finished
-its queued work: the save waits for that short step, so GB/s is a floor). Then A
-exports the follow-up's checkpoint as the signed wire blob, exactly what a peer pull
+Engine A (one slot) serves, per context length, a few times each: a cold prompt (prefill
+tok/s and TTFT), then a cached follow-up (the same prompt plus `NEW_TOKENS`) while the slot
+still holds the prompt: resident, its slot rewound to the prompt's anchor, no attention KV
+copied. Once A is idle it stores that conversation's full state (save GB/s, device → host,
+timed with the device idle); a short other prompt then takes the slot, and the
+conversation's next turn restores the stored state whole (restore GB/s, host → device, and
+its TTFT). Then A exports that checkpoint as the signed wire blob, exactly what a peer pull
 sends, and engine B imports it (every check: length, checksum, fingerprint, HMAC) and
 continues from it: B's greedy continuation must equal A's. The network is not included
 (`bench ship` measures that). An engine of its own (`STREAMS` slots) measures decode
@@ -39,12 +38,13 @@ from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 NEW_TOKENS = 64  # what a follow-up adds to the cold prompt
 CONTINUATION_TOKENS = 16  # greedy tokens compared after the ship
-SAVE_STEP_TOKENS = 4  # what a save waits for the device to compute first
+NEXT_TURN_TOKENS = 4  # what the conversation's turn restored from host memory adds
 OTHER_TOKENS = 16  # the prompt run between a cold prompt and its follow-up
 DECODE_TOKENS = 64
 DECODE_RUNS = 3
 STREAMS = 4
 ONE_TOKEN = SamplingParams(max_tokens=1)
+SHORT_REPLY = SamplingParams(max_tokens=2, ignore_eos=True)  # replayed, then stored once idle
 
 
 @dataclass(frozen=True)
@@ -135,12 +135,14 @@ def _decode_speeds(engine: Engine, tokens: int) -> dict:
 def context_figures(
     a: Engine, b: Engine, context: int, repeats: int, progress: Progress = SILENT
 ) -> dict:
-    """Cold vs cached TTFT, prefill tok/s, save and restore GB/s on A, then A → B ship."""
+    """Cold vs cached TTFT (resident, and restored from host memory), prefill tok/s, save
+    and restore GB/s of full states on A, then A → B ship."""
     rng = random.Random(context)
     n_vocab = a.model.n_vocab
-    n_cold = context - NEW_TOKENS - CONTINUATION_TOKENS
-    cold_ttft, cached_ttft, prefill, saves, restores = [], [], [], [], []
-    state_bytes = cached = 0
+    # the context holds the whole conversation: prompt, follow-up, reply, next turn, continuation
+    n_cold = context - NEW_TOKENS - SHORT_REPLY.max_tokens - NEXT_TURN_TOKENS - CONTINUATION_TOKENS
+    cold_ttft, cached_ttft, restored_ttft, prefill, saves, restores = [], [], [], [], [], []
+    state_bytes = cached = rewound = 0
     for run in range(1, repeats + 1):
         cold, new = _tokens(rng, n_vocab, n_cold), _tokens(rng, n_vocab, NEW_TOKENS)
         done = a.generate(Prompt(tokens=cold), ONE_TOKEN)
@@ -148,18 +150,23 @@ def context_figures(
             raise RuntimeError(f"a cold prompt found {done.usage.cached_tokens} tokens cached")
         cold_ttft.append(done.ttft_s or 0.0)
         prefill.append(n_cold / done.timings.prefill_s)
-        checkpoint = a.checkpoint_prefixing(cold)
-        a.generate(Prompt(tokens=_tokens(rng, n_vocab, OTHER_TOKENS)), ONE_TOKEN)
-        restore_s = a.stats.restore_seconds
-        follow = a.generate(Prompt(tokens=cold + new), ONE_TOKEN)
-        cached = follow.usage.cached_tokens
+        # Resident: the slot still holds the cold prompt; nothing is copied.
+        follow = a.generate(Prompt(tokens=cold + new), SHORT_REPLY)
+        cached, rewound = follow.usage.cached_tokens, follow.timings.rewound_bytes
         cached_ttft.append(follow.ttft_s or 0.0)
-        if checkpoint is not None and cached == checkpoint.n_tokens:
-            state_bytes = len(checkpoint.state)
+        history = cold + new + tuple(follow.tokens)
+        saves.append(_stored_once_idle(a))
+        a.generate(Prompt(tokens=_tokens(rng, n_vocab, OTHER_TOKENS)), ONE_TOKEN)  # takes A's slot
+        # From host memory: the conversation stored once A was idle, restored whole.
+        restore_s = a.stats.restore_seconds
+        back = a.generate(Prompt(tokens=history + new[:NEXT_TURN_TOKENS]), ONE_TOKEN)
+        restored_ttft.append(back.ttft_s or 0.0)
+        if back.usage.cached_tokens == len(history):
+            state_bytes = back.timings.restored_bytes
             restores.append(_rate(state_bytes, a.stats.restore_seconds - restore_s))
-        saves.append(_save_rate(a, cold + new[:SAVE_STEP_TOKENS]))
         progress.step(
-            f"{context} tokens: TTFT {cold_ttft[-1]:.3f} s cold, {cached_ttft[-1]:.3f} s cached",
+            f"{context} tokens: TTFT {cold_ttft[-1]:.3f} s cold, {cached_ttft[-1]:.3f} s"
+            f" cached (resident), {restored_ttft[-1]:.3f} s cached (from host memory)",
             done=run,
         )
     progress.step(f"{context} tokens: shipping A -> B")
@@ -168,30 +175,27 @@ def context_figures(
         "cold_prompt_tokens": n_cold,
         "follow_prompt_tokens": n_cold + NEW_TOKENS,
         "cached_tokens": cached,
+        "rewound_bytes": rewound,
         "prefill_tokens_per_s": statistics.median(prefill),
         "ttft_cold_s": percentiles(cold_ttft),
         "ttft_cached_s": percentiles(cached_ttft),
+        "ttft_restored_s": percentiles(restored_ttft),
         "checkpoint_bytes": state_bytes,
         "save_gb_per_s": _median(saves),
         "restore_gb_per_s": _median(restores),
-        "ship": ship(a, b, cold + new),
+        "ship": ship(a, b, history + new[:NEXT_TURN_TOKENS]),
     }
 
 
-def _save_rate(engine: Engine, tokens: tuple[int, ...]) -> float | None:
-    """GB/s of the one checkpoint a prompt saves after a step of `SAVE_STEP_TOKENS` tokens
-    past a stored checkpoint (llama.cpp reads a state once the device's queue is done: the
-    save waits for that short step, not for a whole prefill); None if it saved another
-    number of checkpoints."""
-    saved, seconds, count = (
-        engine.stats.saved_bytes,
-        engine.stats.save_seconds,
-        engine.stats.checkpoints_saved,
-    )
-    engine.generate(Prompt(tokens=tokens), ONE_TOKEN)
-    if engine.stats.checkpoints_saved - count != 1:
+def _stored_once_idle(engine: Engine) -> float | None:
+    """GB/s of the full state A stores of a finished conversation once it is idle (None if
+    it stored another number of them)."""
+    stats = engine.stats
+    saved, seconds, count = stats.saved_bytes, stats.save_seconds, stats.written_back
+    engine.wait_idle()
+    if stats.written_back - count != 1:
         return None
-    return _rate(engine.stats.saved_bytes - saved, engine.stats.save_seconds - seconds)
+    return _rate(stats.saved_bytes - saved, stats.save_seconds - seconds)
 
 
 def ship(a: Engine, b: Engine, tokens: tuple[int, ...]) -> dict:

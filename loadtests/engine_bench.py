@@ -37,12 +37,14 @@ class TurnRow:
     computed_tokens_no_cache: int
     ttft_s_no_cache: float
     restore_s: float = 0.0  # the cache-on request's slot readied (`Timings.restore_s`)
-    restored_bytes: int = 0  # that request's own state copies (`Timings`)
+    restored_bytes: int = 0  # that request's own full-state copies (`Timings`)
     saved_bytes: int = 0
+    partial_bytes: int = 0  # its partial states (no attention KV): anchors kept, rewinds
     # Everything the cache-on engine copied over the turn: the request's, plus the rewind
-    # and the replay after its reply.
+    # and the replay after its reply, and the conversation stored once idle.
     turn_restored_bytes: int = 0
     turn_saved_bytes: int = 0
+    turn_partial_bytes: int = 0
 
 
 SPEED_PROMPT_TOKENS = 1024
@@ -115,6 +117,7 @@ def run_chat(
             messages.append({"role": "user", "content": question})
             prompt = cached.chat_prompt(messages)
             saved, restored = cached.stats.saved_bytes, cached.stats.restored_bytes
+            partial = _partial_bytes(cached)
             on = cached.generate(prompt, sampling)
             off = plain.generate(prompt, sampling)
             cached.wait_idle()  # its replay done, so the turn's copies are all counted
@@ -131,8 +134,10 @@ def run_chat(
                     restore_s=on.timings.restore_s,
                     restored_bytes=on.timings.restored_bytes,
                     saved_bytes=on.timings.saved_bytes,
+                    partial_bytes=on.timings.anchor_bytes + on.timings.rewound_bytes,
                     turn_restored_bytes=cached.stats.restored_bytes - restored,
                     turn_saved_bytes=cached.stats.saved_bytes - saved,
+                    turn_partial_bytes=_partial_bytes(cached) - partial,
                 )
             )
             history = list(prompt.tokens) + on.tokens
@@ -141,11 +146,16 @@ def run_chat(
                 f"turn {turn}: computed {row.computed_tokens} vs"
                 f" {row.computed_tokens_no_cache} tokens, TTFT {row.ttft_s:.2f} vs"
                 f" {row.ttft_s_no_cache:.2f} s (cache on vs off), restored"
-                f" {_mb(row.restored_bytes)} MB in {row.restore_s:.3f} s",
+                f" {_mb(row.restored_bytes)} MB + {_mb(row.partial_bytes)} MB partial in"
+                f" {row.restore_s:.3f} s",
                 done=turn,
             )
             messages.append({"role": "assistant", "content": on.text})
     return rows
+
+
+def _partial_bytes(engine: Engine) -> int:
+    return engine.stats.anchor_bytes + engine.stats.rewound_bytes
 
 
 def decode_throughput(
@@ -227,6 +237,8 @@ def chat_figures(rows: list[TurnRow]) -> dict:
         "saved_bytes": sum(r.saved_bytes for r in rows),
         "turn_restored_bytes": sum(r.turn_restored_bytes for r in rows),
         "turn_saved_bytes": sum(r.turn_saved_bytes for r in rows),
+        "partial_bytes": sum(r.partial_bytes for r in rows),
+        "turn_partial_bytes": sum(r.turn_partial_bytes for r in rows),
     }
 
 
@@ -250,18 +262,21 @@ def format_report(result: dict) -> str:
         f"speed (cache off, median [min-max] of {SPEED_RUNS}): prefill "
         f"{_rate(speed, 'prefill_tokens_per_s')} tok/s ({SPEED_PROMPT_TOKENS}-token prompt), "
         f"decode {_rate(speed, 'decode_tokens_per_s')} tok/s (1 stream)",
-        "state copies (cache on), MB: the request's own restored (rest) and saved (save); the"
-        " turn's all told, with the rewind and replay after the reply (turn rest, turn save)",
+        "state copies (cache on), MB: the request's own full states restored (rest) and saved"
+        " (save), and partial ones (part: no attention KV, anchors and rewinds); the turn's all"
+        " told, with the rewind and replay after the reply and the store once idle (turn ...)",
         f"{'turn':>4} {'prompt':>7} {'new':>6} {'cached':>7} {'computed':>9} {'ttft_s':>8}"
-        f" {'restore_s':>9} {'rest':>6} {'save':>6} {'turn rest':>9} {'turn save':>9}"
-        f" | {'computed (no cache)':>19} {'ttft_s (no cache)':>18}",
+        f" {'restore_s':>9} {'rest':>6} {'save':>6} {'part':>6} {'turn rest':>9}"
+        f" {'turn save':>9} {'turn part':>9} | {'computed (no cache)':>19}"
+        f" {'ttft_s (no cache)':>18}",
     ]
     for r in result["turns"]:
         lines.append(
             f"{r['turn']:>4} {r['prompt_tokens']:>7} {r['new_tokens']:>6} {r['cached_tokens']:>7}"
             f" {r['computed_tokens']:>9} {r['ttft_s']:>8.3f} {r['restore_s']:>9.3f}"
             f" {_mb(r['restored_bytes']):>6} {_mb(r['saved_bytes']):>6}"
-            f" {_mb(r['turn_restored_bytes']):>9} {_mb(r['turn_saved_bytes']):>9}"
+            f" {_mb(r['partial_bytes']):>6} {_mb(r['turn_restored_bytes']):>9}"
+            f" {_mb(r['turn_saved_bytes']):>9} {_mb(r['turn_partial_bytes']):>9}"
             f" | {r['computed_tokens_no_cache']:>19} {r['ttft_s_no_cache']:>18.3f}"
         )
     lines += [
@@ -272,8 +287,9 @@ def format_report(result: dict) -> str:
         f"{result['ttft_total_s_no_cache']:.2f} s without; of it restores"
         f" {result['restore_total_s']:.2f} s",
         f"state copies (cache on): requests restored {_mb(result['restored_bytes'])} MB and"
-        f" saved {_mb(result['saved_bytes'])} MB; with the rewinds and replays"
-        f" {_mb(result['turn_restored_bytes'])} MB and {_mb(result['turn_saved_bytes'])} MB",
+        f" saved {_mb(result['saved_bytes'])} MB (partial {_mb(result['partial_bytes'])} MB);"
+        f" with the rewinds and replays {_mb(result['turn_restored_bytes'])} MB and"
+        f" {_mb(result['turn_saved_bytes'])} MB (partial {_mb(result['turn_partial_bytes'])} MB)",
     ]
     if "decode_tokens_per_s" in result:
         d = result["decode_tokens_per_s"]

@@ -27,6 +27,7 @@ TOP |= {"prefill_chunk", "repeats", "cpu_backend", "device_memory", "decode", "c
 TOP |= {"network_included"}
 ROW = {"context", "cold_prompt_tokens", "follow_prompt_tokens", "cached_tokens"}
 ROW |= {"prefill_tokens_per_s", "ttft_cold_s", "ttft_cached_s", "checkpoint_bytes"}
+ROW |= {"rewound_bytes", "ttft_restored_s"}
 ROW |= {"save_gb_per_s", "restore_gb_per_s", "ship"}
 SHIP = {"tokens", "blob_bytes", "state_bytes", "export_s", "copy_s", "import_s", "restore_s"}
 SHIP |= {"end_to_end_s", "gb_per_s", "ttft_on_b_s", "continuation", "continuation_matches"}
@@ -40,16 +41,17 @@ def check_figures(result: dict) -> None:
     assert [row["context"] for row in result["contexts"]] == list(CONTEXTS)
     for row in result["contexts"]:
         assert set(row) == ROW
-        assert row["cached_tokens"] == row["cold_prompt_tokens"] - 2  # its checkpoint
+        assert row["cached_tokens"] == row["cold_prompt_tokens"]  # resident: all of it
+        assert row["rewound_bytes"] == 0  # held as it is: no state copied at all
         assert row["prefill_tokens_per_s"] > 0 and row["checkpoint_bytes"] > 0
         assert row["save_gb_per_s"] > 0 and row["restore_gb_per_s"] > 0
-        for ttft in (row["ttft_cold_s"], row["ttft_cached_s"]):
+        for ttft in (row["ttft_cold_s"], row["ttft_cached_s"], row["ttft_restored_s"]):
             assert 0 < ttft["p50"] <= ttft["p95"] <= ttft["p99"]
         ship = row["ship"]
         assert set(ship) == SHIP
         assert ship["continuation_matches"] and len(ship["continuation"]) == 16
         assert ship["blob_bytes"] > ship["state_bytes"] > 0 and ship["gb_per_s"] > 0
-        assert ship["tokens"] == row["follow_prompt_tokens"] - 2
+        assert ship["tokens"] == row["follow_prompt_tokens"] + 2  # and its 2-token reply
     assert "NOT the network transport" in format_report(result)
 
 

@@ -31,12 +31,20 @@ def prefill_checkpoints(
     end = len(prompt)
     positions = {end - MIN_PIECE}
     positions.update(p for p in (prompt.system_end, prompt.last_user_start) if p is not None)
-    if interval and max_interval:
-        grid = list(range((cached // interval + 1) * interval, end, interval))
-        if len(grid) > max_interval:
-            grid = [grid[(i + 1) * len(grid) // max_interval - 1] for i in range(max_interval)]
-        positions.update(grid)
+    positions.update(interval_checkpoints(cached, end, interval, max_interval))
     return sorted(p for p in positions if cached < p < end)
+
+
+def interval_checkpoints(cached: int, end: int, interval: int, max_interval: int) -> list[int]:
+    """Every `interval` tokens of a prefill from `cached` to `end`, at most `max_interval`
+    of them, spread evenly, on absolute multiples of `interval` (they line up with hash
+    blocks, so peers find them)."""
+    if not interval or not max_interval:
+        return []
+    grid = list(range((cached // interval + 1) * interval, end, interval))
+    if len(grid) > max_interval:
+        grid = [grid[(i + 1) * len(grid) // max_interval - 1] for i in range(max_interval)]
+    return grid
 
 
 def prefill_pieces(start: int, end: int, cuts: list[int], max_piece: int) -> list[int]:

@@ -38,6 +38,7 @@ from baton_serve.replicas.engine.llama_model import LlamaModel
 
 _HEAD = struct.Struct("<4sIQ")  # magic, tokens, digest
 _MAGIC = b"BTEM"
+_PARTIAL_MAGIC = b"BTEP"
 STATE_FIXED = _HEAD.size
 STATE_PER_TOKEN = 4  # one int32 token id
 OTHER_LOGIT = -40.0  # every token but the chosen one: e^-40 is never drawn
@@ -173,6 +174,25 @@ class EmulatedContext:
         head = _HEAD.pack(_MAGIC, len(tokens), digests[-1] if digests else 0)
         body = np.asarray(tokens, dtype=np.int32).tobytes()
         return memoryview(head + body).toreadonly()
+
+    def save_partial(self, seq_id: int) -> memoryview:
+        """A partial state: where the sequence is and its digest there (a real model's
+        recurrent state, which costs no restore time in the profile)."""
+        digests = self._digests[seq_id]
+        head = _HEAD.pack(_PARTIAL_MAGIC, len(digests), digests[-1] if digests else 0)
+        return memoryview(head).toreadonly()
+
+    def rewind(self, seq_id: int, n_tokens: int, partial: memoryview) -> None:
+        """Cut the sequence back to `n_tokens`, as `save_partial` saw it then."""
+        magic, held, digest = _HEAD.unpack_from(partial)
+        digests = self._digests[seq_id]
+        if magic != _PARTIAL_MAGIC or held != n_tokens or len(digests) < n_tokens:
+            self.clear(seq_id)
+            raise StateRestoreError("not a partial state of this sequence")
+        if n_tokens and digests[n_tokens - 1] != digest:
+            self.clear(seq_id)
+            raise StateRestoreError("the sequence has changed under its partial state")
+        del self._seq_tokens[seq_id][n_tokens:], digests[n_tokens:]
 
     def state_size_line(self, seq_id: int, token: int) -> tuple[int, int]:
         """(fixed, per_token) byte sizes of a sequence state."""

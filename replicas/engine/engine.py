@@ -14,6 +14,12 @@ of two or more tokens, and after a reply is sent it is recomputed as a prefill (
 instead of keeping the state built one token at a time, whose kernels round differently.
 A resumed conversation thus gives the same logits as a cold one (`exact_reuse` off keeps
 the decode's state instead, as llama-server does).
+
+States stay where they are: a slot keeps its attention KV and, at its prompt's checkpoint
+positions, partial states (anchors) to rewind to, so a resident prefix costs no copy of
+attention KV. Full states are stored for what others share (a system prompt, a long
+prefill's interval positions) and, for a finished conversation, only once nothing else
+runs or when its slot is given away: never while other streams wait on the step.
 """
 
 from __future__ import annotations
@@ -48,7 +54,6 @@ from baton_serve.replicas.engine.slots import Phase, Running, Slot, start_reques
 from baton_serve.replicas.engine.stats import EngineLoad, EngineStats
 from baton_serve.replicas.engine.step_guard import StepGuard
 from baton_serve.replicas.engine.step_plan import Piece, Queued, StepPlan, StepView, plan_step
-from baton_serve.replicas.telemetry import metrics
 from baton_serve.replicas.wire.prompt_types import ChatMessage, Prompt
 from baton_serve.replicas.wire.protocol import (
     Completion,
@@ -199,6 +204,8 @@ class Engine(EngineFace):
 
     def _run(self) -> None:
         while True:
+            if not self._busy() and self._cache.write_back(self._slots, self._busy):
+                continue  # stored a finished conversation while nothing else ran
             with self._wakeup:
                 while not self._closed and not self._waiting and not self._running():
                     self._idle.set()
@@ -221,6 +228,10 @@ class Engine(EngineFace):
 
     def _running(self) -> list[Running]:
         return [s.running for s in self._slots if s.running is not None]
+
+    def _busy(self) -> bool:
+        with self._wakeup:
+            return self._closed or bool(self._waiting) or bool(self._running())
 
     def _step(self) -> None:
         """Execute `plan_step`'s plan: its admissions, then one decode or prefill step."""
@@ -283,11 +294,11 @@ class Engine(EngineFace):
 
     def _start(self, handle: RequestHandle, free: list[Slot]) -> None:
         prompt, admitted_at = handle.request.prompt, time.perf_counter()
-        saved, restored = self.stats.saved_bytes, self.stats.restored_bytes
+        stats = self.stats
+        saved, restored, rewound = stats.saved_bytes, stats.restored_bytes, stats.rewound_bytes
         slot, cached = self._cache.place(prompt.tokens, free, handle.prefix_hashes)
-        cuts = self._cache.checkpoints_for(prompt, cached)
-        pieces = prefill_pieces(cached, len(prompt), cuts, self.config.prefill_chunk)
-        checkpoints = set(cuts) & set(pieces)
+        full, partial = self._cache.checkpoints_for(prompt, cached)
+        pieces = prefill_pieces(cached, len(prompt), full + partial, self.config.prefill_chunk)
         run = start_request(
             handle,
             self.model,
@@ -295,14 +306,16 @@ class Engine(EngineFace):
             free,
             cached,
             pieces,
-            checkpoints,
+            set(full) & set(pieces),
+            set(partial) & set(pieces),
             admitted_at,
             self.n_ctx,
             max_grammar_nesting=self.config.max_grammar_nesting,
         )
         # copied by `place`, before `run` was there to count them: an evicted KV, a restore
-        run.saved_bytes = self.stats.saved_bytes - saved
-        run.restored_bytes = self.stats.restored_bytes - restored
+        run.saved_bytes = stats.saved_bytes - saved
+        run.restored_bytes = stats.restored_bytes - restored
+        run.rewound_bytes = stats.rewound_bytes - rewound
 
     # ---- steps ---------------------------------------------------------------------------
 
@@ -338,8 +351,13 @@ class Engine(EngineFace):
             self.stats.prompt_tokens_computed += end - start
         else:
             self.stats.replayed_tokens += end - start
+        states = self._cache.states
+        if end in run.anchors and not self._guard.run(
+            "keeping an anchor", run, states.anchor, slot
+        ):
+            return
         if end in run.checkpoints:
-            if not self._guard.run("saving a checkpoint", run, self._cache.states.save, slot):
+            if not self._guard.run("saving a checkpoint", run, states.save, slot):
                 return
         if wants_logits:
             row = logits[len(entries) - 1]
@@ -351,37 +369,15 @@ class Engine(EngineFace):
                     return  # failed: its other choices stop at the next step
             self._guard.run("sampling a token", run, self._sampled, run, row)
         elif run.phase is Phase.REPLAY and not run.pieces:
+            slot.finished()  # its full state is stored when the engine is idle: `write_back`
             slot.release()
 
     def _sampled(self, run: Running, logits: np.ndarray) -> None:
-        """Pick the next token from `logits`; stream it; finish when a stop rule fires."""
-        params = run.params
-        now = time.perf_counter()
-        if run.last_token_at is not None:
-            metrics.INTER_TOKEN.observe(now - run.last_token_at)
-        run.last_token_at = now
-        if run.first_token_at is None:
-            run.first_token_at = now
-            run.phase = Phase.DECODE
-            if params.max_tokens == 0:
-                self._finish(run, "length")
-                return
-        if run.handle.request.return_logits:
-            run.last_logits = logits
-        token, ends = run.pick(logits, self.model.is_end_of_generation)
-        if token is None or ends:
-            self._finish(run, "stop", end_token=token)
-            return
-        run.generated.append(token)
-        run.pending_token = token
-        delta = run.text.push(token)
-        if delta or not run.text.stopped:
-            logprob = run.logprobs[-1] if run.logprobs else None
-            run.handle.emit(run.event(token, delta, logprob))
-        if run.text.stopped:
-            self._finish(run, "stop")
-        elif len(run.generated) >= params.max_tokens or len(run.slot.tokens) + 1 >= self.n_ctx:
-            self._finish(run, "length")
+        """Take the next token from `logits` (streamed); finish when a stop rule fires."""
+        ended = run.sampled(logits, self.model.is_end_of_generation, self.n_ctx)
+        if ended is not None:
+            reason, end_token = ended
+            self._finish(run, reason, end_token=end_token)
 
     # ---- finishing -----------------------------------------------------------------------
 
@@ -398,9 +394,9 @@ class Engine(EngineFace):
             run.slot.release()
             return
         if not self.config.exact_reuse:  # the decode's state, stored where a replay's would be
-            added, save = len(run.slot.tokens) - len(run.prompt), self._cache.states.save
-            if added < MIN_PIECE or self._guard.run("saving a checkpoint", run, save, run.slot):
-                run.slot.release()  # it keeps the state, for the conversation's next turn
+            if len(run.slot.tokens) - len(run.prompt) >= MIN_PIECE:
+                run.slot.finished()
+            run.slot.release()  # it keeps the state, for the conversation's next turn
             return
         ending = (end_token,) if end_token is not None else ()
         history = (run.prompt + tuple(run.generated) + ending)[: self.n_ctx]
@@ -412,7 +408,7 @@ class Engine(EngineFace):
         run.phase = Phase.REPLAY
         run.feed = history
         run.pieces = prefill_pieces(start, len(history), [], self.config.prefill_chunk)
-        run.checkpoints = {len(history)}  # every kind: the state peers may pull
+        run.checkpoints, run.anchors = set(), set()
 
     def _complete(self, run: Running, reason: str) -> None:
         self.stats.requests += 1

@@ -103,6 +103,13 @@ class EngineConfig(BaseModel):
     max_interval_checkpoints: int = Field(
         default=4, ge=0, description="at most this many interval checkpoints per request"
     )
+    slot_anchors: int = Field(
+        default=8,
+        ge=1,
+        description="hybrid and recurrent models: partial states (no attention KV) a slot keeps "
+        "at its prompts' checkpoints, to rewind to without copying attention KV; the lowest go "
+        "first (a 2.15 MB recurrent state each for a 1.2B qwen35, 0.27 MB for qwen35-12x512)",
+    )
     store_budget_bytes: int = Field(
         default=2 << 30,
         ge=0,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from baton_serve.cache_store.checkpoints.checkpoint_store import Checkpoint, Stored
 from baton_serve.cache_store.checkpoints.state_blob import BlobParts, Buffer
 from baton_serve.cache_store.prefix_hash import common_prefix_length
+from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 from baton_serve.replicas.engine.prefix_cache import PeerAsk, PrefixCache
 from baton_serve.replicas.engine.prefix_states import CheckpointListener
 from baton_serve.replicas.engine.slots import Phase, Slot
@@ -130,8 +131,11 @@ class EngineFace:
         self._peer_asks.append(PeerAsk(tuple(tokens), min_tokens, time.monotonic() + wait_s))
 
     def checkpoint_positions(self, prompt: Prompt) -> list[int]:
-        """Where computing `prompt` from scratch would save checkpoints."""
-        return self._cache.checkpoints_for(prompt, 0)
+        """Where computing `prompt` from scratch gives states peers can pull: the full states
+        stored as it is computed, and the end of the prompt less its last piece, anchored in
+        the slot and stored when a peer asks for it (`keep_for_peer`)."""
+        full, anchors = self._cache.checkpoints_for(prompt, 0)
+        return sorted(set(full) | ({len(prompt) - MIN_PIECE} & set(anchors)))
 
     def state_bytes(self, n_tokens: int) -> int:
         """The size of an `n_tokens`-token state (0 where it is not linear: sliding windows)."""

@@ -200,6 +200,34 @@ class LlamaContext:
         written = llama_cpp.llama_state_seq_get_data(self.pointer, target, size, seq_id)
         return buf[:written].data.toreadonly()
 
+    def save_partial(self, seq_id: int) -> memoryview:
+        """The part of a sequence's state that a cut cannot give back (recurrent and
+        sliding-window memory; llama.cpp's `PARTIAL_ONLY`), without its attention KV."""
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = llama_cpp.llama_state_seq_get_size_ext(self.pointer, seq_id, flags)
+        buf = np.empty(size, dtype=np.uint8)
+        target = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        written = llama_cpp.llama_state_seq_get_data_ext(self.pointer, target, size, seq_id, flags)
+        return buf[:written].data.toreadonly()
+
+    def rewind(self, seq_id: int, n_tokens: int, partial: memoryview) -> None:
+        """Bring a sequence back to its first `n_tokens`: load `partial` (what `save_partial`
+        gave at that point; its attention cells below it are still those) and drop the
+        attention cells from there on. The attention KV stays where it is: nothing of it is
+        copied. Only in this order: a hybrid memory refuses to cut its recurrent part."""
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        data = np.frombuffer(partial, dtype=np.uint8)
+        source = data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        loaded = llama_cpp.llama_state_seq_set_data_ext(
+            self.pointer, source, data.size, seq_id, flags
+        )
+        if not loaded or not llama_cpp.llama_memory_seq_rm(self.memory, seq_id, n_tokens, -1):
+            self.clear(seq_id)
+            raise StateRestoreError("llama.cpp could not rewind the sequence to its anchor")
+        if llama_cpp.llama_memory_seq_pos_max(self.memory, seq_id) != n_tokens - 1:
+            self.clear(seq_id)
+            raise StateRestoreError(f"the rewound sequence does not end at {n_tokens} tokens")
+
     def state_size_line(self, seq_id: int, token: int) -> tuple[int, int]:
         """(fixed, per_token) byte sizes of a sequence state, measured on an empty sequence.
 

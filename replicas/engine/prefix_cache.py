@@ -4,9 +4,13 @@ goes to, when a queued request waits for a prefix being computed, and what is ke
 - Attention-only models keep each idle slot's KV and cut it back to the matched prefix; a
   slot's state is saved to the checkpoint store when the slot is given to another prompt,
   where that is worth it, and a stored state serves any prompt sharing its beginning.
-- Hybrid and recurrent models cannot cut their recurrent state back, so full sequence
-  states are saved at exact positions (`checkpoint_policy`) and the longest one that
-  prefixes a new prompt is restored.
+- Hybrid and recurrent models cannot cut their recurrent state back, so as a prompt is
+  computed, partial states (no attention KV: `anchor`) are kept in its slot at exact
+  positions (`checkpoint_policy`): the slot is rewound to one by loading it and cutting
+  the attention cells, copying no attention byte. Full sequence states are stored for a
+  shared system prompt (once), for positions a peer or a queued request waits for, and
+  for a finished conversation when the engine is idle (`write_back`) or its slot is given
+  away; the longest stored one that prefixes a new prompt serves another slot or a peer.
 
 The mechanism (slot states, the store, signed blobs) is `prefix_states`. Everything here
 runs on the engine thread, except `local_reuse` (a read-only estimate).
@@ -14,14 +18,16 @@ runs on the engine thread, except `local_reuse` (a read-only estimate).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from baton_serve.cache_store.prefix_hash import common_prefix_length
 from baton_serve.replicas.engine.checkpoint_policy import (
     MIN_PIECE,
+    interval_checkpoints,
     prefill_checkpoints,
     worth_saving,
 )
@@ -30,6 +36,8 @@ from baton_serve.replicas.engine.prefix_states import PrefixStates
 from baton_serve.replicas.engine.slots import Phase, Running, Slot
 from baton_serve.replicas.engine.stats import EngineStats
 from baton_serve.replicas.wire.prompt_types import Prompt
+
+logger = logging.getLogger("baton.engine")
 
 
 @dataclass
@@ -75,27 +83,27 @@ class PrefixCache:
             return live, 0.0
         return stored, self.states.restore_seconds(found)
 
-    def checkpoints_for(self, prompt: Prompt, cached: int) -> list[int]:
-        """Positions of `prompt` after which its state is saved while it is computed.
+    def checkpoints_for(self, prompt: Prompt, cached: int) -> tuple[list[int], list[int]]:
+        """Positions of `prompt` after which, as it is computed, its full state is stored
+        and its partial state is kept in its slot (anchors).
 
-        Hybrid and recurrent models: `checkpoint_policy`. Attention models keep the live KV
-        of their own conversation, so only a shared system prompt is saved on its own, the
-        moment it is computed: other sessions here and peers can use it before this
-        request even starts decoding.
+        Full states are what other slots and peers share: a shared system prompt's, the
+        moment it is computed (once per prompt: the store has it after), and a long
+        prefill's interval positions, which peers wait for while it is computed (the index
+        announces them). Hybrid and recurrent models anchor at every `checkpoint_policy`
+        position; attention models keep their own live KV.
         """
         if not self.config.prefix_cache:
-            return []
-        if self.kind.needs_checkpoints:
-            return prefill_checkpoints(
-                prompt,
-                cached=cached,
-                interval=self.config.checkpoint_interval,
-                max_interval=self.config.max_interval_checkpoints,
-            )
-        end = prompt.system_end
-        if end is None or end < self.config.block_tokens or not cached < end < len(prompt):
-            return []
-        return [end]
+            return [], []
+        end, config = prompt.system_end, self.config
+        shared = end is not None and end >= config.block_tokens and cached < end < len(prompt)
+        full = [end] if shared else []
+        if not self.kind.needs_checkpoints:
+            return full, []
+        interval, most = config.checkpoint_interval, config.max_interval_checkpoints
+        full += interval_checkpoints(cached, len(prompt), interval, most)
+        anchors = prefill_checkpoints(prompt, cached=cached, interval=interval, max_interval=most)
+        return sorted(set(full)), anchors
 
     # ---- waiting for a prefix ------------------------------------------------------------
 
@@ -174,7 +182,10 @@ class PrefixCache:
             for run in running:
                 if run.phase is Phase.PREFILL and all(run is not s for s in ask.seen):
                     ask.seen.append(run)
-                    shared = common_prefix_length(run.feed, ask.tokens)
+                    # at most the prompt less its last piece: the state a prompt leaves
+                    shared = min(
+                        common_prefix_length(run.feed, ask.tokens), len(run.feed) - MIN_PIECE
+                    )
                     if shared > ask.min_tokens:
                         run.checkpoint_at(shared, self.config.prefill_chunk)
             asks.append(ask)
@@ -212,8 +223,10 @@ class PrefixCache:
                 return slot, stored
             return slot, 0
         if live:
-            if len(live_slot.tokens) > live and not self.states.cut(live_slot, live):
-                return live_slot, 0
+            if len(live_slot.tokens) > live:
+                self._keep(live_slot)  # a hybrid's finished conversation, if not stored yet
+                if not self.states.cut(live_slot, live):
+                    return live_slot, 0
             return live_slot, live
         slot = self._victim(free)
         self._evict(slot)
@@ -237,10 +250,30 @@ class PrefixCache:
         self._keep(slot)
         self.states.empty(slot)
 
+    def write_back(self, slots: list[Slot], busy: Callable[[], bool]) -> bool:
+        """Store the full state of each idle slot holding a finished conversation not
+        stored yet (the state peers may pull), the most recent first, until `busy()`:
+        done while the engine has nothing else to do, so no stream waits for it. Whether
+        any was stored."""
+        unsaved = [s for s in slots if s.running is None and s.unsaved]
+        for slot in sorted(unsaved, key=lambda s: s.last_used, reverse=True):
+            if busy():
+                break
+            try:
+                self.states.save(slot)
+                self.stats.written_back += 1
+            except Exception:  # a cached state lost, no request: the engine loop goes on
+                logger.exception("storing an idle slot's conversation failed")
+                slot.stored()  # not tried again
+        return bool(unsaved)
+
     def _keep(self, slot: Slot) -> None:
-        """Save an attention slot's KV before it is given away, where that is worth it
-        (hybrid states are checkpointed as they are computed)."""
-        if not slot.tokens or not self.config.prefix_cache or self.kind.needs_checkpoints:
+        """Save a slot's state before it is given away, where that is worth it: an attention
+        slot's KV, a hybrid slot's finished conversation not stored yet (its other states
+        were anchored or stored as they were computed)."""
+        if not slot.tokens or not self.config.prefix_cache:
+            return
+        if self.kind.needs_checkpoints and not slot.unsaved:
             return
         tokens = slot.tokens
         stored = self.states.prefixing(tokens, len(tokens), touch=False, chain=slot.chain)
@@ -261,6 +294,12 @@ class PrefixCache:
             self.states.cut(slot, n_prompt)
             return
         chain = slot.chain  # the prompt's
-        checkpoint = self.states.prefixing(run.prompt, n_prompt, chain=chain)
-        if checkpoint is None or not self.states.restore(slot, checkpoint, chain):
+        anchor = max((n for n in slot.anchors if n <= n_prompt), default=0)
+        checkpoint = None
+        if anchor < n_prompt - MIN_PIECE:  # the usual anchor, two tokens before the end
+            checkpoint = self.states.prefixing(run.prompt, n_prompt, chain=chain)
+        if checkpoint is not None and checkpoint.n_tokens > anchor:
+            if not self.states.restore(slot, checkpoint, chain):
+                self.states.empty(slot)
+        elif not anchor or not self.states.rewind(slot, anchor):
             self.states.empty(slot)

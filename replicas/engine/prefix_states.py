@@ -163,20 +163,62 @@ class PrefixStates:
     # ---- slot states ---------------------------------------------------------------------
 
     def reusable(self, slot: Slot, tokens: Sequence[int], limit: int) -> int:
-        """Tokens of `tokens` (at most `limit`) the slot already holds and can keep."""
+        """Tokens of `tokens` (at most `limit`) the slot already holds and can keep: a
+        recurrent state cannot be cut back, so where the slot holds more, its longest anchor
+        within them."""
         common = common_prefix_length(slot.tokens, tokens, limit)
-        if self.kind.needs_checkpoints and common < len(slot.tokens):
-            return 0  # a recurrent state cannot be cut back
-        return common
+        if not self.kind.needs_checkpoints or common == len(slot.tokens):
+            return common
+        return max((n for n in slot.anchors if n <= common), default=0)
 
     def cut(self, slot: Slot, n_tokens: int) -> bool:
-        """Keep the first `n_tokens` of an attention slot. Where the memory cannot give
-        them back (a sliding window has dropped some), empty the slot and return False."""
+        """Keep the first `n_tokens` of a slot: an attention slot's KV is cut, a hybrid or
+        recurrent slot is rewound to its anchor there. Where the memory cannot give them
+        back (no anchor there, or a sliding window has dropped some), empty the slot and
+        return False."""
+        if n_tokens >= len(slot.tokens):
+            return True
+        if self.kind.needs_checkpoints:
+            return self.rewind(slot, n_tokens)
         if self.context.truncate(slot.seq_id, n_tokens):
             slot.cut(n_tokens)
             return True
         self.empty(slot)
         return False
+
+    def anchor(self, slot: Slot) -> None:
+        """Keep the partial state after what `slot` holds now in the slot (a hybrid or
+        recurrent model's). Its bytes count for the engine and the request running there."""
+        started = time.perf_counter()
+        partial = self.context.save_partial(slot.seq_id)
+        self.stats.anchor_seconds += time.perf_counter() - started
+        self.stats.anchor_bytes += len(partial)
+        self.stats.anchors_taken += 1
+        if slot.running is not None:
+            slot.running.anchor_bytes += len(partial)
+        slot.anchored(partial, self.config.slot_anchors)
+
+    def rewind(self, slot: Slot, n_tokens: int) -> bool:
+        """Bring `slot` back to its anchor after `n_tokens`, copying no attention KV; False,
+        the slot emptied, if it has no anchor there or llama.cpp refuses it."""
+        partial = slot.anchors.get(n_tokens)
+        if partial is None:
+            self.empty(slot)
+            return False
+        started = time.perf_counter()
+        try:
+            self.context.rewind(slot.seq_id, n_tokens, partial)
+        except StateRestoreError:
+            logger.warning("emptying a slot that llama.cpp could not rewind to its anchor")
+            slot.empty()
+            return False
+        self.stats.rewind_seconds += time.perf_counter() - started
+        self.stats.rewound_bytes += len(partial)
+        self.stats.rewinds += 1
+        if slot.running is not None:
+            slot.running.rewound_bytes += len(partial)
+        slot.cut(n_tokens)
+        return True
 
     def empty(self, slot: Slot) -> None:
         self.context.clear(slot.seq_id)
@@ -185,7 +227,7 @@ class PrefixStates:
     def copy(self, source: Slot, target: Slot) -> None:
         """`target` holds what `source` holds (a request's other choices, n > 1)."""
         self.context.copy_sequence(source.seq_id, target.seq_id)
-        target.holds(source.tokens, source.chain)
+        target.holds(source.tokens, source.chain, source.anchors)
 
     def restore(self, slot: Slot, checkpoint: Checkpoint, chain: Sequence[bytes] = ()) -> bool:
         """Load a checkpoint into `slot` (whose tokens `chain` hashes, if known); False,
@@ -221,6 +263,7 @@ class PrefixStates:
         if len(chain) > len(slot.chain):
             slot.follows(chain)
         prefix_hash = self.hasher.prefix_hash(slot.tokens, known=chain)
+        slot.stored()
         if prefix_hash in self.store:
             return
         started = time.perf_counter()

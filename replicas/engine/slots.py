@@ -5,8 +5,9 @@ from __future__ import annotations
 import enum
 import functools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import numpy as np
 
@@ -16,6 +17,7 @@ from baton_serve.replicas.engine.request_handle import RequestHandle
 from baton_serve.replicas.engine.sampling import TokenSampler, token_logprob
 from baton_serve.replicas.engine.step_plan import RunView
 from baton_serve.replicas.engine.text_stream import TextStream
+from baton_serve.replicas.telemetry import metrics
 from baton_serve.replicas.wire.protocol import Completion, Timings, TokenEvent, Usage
 from baton_serve.replicas.wire.sampling_params import SamplingParams, TokenLogprob
 
@@ -34,6 +36,11 @@ class Slot:
     Only its own methods change `tokens` (`prefix_states` calls them with the llama.cpp
     operation that changes the state, the engine loop as it computes tokens), so what it
     holds and `chain`, the block hashes known for those tokens, always agree.
+
+    `anchors` are partial states (recurrent and sliding-window memory, no attention KV) at
+    positions of `tokens`: the slot can be rewound to any of them by loading it and cutting
+    the attention cells, which stay valid while the tokens before it are unchanged; so the
+    same methods drop an anchor the moment the tokens under it change.
     """
 
     seq_id: int
@@ -43,6 +50,9 @@ class Slot:
     # The block hash chain of a token sequence that `tokens` begins (a prompt's, from the
     # gateway), so its checkpoints are not hashed again; may be shorter or empty.
     _chain: tuple[bytes, ...] = field(default=(), repr=False)
+    _anchors: dict[int, memoryview] = field(default_factory=dict, repr=False)
+    # It holds a finished conversation whose full state is not stored yet (`write_back`).
+    _unsaved: bool = field(default=False, repr=False)
 
     @property
     def tokens(self) -> Sequence[int]:
@@ -53,13 +63,46 @@ class Slot:
     def chain(self) -> tuple[bytes, ...]:
         return self._chain
 
-    def holds(self, tokens: Iterable[int], chain: Sequence[bytes] = ()) -> None:
-        """Its state is now that of `tokens` (restored, copied) whose chain begins `chain`."""
+    @property
+    def anchors(self) -> Mapping[int, memoryview]:
+        """Partial states by the number of tokens they follow (read-only)."""
+        return MappingProxyType(self._anchors)
+
+    @property
+    def unsaved(self) -> bool:
+        """It holds a finished conversation whose full state is not stored yet."""
+        return self._unsaved
+
+    def holds(
+        self,
+        tokens: Iterable[int],
+        chain: Sequence[bytes] = (),
+        anchors: Mapping[int, memoryview] | None = None,
+    ) -> None:
+        """Its state is now that of `tokens` (restored, copied) whose chain begins `chain`;
+        `anchors`: those of the slot it was copied from."""
         self._tokens, self._chain = list(tokens), tuple(chain)
+        self._anchors, self._unsaved = dict(anchors or {}), False
 
     def computed(self, tokens: Iterable[int]) -> None:
         """Its state now also holds `tokens`, which continue the sequence `chain` hashes."""
         self._tokens.extend(tokens)
+        self._unsaved = False
+
+    def anchored(self, partial: memoryview, most: int) -> None:
+        """`partial` is the partial state after its tokens so far; of more than `most`
+        anchors, the lowest go (the later turns of a conversation are the ones resumed)."""
+        self._anchors[len(self._tokens)] = partial
+        for position in sorted(self._anchors)[: max(0, len(self._anchors) - most)]:
+            del self._anchors[position]
+
+    def finished(self) -> None:
+        """It holds a finished conversation, worth storing when the engine is idle."""
+        self._unsaved = True
+
+    def stored(self) -> None:
+        """What it holds is in the checkpoint store now."""
+        self._unsaved = False
 
     def follows(self, chain: Sequence[bytes]) -> None:
         """`tokens` begin the token sequence that `chain` hashes (a request's prompt)."""
@@ -67,11 +110,14 @@ class Slot:
 
     def cut(self, n_tokens: int) -> None:
         """Its state now holds only the first `n_tokens`."""
-        del self._tokens[n_tokens:]
+        if n_tokens < len(self._tokens):
+            del self._tokens[n_tokens:]
+            self._anchors = {n: a for n, a in self._anchors.items() if n <= n_tokens}
+            self._unsaved = False
 
     def empty(self) -> None:
         """Its state now holds nothing."""
-        self._tokens, self._chain = [], ()
+        self._tokens, self._chain, self._anchors, self._unsaved = [], (), {}, False
 
     def release(self) -> None:
         """No request runs here any more (what the slot holds stays, for reuse)."""
@@ -88,7 +134,8 @@ class Running:
     cached: int
     feed: tuple[int, ...]  # tokens the slot must hold when the current prefill is done
     pieces: list[int]  # end positions of the prefill pieces still to compute
-    checkpoints: set[int]  # positions after which the state is saved
+    checkpoints: set[int]  # positions after which the full state is stored
+    anchors: set[int]  # positions after which a partial state is kept (`Slot.anchors`)
     sampler: TokenSampler
     text: TextStream
     ready_at: float  # when the slot was ready (after `admitted_at` and any restore)
@@ -104,6 +151,8 @@ class Running:
     forks: list[Running] = field(default_factory=list)  # choices that start from this prompt
     saved_bytes: int = 0  # `Timings.saved_bytes`, so far
     restored_bytes: int = 0  # `Timings.restored_bytes`, so far
+    anchor_bytes: int = 0  # `Timings.anchor_bytes`, so far
+    rewound_bytes: int = 0  # `Timings.rewound_bytes`, so far
 
     def view(self) -> RunView[Running]:
         """What `plan_step` reads of it: a prompt or replay being computed (in the pieces
@@ -120,7 +169,7 @@ class Running:
         start = len(self.slot.tokens)
         if self.phase is not Phase.PREFILL or position - start < MIN_PIECE:
             return False
-        cuts = [p for p in self.checkpoints if p > start] + [position]
+        cuts = [p for p in self.checkpoints | self.anchors if p > start] + [position]
         pieces = prefill_pieces(start, len(self.feed), cuts, max_piece)
         if position not in pieces:
             return False
@@ -153,6 +202,37 @@ class Running:
         if params.logprobs is not None:
             self.logprobs.append(token_logprob(logits, token, params.logprobs))
         return token, False
+
+    def sampled(
+        self, logits: np.ndarray, is_end_of_generation: Callable[[int], bool], n_ctx: int
+    ) -> tuple[str, int | None] | None:
+        """Take the next token from `logits` and stream it; `(finish reason, end token)` when
+        a stop rule fires (the end token, if one ended it, is not part of the reply)."""
+        params, now = self.params, time.perf_counter()
+        if self.last_token_at is not None:
+            metrics.INTER_TOKEN.observe(now - self.last_token_at)
+        self.last_token_at = now
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.phase = Phase.DECODE
+            if params.max_tokens == 0:
+                return "length", None
+        if self.handle.request.return_logits:
+            self.last_logits = logits
+        token, ends = self.pick(logits, is_end_of_generation)
+        if token is None or ends:
+            return "stop", token
+        self.generated.append(token)
+        self.pending_token = token
+        delta = self.text.push(token)
+        if delta or not self.text.stopped:
+            logprob = self.logprobs[-1] if self.logprobs else None
+            self.handle.emit(self.event(token, delta, logprob))
+        if self.text.stopped:
+            return "stop", None
+        if len(self.generated) >= params.max_tokens or len(self.slot.tokens) + 1 >= n_ctx:
+            return "length", None
+        return None
 
     def event(self, token: int, text: str, logprob: TokenLogprob | None = None) -> TokenEvent:
         """The stream event for `token` (the last generated) making `text` visible."""
@@ -189,6 +269,8 @@ class Running:
                 decode_s=0.0 if first is None else now - first,
                 restored_bytes=self.restored_bytes,
                 saved_bytes=self.saved_bytes,
+                anchor_bytes=self.anchor_bytes,
+                rewound_bytes=self.rewound_bytes,
             ),
             logits=self.last_logits,
             logprobs=None if self.params.logprobs is None else list(self.logprobs),
@@ -203,6 +285,7 @@ def start_request(
     cached: int,
     pieces: list[int],
     checkpoints: set[int],
+    anchors: set[int],
     admitted_at: float,
     n_ctx: int,
     *,
@@ -235,6 +318,7 @@ def start_request(
             feed=request.prompt.tokens,
             pieces=pieces if not index else [],
             checkpoints=checkpoints if not index else set(),
+            anchors=anchors if not index else set(),
             sampler=sampler,
             text=TextStream(
                 functools.partial(model.token_bytes, special=not params.skip_special_tokens),

@@ -41,6 +41,14 @@ class EngineStats:
     last_restore_done: float = 0.0  # time.perf_counter() when the last restore finished
     save_seconds: float = 0.0  # llama_state_seq_get_data, into a new buffer
     saved_bytes: int = 0
+    # Partial states (no attention KV): anchors kept in slots, and rewinds to them.
+    anchors_taken: int = 0
+    anchor_seconds: float = 0.0
+    anchor_bytes: int = 0
+    rewinds: int = 0
+    rewind_seconds: float = 0.0
+    rewound_bytes: int = 0
+    written_back: int = 0  # finished conversations' full states stored while idle
 
     @property
     def prefill_tokens_per_s(self) -> float | None:

@@ -43,10 +43,14 @@ class Timings(BaseModel):
     restore_s: float = 0.0  # the slot readied: a reused prefix restored or cut back
     prefill_s: float = 0.0  # the rest of the prompt computed, to the first token
     decode_s: float = 0.0  # the rest of the reply generated
-    restored_bytes: int = 0  # states loaded into its slot (llama_state_seq_set_data)
-    # States saved (llama_state_seq_get_data) as its slot was readied (an evicted slot's KV)
-    # and at its prompt's checkpoints; the replay's, after the reply, are not in here.
+    restored_bytes: int = 0  # full states loaded into its slot (llama_state_seq_set_data)
+    # Full states saved (llama_state_seq_get_data) as its slot was readied (an evicted slot's
+    # KV) and at its prompt's checkpoints; the replay's, after the reply, are not in here.
     saved_bytes: int = 0
+    # Partial states (recurrent and sliding-window memory, no attention KV): anchors kept at
+    # its prompt's checkpoints, and the one its slot was rewound to.
+    anchor_bytes: int = 0
+    rewound_bytes: int = 0
 
 
 class Completion(BaseModel):
