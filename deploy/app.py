@@ -231,6 +231,7 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
             hmac_key_file=replica_key_file(config),
             index=config.index,
             ship=config.router is RouterPolicy.BATON,
+            routed_by_baton=config.router is RouterPolicy.BATON,
             pull_bandwidth_bytes_per_s=config.pull_bandwidth_gb_s * 1e9,
             heartbeat_s=config.heartbeat_s,
             liveness_ttl_s=config.liveness_ttl_s,

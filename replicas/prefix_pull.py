@@ -32,6 +32,7 @@ from baton_serve.cache_store.index.index import CheckpointIndex, IndexUnavailabl
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.off_loop import OffLoop, lookup_chain
+from baton_serve.replicas.plan_receipt import PlanReceipt
 from baton_serve.replicas.request_telemetry import RequestTelemetry
 from baton_serve.replicas.shipping import (
     PeerDirectory,
@@ -70,6 +71,7 @@ class ReplicaStats:
     index_errors: int = 0
     index_lookups: int = 0  # before requests: those without a plan, and re-decisions
     replans: dict[str, int] = field(default_factory=dict)  # router plans decided again, by reason
+    plans_missing: dict[str, int] = field(default_factory=dict)  # by reason (`plan_receipt`)
 
 
 @dataclass
@@ -98,8 +100,11 @@ class PrefixPuller:
         policy: ShipPolicy,
         stats: ReplicaStats,
         off_loop: OffLoop,
+        *,
+        expects_plans: bool = False,
     ) -> None:
         self.replica_id = replica_id
+        self.receipt = PlanReceipt(replica_id, expected=expects_plans, counts=stats.plans_missing)
         self.engine = engine
         self.index = index
         self.peers = peers
@@ -115,9 +120,7 @@ class PrefixPuller:
         `pull_pays`, the router's rule) only for a request without a plan, or on evidence
         the router lacked — the state the plan counts on is not here, the donor failed —
         each counted (`baton_replans`). Never raises; never waits past a deadline."""
-        plan = request.plan
-        if plan is not None and plan.replica_id != self.replica_id:
-            plan = None  # meant for another replica: not evidence of anything here
+        plan = self.receipt.plan_for_here(request)  # None if not this replica's (counted)
         tokens = request.generation.prompt.tokens
         if plan is not None and plan.kind in (IN_FLIGHT, PULL):
             needed = plan.reused_tokens if plan.kind == IN_FLIGHT else plan.donor_tokens

@@ -66,7 +66,9 @@ class Replica:
         peers: PeerDirectory | None = None,
         policy: ShipPolicy | None = None,
         heartbeat_s: float = 5.0,
+        expects_plans: bool = False,
     ) -> None:
+        """`expects_plans`: Baton's router sends its requests (each should carry a plan)."""
         self.replica_id = replica_id
         self.engine = engine
         self.index = index
@@ -85,7 +87,14 @@ class Replica:
         self.streams = StreamSender()
         self.off_loop = OffLoop()  # per-request CPU work: token scans, grammars, hashing
         self.puller = PrefixPuller(
-            replica_id, engine, index, peers, self.policy, self.stats, self.off_loop
+            replica_id,
+            engine,
+            index,
+            peers,
+            self.policy,
+            self.stats,
+            self.off_loop,
+            expects_plans=expects_plans,
         )
         self.puller.on_index_error = self._index_error
         self.loop_lag = LoopLagMonitor()

@@ -57,6 +57,7 @@ class ReplicaSettings(BaseModel):
     hmac_key_file: str | None = None
     index: str | None = "embedded"
     ship: bool = True  # pull from peers (needs Baton's router to reach a given replica)
+    routed_by_baton: bool = True  # each request should carry a plan: one without is counted
     # what a pull is assumed to move per second until this replica has measured its own
     pull_bandwidth_bytes_per_s: float = ShipCost.bandwidth_bytes_per_s
     heartbeat_s: float = 5.0
@@ -129,6 +130,7 @@ class ReplicaDeployment:
             peers=peers,
             policy=ShipPolicy(cost=cost),
             heartbeat_s=settings.heartbeat_s,
+            expects_plans=settings.routed_by_baton,
         )
         await self.replica.start()
         report_stage(settings.startup_dir, self.replica_id, "ready")
@@ -170,6 +172,7 @@ class ReplicaDeployment:
             "cache_bytes": self.replica.engine.store_figures().used_bytes,
             "pulls": self.replica.stats.pulls,
             "replans": dict(self.replica.stats.replans),  # router plans decided again, by reason
+            "plans_missing": dict(self.replica.stats.plans_missing),  # requests without one
             "pulled_bytes": self.replica.stats.pulled_bytes,
             "streamed_exports": self.replica.stats.streamed_exports,
             "prefill_tokens_per_s": self.replica.engine.stats.prefill_tokens_per_s or 0.0,

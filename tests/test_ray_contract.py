@@ -1,13 +1,22 @@
 """Baton's router against the installed Ray Serve: every private method it overrides or calls,
-and every field it reads, is still there with the same parameters (`router.ray_contract`)."""
+and every field it reads, is still there with the same parameters, and Ray still sends the
+pending request the router put its plan on (`router.ray_contract`)."""
 
 from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
 
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
 from baton_serve.router.routing import ray_contract
-from baton_serve.router.routing.ray_contract import METHODS, RayContractError, problems
+from baton_serve.router.routing.ray_contract import (
+    DELIVERY,
+    METHODS,
+    RayContractError,
+    problems,
+)
 from baton_serve.router.routing.request_router import BatonRouter
 
 
@@ -41,6 +50,43 @@ def test_a_missing_or_changed_method_is_named() -> None:
     assert changed == [
         "RequestRouter._fulfill_next_pending_request takes ('replica', 'metadata'), "
         "not ('replica', 'request_metadata')"
+    ]
+
+
+@pytest.mark.parametrize("statement", DELIVERY, ids=lambda s: f"{s.owner}-{s.code}")
+def test_the_installed_ray_sends_the_request_the_plan_was_put_on(statement) -> None:
+    """Each statement of Ray's that carries the plan to the replica is in the installed Ray."""
+    what = f"{statement.owner}.{statement.method} "
+    found = [p for p in problems() if p.startswith(what)]
+    assert not found, "; ".join(found)
+
+
+def test_a_ray_that_would_drop_the_plan_is_named() -> None:
+    """A Ray whose router sends a copy of the pending request it routed (the plan is on the
+    one routed), and one whose pending requests hold their arguments in a tuple: built here
+    from the installed classes, the only way to see such a Ray short of installing one."""
+    classes = ray_contract._classes()
+    ray_router = classes["AsyncioRouter"]
+
+    async def _route_and_send_request_once(self, pr, response_id, is_retry):
+        replica = await self._active_request_router._choose_replica_for_request(pr, is_retry)
+        return replica.try_send_request(copy.copy(pr), with_rejection=False)
+
+    classes["AsyncioRouter"] = type(
+        "AsyncioRouter",
+        (ray_router,),
+        {"_route_and_send_request_once": _route_and_send_request_once},
+    )
+
+    @dataclass
+    class TuplePendingRequest(classes["PendingRequest"]):
+        args: tuple
+
+    classes["PendingRequest"] = TuplePendingRequest
+    assert problems(classes) == [
+        "PendingRequest.args is <class 'tuple'>, not a list the router can put a plan in",
+        "AsyncioRouter._route_and_send_request_once no longer holds `try_send_request(pr,`: "
+        "the plan on a request relies on it (Ray sends the pending request it routed)",
     ]
 
 

@@ -18,6 +18,7 @@ from ray.serve.handle import DeploymentHandle
 
 from baton_serve.deploy.app import build_app
 from baton_serve.deploy.config import BatonConfig, RouterPolicy
+from baton_serve.loadtests.serve_app import replica_stats
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.wire.prompt_types import Prompt
 from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
@@ -166,5 +167,8 @@ def test_every_routing_policy_serves(policy, serve_port, tiny_model) -> None:
             path = "chat/completions" if "messages" in body else "completions"
             response = httpx.post(f"{base}/v1/{path}", json=body, timeout=60)
             assert response.status_code == 200, response.text
+        # under Baton's router each request came with its plan; under the others none is
+        # expected, and none is counted missing
+        assert [s["plans_missing"] for s in asyncio.run(replica_stats(name))] == [{}, {}]
     finally:
         serve.delete(name)

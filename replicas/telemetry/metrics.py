@@ -141,6 +141,12 @@ REPLANS = Counter(
     "(state_gone, held_here, donor_failed, donor_miss, donor_rejected)",
     ("reason",),
 )
+PLANS_MISSING = Counter(
+    "baton_plans_missing",
+    "Requests from Baton's router that reached the replica without its plan, by reason "
+    "(none, other_replica): each decided there again",
+    ("reason",),
+)
 BLOBS_REJECTED = Counter(
     "baton_state_blobs_rejected",
     "State blobs refused on import, by reason (bad_hmac, bad_checksum, wrong_model, ...)",

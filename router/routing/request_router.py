@@ -9,8 +9,8 @@ lookup while it is not, or while it has not heard from the stream for `max_view_
 merged with what this router itself just sent where (`RoutingLedger`), which also gives
 exact in-flight counts per replica. The decision travels with the request: for the
 replica Ray picked, `request_routed` (before Ray sends it) puts that replica's `RoutePlan`
-on it — cached, in flight, pull from which donor, or compute — which the replica executes
-instead of deciding again. It honours `target_replica=` on a call
+on it (`plan_delivery`) — cached, in flight, pull from which donor, or compute — which the
+replica executes instead of deciding again. It honours `target_replica=` on a call
 (`TARGET_REPLICA_KWARG`), which is how a replica reaches a specific peer to pull its state.
 
 Routers run in the caller's process, on the router's event loop: nothing here blocks it;
@@ -39,6 +39,7 @@ from baton_serve.replicas.telemetry import tracing
 from baton_serve.replicas.telemetry.logs import request_fields
 from baton_serve.replicas.wire.protocol import TARGET_REPLICA_KWARG, ReplicaRequest
 from baton_serve.router.routing.by_identity import ByIdentity
+from baton_serve.router.routing.plan_delivery import attach_plan
 from baton_serve.router.routing.ray_contract import check_ray_contract
 from baton_serve.router.routing.route_cost import CostSettings, Estimate, ReplicaState
 from baton_serve.router.routing.route_decision import (
@@ -354,7 +355,7 @@ class BatonRouter(SafeRequestRouter):
 
     def request_routed(self, pending_request: PendingRequest, replica: RunningReplica) -> None:
         """Ray sends it to `replica` (it has not yet): move the record there if that was not
-        the first rank, and put that replica's plan on the request it is sent."""
+        the first rank, and put that replica's plan on the request it is sent (`attach_plan`)."""
         decision = self._decisions.pop(pending_request.metadata)
         if decision is None:
             return
@@ -365,9 +366,7 @@ class BatonRouter(SafeRequestRouter):
             self._ledger.withdraw(decision.replica_id, key)
             if chosen is not None:
                 self._send(chosen, decision.request, key)
-        if chosen is not None and isinstance(pending_request.args, list):
-            planned = decision.request.model_copy(update={"plan": plan_of(chosen)})
-            pending_request.args[0] = planned
+        attach_plan(pending_request, plan_of(chosen) if chosen is not None else None)
 
     def _remove_pending_request_from_indices(self, pending_request: PendingRequest) -> None:
         decision = self._decisions.pop(pending_request.metadata)

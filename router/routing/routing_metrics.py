@@ -28,9 +28,16 @@ STALE_VIEW_LOOKUPS = metrics.Counter(
     "Routing decisions that asked the index directly: the router's copy was synced but older "
     "than its bound (max_view_age_s)",
 )
+PLANS_UNATTACHED = metrics.Counter(
+    "baton_router_plans_unattached",
+    "Routing plans the router could not put on the request Ray sent, by reason "
+    "(args_not_a_list, no_replica_request_first, replica_not_ranked): its replica decided itself",
+    ("reason",),
+)
 
 _DECISIONS: Counter[str] = Counter()
 _VIEW = {"age_s": 0.0, "stale_lookups": 0.0}  # this process's last age, and its count
+_UNATTACHED: Counter[str] = Counter()
 
 
 def record_decision(reason: str) -> None:
@@ -66,3 +73,14 @@ def record_stale_view() -> None:
 def view_figures() -> dict[str, float]:
     """The last age recorded (`age_s`) and the stale-copy lookups (`stale_lookups`)."""
     return dict(_VIEW)
+
+
+def record_unattached_plan(reason: str) -> None:
+    """One plan not put on its request (`plan_delivery.attach_plan` says why)."""
+    _UNATTACHED[reason] += 1
+    PLANS_UNATTACHED.inc(reason=reason)
+
+
+def unattached_plan_counts() -> dict[str, int]:
+    """Plans not put on their request in this process, by reason."""
+    return dict(_UNATTACHED)
