@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from baton_serve.cache_store.prefix_hash import common_prefix_length
+from baton_serve.loadtests.decode_beside_prompts import decode_beside_prompts, format_beside
 from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.synthetic_text import filler_text
 from baton_serve.replicas.engine import ggml_backends
@@ -217,6 +218,10 @@ def engine_benchmark(
         one = decode_throughput(model, streams=1, tokens=64, n_ctx=512, threads=threads)
         many = decode_throughput(model, streams=concurrency, tokens=64, n_ctx=512, threads=threads)
         result["decode_tokens_per_s"] = {"1": one, str(concurrency): many, "speedup": many / one}
+        progress.step("decoding streams beside long prompts: cache on, then off")
+        result["decode_beside_prompts"] = decode_beside_prompts(
+            model, system_tokens=system_tokens, threads=threads, hmac_key=BENCH_HMAC_KEY
+        )
     return result
 
 
@@ -298,4 +303,6 @@ def format_report(result: dict) -> str:
             f"decode: {d['1']:.1f} tok/s with 1 stream, {d[k]:.1f} tok/s aggregate with {k}"
             f" streams ({d['speedup']:.2f}x)"
         )
+    if "decode_beside_prompts" in result:
+        lines += format_beside(result["decode_beside_prompts"])
     return "\n".join(lines)

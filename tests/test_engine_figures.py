@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from baton_serve.loadtests.decode_beside_prompts import decode_beside_prompts, format_beside
 from baton_serve.loadtests.engine_bench import chat_figures, format_report, run_chat
 from baton_serve.replicas.wire.prompt_types import Prompt
 from baton_serve.replicas.wire.sampling_params import SamplingParams
@@ -119,3 +120,16 @@ def test_bench_engine_reports_state_copies(tiny_model) -> None:
     assert f"restored {(cold.restored_bytes + follow_up.restored_bytes) / 1e6:.1f} MB" in report
     partial = (cold.partial_bytes + follow_up.partial_bytes) / 1e6
     assert f"(partial {partial:.1f} MB)" in report
+
+
+def test_streams_decoding_beside_prompts_are_timed_with_the_cache_on_and_off(tiny_model):
+    figures = decode_beside_prompts(
+        tiny_model("qwen35"), system_tokens=300, threads=2, hmac_key=b"bench"
+    )
+
+    on, off = figures["cache_on"], figures["cache_off"]
+    for row in (on, off):
+        assert row["gaps"] > 0 and 0 < row["p50_s"] <= row["p95_s"] <= row["p99_s"]
+    assert on["anchor_bytes"] > 0  # the prompts' anchors, taken between decode steps
+    assert off["saved_bytes"] == off["anchor_bytes"] == 0
+    assert "p99 with the cache on / off" in format_beside(figures)[-1]

@@ -6,8 +6,9 @@ when named (`GGML_VK_VISIBLE_DEVICES=0`, set here unless already set). The devic
 child process, so this process's llama.cpp stays CPU-only and serves as the reference.
 
 What is compared: the engine serves two turns of token-id prompts (150 tokens, then the
-first turn's prompt and reply plus 20 more) with `n_gpu_layers=-1` on the device and with
-`n_gpu_layers=0` on CPU. llama.cpp's own log must say every layer went to the device; the
+first turn's prompt and reply plus 20 more), then the first turn edited (the hybrid's slot
+rewound to a resident partial state on the device), with `n_gpu_layers=-1` on the device and
+with `n_gpu_layers=0` on CPU. llama.cpp's own log must say every layer went to the device; the
 greedy token ids of each turn (16 each) and the cached token counts must be equal. The
 device multiplies in f16/f32 with other rounding than CPU's kernels: logits are not
 compared bit for bit, only their argmax, which on these models is far from a tie.
@@ -37,14 +38,20 @@ SETTINGS |= {"checkpoint_interval": 64, "prefill_chunk": 64}
 GGML_DEVICE_GPU = 1  # enum ggml_backend_dev_type: CPU, GPU, IGPU, ACCEL
 
 
-def two_turns(engine: Engine) -> list[dict[str, object]]:
-    """Two greedy turns of a conversation; per turn its tokens and cached token count."""
+def three_turns(engine: Engine) -> list[dict[str, object]]:
+    """Two greedy turns of a conversation, then the first turn edited after 120 tokens (its
+    slot rewound to the anchor at 64 where the model is hybrid: a resident state on the
+    device); per turn its tokens, cached token count and whether the slot was rewound."""
     rng = random.Random(7)
-    tokens = tuple(rng.randrange(3, engine.model.n_vocab) for _ in range(150))
-    turns = []
-    for _ in range(2):
-        done = engine.generate(Prompt(tokens=tokens), GREEDY)
-        turns.append({"tokens": done.tokens, "cached": done.usage.cached_tokens})
+    first = tuple(rng.randrange(3, engine.model.n_vocab) for _ in range(150))
+    edited = first[:120] + tuple(rng.randrange(3, 1000) for _ in range(10))
+    tokens, turns = first, []
+    for turn in range(3):
+        done = engine.generate(Prompt(tokens=edited if turn == 2 else tokens), GREEDY)
+        rewound = done.timings.rewound_bytes > 0
+        turns.append(
+            {"tokens": done.tokens, "cached": done.usage.cached_tokens, "rewound": rewound}
+        )
         tokens += tuple(done.tokens) + tuple(rng.randrange(3, 1000) for _ in range(20))
     return turns
 
@@ -86,7 +93,7 @@ def child(paths: list[str]) -> None:
         engine = Engine(path, EngineConfig(**SETTINGS, n_gpu_layers=-1), hmac_key=b"k")
         try:
             offloaded = re.findall(r"offloaded (\d+)/(\d+) layers", "".join(log))
-            models[path] = {"offloaded": offloaded, "turns": two_turns(engine)}
+            models[path] = {"offloaded": offloaded, "turns": three_turns(engine)}
         finally:
             engine.close()
     print(json.dumps({"devices": devices, "models": models}))
@@ -108,10 +115,12 @@ def test_every_layer_on_the_device_gives_cpu_greedy_tokens(
     ((offloaded, layers),) = result["offloaded"]
     assert offloaded == layers, f"{offloaded}/{layers} layers on {on_device['devices']}"
 
-    cpu = two_turns(make_engine(tiny_model(arch), **SETTINGS, n_gpu_layers=0))
+    cpu = three_turns(make_engine(tiny_model(arch), **SETTINGS, n_gpu_layers=0))
 
     assert result["turns"] == cpu
     assert cpu[1]["cached"] > 150  # the second turn was served from the cache
+    assert cpu[2]["cached"] == (64 if arch == "qwen35" else 120)  # the edit: an anchor, or cut
+    assert cpu[2]["rewound"] is (arch == "qwen35")
 
 
 if __name__ == "__main__":

@@ -224,7 +224,8 @@ class PrefixCache:
             return slot, 0
         if live:
             if len(live_slot.tokens) > live:
-                self._keep(live_slot)  # a hybrid's finished conversation, if not stored yet
+                if live_slot.unsaved:  # a finished conversation not stored yet
+                    self._keep(live_slot)
                 if not self.states.cut(live_slot, live):
                     return live_slot, 0
             return live_slot, live
