@@ -194,6 +194,10 @@ class ReplicaDeployment:
     async def __del__(self) -> None:
         """Serve stops this replica (scale-down, a rolling update) once its requests are
         done: hand the hottest checkpoints to the replicas that stay, then leave the index
-        (and write what is left to the disk tier, if any)."""
-        await self.replica.leave(self.handoff_s)
-        await asyncio.to_thread(self.replica.engine.close)
+        (and write what is left to the disk tier, if any). Nothing to do for a replica whose
+        constructor failed (Serve still calls this; its own error is the one to report)."""
+        replica = getattr(self, "replica", None)
+        if replica is None:
+            return
+        await replica.leave(self.handoff_s)
+        await asyncio.to_thread(replica.engine.close)

@@ -130,6 +130,49 @@ def test_a_failed_state_copy_for_n_choices_ends_only_its_request(
     _still_serves(engine, n=2)  # both of its slots were given back
 
 
+def test_a_failed_store_of_a_finished_conversation_loses_only_that_state(
+    tiny_model, make_engine, monkeypatch
+):
+    """The full state stored once the engine is idle: a save that raises is logged, the
+    conversation's state is not stored (nor tried again), and the engine serves on."""
+    engine = make_engine(tiny_model("qwen35"), n_slots=2)
+    save_state = engine._context.save_state
+
+    def failing_save(seq_id):
+        raise RuntimeError("injected save_state fault")
+
+    monkeypatch.setattr(engine._context, "save_state", failing_save)
+    done = engine.submit(_request(_raw(1000))).result(timeout=60)
+    assert len(done.tokens) == TOKENS  # answered before anything is stored
+    assert engine.wait_idle(30)
+    assert engine.stats.written_back == 0 and not engine.checkpoints()
+    monkeypatch.setattr(engine._context, "save_state", save_state)
+    _still_serves(engine)
+
+
+def test_a_failed_anchor_ends_only_its_request(tiny_model, make_engine, monkeypatch):
+    engine = make_engine(tiny_model("qwen35"), n_slots=3)
+    neighbours = [_raw(1000), _raw(2000)]
+    undisturbed = _tokens(engine, neighbours)
+    assert engine.wait_idle(30)
+    save_partial = engine._context.save_partial
+
+    def failing_partial(seq_id):
+        running = engine._slots[seq_id].running  # on the engine thread: the slot's request
+        if running is not None and running.handle.request.request_id == FAULTY:
+            raise RuntimeError("injected save_partial fault")
+        return save_partial(seq_id)
+
+    monkeypatch.setattr(engine._context, "save_partial", failing_partial)
+    handles = [engine.submit(_request(p)) for p in neighbours]
+    bad = engine.submit(_request(_raw(5000), FAULTY))
+    with pytest.raises(EngineError, match=f"request {FAULTY} failed while keeping an anchor"):
+        bad.result(timeout=60)
+    assert [h.result(timeout=60).tokens for h in handles] == undisturbed
+    monkeypatch.setattr(engine._context, "save_partial", save_partial)
+    _still_serves(engine)
+
+
 def test_a_request_whose_start_raises_is_finished_at_once(tiny_model, make_engine, monkeypatch):
     engine = make_engine(tiny_model(MODEL), n_slots=3)
     neighbour = engine.text_prompt("A neighbour that starts fine.")

@@ -352,17 +352,16 @@ class Engine(EngineFace):
         else:
             self.stats.replayed_tokens += end - start
         states = self._cache.states
-        if end in run.anchors and not self._guard.run(
-            "keeping an anchor", run, states.anchor, slot
-        ):
-            return
+        if end in run.anchors:
+            if not self._guard.run("keeping an anchor", run, states.anchor, slot):
+                return
         if end in run.checkpoints:
             if not self._guard.run("saving a checkpoint", run, states.save, slot):
                 return
         if wants_logits:
             row = logits[len(entries) - 1]
             for fork in run.forks:  # n > 1: each choice starts from this prompt's state
-                copy = self._cache.states.copy
+                copy = states.copy
                 if self._guard.run("copying its prompt's state", fork, copy, run.slot, fork.slot):
                     self._guard.run("sampling a token", fork, self._sampled, fork, row)
                 if run.handle.cancelled:
