@@ -60,10 +60,12 @@ gateway_resources): the nodes that declare it are where gateways run. */}}
 baton_gateway
 {{- end }}
 
-{{/* That resource as `ray start --resources` takes it in KubeRay's rayStartParams (quoted for
-its shell): pass the amount a node declares. */}}
+{{/* That resource as `ray start --resources` takes it in KubeRay's rayStartParams: pass the
+amount a node declares. JSON in single quotes for the shell KubeRay runs `ray start` in, the
+form KubeRay writes itself: it parses the value to add accelerators, and a backslash-escaped
+one fails that parse with an error on every pod it builds (tests/test_kube_chart.py). */}}
 {{- define "baton.gatewayResource" -}}
-{{- printf "\"{\\\"%s\\\": %d}\"" (include "baton.gatewayResourceName" nil) (int .) }}
+{{- printf "'{\"%s\": %d}'" (include "baton.gatewayResourceName" nil) (int .) }}
 {{- end }}
 
 {{/* A NetworkPolicy peer: pass a {namespace, podLabels} value. */}}
