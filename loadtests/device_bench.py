@@ -10,7 +10,8 @@ its TTFT). Then A exports that checkpoint as the signed wire blob, exactly what 
 sends, and engine B imports it (every check: length, checksum, fingerprint, HMAC) and
 continues from it: B's greedy continuation must equal A's. The network is not included
 (`bench ship` measures that). An engine of its own (`STREAMS` slots) measures decode
-tok/s first.
+tok/s first: one stream and `STREAMS` at once timed alike, from the first token to the last
+stream's end, after a warm-up run.
 
 Nothing here imports Ray, Redis or locust: the bench runs where only llama.cpp does.
 """
@@ -111,25 +112,37 @@ def decode_speeds(model: Path, config: EngineConfig, tokens: int = DECODE_TOKENS
 
 
 def _decode_speeds(engine: Engine, tokens: int) -> dict:
+    """One stream and `STREAMS` at once timed alike: the tokens decoded after each first
+    token, over the time from the first stream's first token to the last stream's end (no
+    prompt, save or restore in it), medians of `DECODE_RUNS` after a warm-up run."""
     sampling = SamplingParams(max_tokens=tokens, ignore_eos=True)
     rng = random.Random(1)
     n_vocab = engine.model.n_vocab
-    one = []
-    for _ in range(DECODE_RUNS):
-        done = engine.generate(Prompt(tokens=_tokens(rng, n_vocab, 32)), sampling)
-        one.append((done.usage.completion_tokens - 1) / done.timings.decode_s)
-    prompts = [Prompt(tokens=_tokens(rng, n_vocab, 32)) for _ in range(STREAMS)]
-    started = time.perf_counter()
-    handles = [engine.submit(GenerationRequest(prompt=p, sampling=sampling)) for p in prompts]
-    results: list[Completion] = [h.result() for h in handles]
-    many = sum(r.usage.completion_tokens for r in results) / (time.perf_counter() - started)
-    single = statistics.median(one)
+
+    def decode_rate(streams: int) -> float:
+        prompts = [Prompt(tokens=_tokens(rng, n_vocab, 32)) for _ in range(streams)]
+        handles = [engine.submit(GenerationRequest(prompt=p, sampling=sampling)) for p in prompts]
+        return _decode_rate([h.result() for h in handles])
+
+    decode_rate(STREAMS)  # warm-up: every slot's graph built once
+    single = statistics.median(decode_rate(1) for _ in range(DECODE_RUNS))
+    many = statistics.median(decode_rate(STREAMS) for _ in range(DECODE_RUNS))
     return {
         "one_stream_tokens_per_s": single,
         "streams": STREAMS,
         "streams_tokens_per_s": many,
         "speedup": many / single,
     }
+
+
+def _decode_rate(results: list[Completion]) -> float:
+    """Tokens a second decoded by requests submitted together, between the first one's
+    first token and the last one's end (each request's times count from its submission:
+    `queued_s` plus its own phases)."""
+    first = min(r.timings.queued_s + (r.ttft_s or 0.0) for r in results)
+    end = max(r.timings.queued_s + r.total_s for r in results)
+    decoded = sum(max(0, r.usage.completion_tokens - 1) for r in results)
+    return decoded / (end - first) if end > first else 0.0
 
 
 def context_figures(

@@ -37,7 +37,8 @@ def format_report(result: dict) -> str:
     else:
         lines.append("device memory: llama.cpp names no GPU device")
     lines += [
-        f"decode: {decode['one_stream_tokens_per_s']:.1f} tok/s with 1 stream, "
+        "decode (from the first token to the last stream's end, warm: prompts not in it): "
+        f"{decode['one_stream_tokens_per_s']:.1f} tok/s with 1 stream, "
         f"{decode['streams_tokens_per_s']:.1f} tok/s aggregate with {decode['streams']} "
         f"({decode['speedup']:.2f}x)",
         f"per context ({result['repeats']} repeats; TTFT p50/p95/p99 in ms; cached = the same "
