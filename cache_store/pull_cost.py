@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Prompt tokens a second a replica is assumed to compute until its engine has measured its
+# own (a slow CPU replica's; the engine, the router and the replica's pulls all start here).
+ASSUMED_PREFILL_TOKENS_PER_S = 200.0
+
 
 @dataclass(frozen=True)
 class ShipCost:

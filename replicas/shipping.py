@@ -18,7 +18,12 @@ import numpy as np
 import ray
 
 from baton_serve.cache_store.checkpoints.checkpoint import Checkpoint
-from baton_serve.cache_store.pull_cost import ShipCost, pull_budget_s, pull_pays
+from baton_serve.cache_store.pull_cost import (
+    ASSUMED_PREFILL_TOKENS_PER_S,
+    ShipCost,
+    pull_budget_s,
+    pull_pays,
+)
 from baton_serve.replicas.state_stream import STREAMED, StateReceiver, StreamOffer
 
 # A signed state blob as it arrives from a peer: its head (header and token ids) and the
@@ -120,7 +125,7 @@ class ShipPolicy:
 
     cost: ShipCost = ShipCost()
     deadline_s: float = 2.0  # never wait longer than this for a peer
-    prefill_tokens_per_s: float = 200.0  # until the engine has measured its own
+    prefill_tokens_per_s: float = ASSUMED_PREFILL_TOKENS_PER_S  # until the engine measures
     smoothing: float = 0.3  # weight of a new bandwidth measurement
     fetch_seconds: float = 0.0  # all measured pulls: asking the peer until its blob is here
     last_pull_started: float = 0.0  # time.perf_counter() when the last measured pull began

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ASSUMED_PREFILL_TOKENS_PER_S = 200.0  # until an engine has measured its own
+from baton_serve.cache_store.pull_cost import ASSUMED_PREFILL_TOKENS_PER_S
 
 
 @dataclass(frozen=True)

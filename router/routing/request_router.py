@@ -33,7 +33,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from baton_serve.cache_store.index.index import CheckpointIndex, IndexMatch, IndexUnavailable
 from baton_serve.cache_store.index.index_connect import connect_cluster_index
 from baton_serve.cache_store.index.index_view import IndexView
-from baton_serve.cache_store.pull_cost import ShipCost
+from baton_serve.cache_store.pull_cost import ASSUMED_PREFILL_TOKENS_PER_S, ShipCost
 from baton_serve.cache_store.supervised import supervised
 from baton_serve.replicas.telemetry import tracing
 from baton_serve.replicas.telemetry.logs import request_fields
@@ -155,9 +155,9 @@ class BatonRouter(SafeRequestRouter):
         block_tokens: int = 64,
         every_block: bool = True,
         lookup_timeout_s: float = 0.02,
-        load_slack: float = 0.25,
-        tokens_per_queued_request: int = 256,
-        prefill_tokens_per_s: float = 200.0,
+        load_slack: float = CostSettings.load_slack,
+        tokens_per_queued_request: int = CostSettings.tokens_per_request,
+        prefill_tokens_per_s: float = ASSUMED_PREFILL_TOKENS_PER_S,
         pull_bandwidth_bytes_per_s: float = ShipCost.bandwidth_bytes_per_s,
         follow_index: bool = True,
         max_view_age_s: float = MAX_VIEW_AGE_S,
