@@ -22,6 +22,7 @@ from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 DECODING_STREAMS = 2
 PROMPTS = 3  # long prompts computed one after another beside the decoding streams
+START_TIMEOUT_S = 60.0  # for the decoding streams' first tokens
 
 
 def decode_beside_prompts(
@@ -75,7 +76,10 @@ def _gaps(
         ]
         for reader in readers:
             reader.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
         while not all(arrivals):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the decoding streams gave no token in {START_TIMEOUT_S} s")
             time.sleep(0.01)
         stats = engine.stats
         before = (stats.saved_bytes, stats.anchor_bytes, _copy_s(engine), stats.checkpoints_saved)

@@ -2,8 +2,8 @@
 
 Engine A (one slot) serves, per context length, a few times each: a cold prompt (prefill
 tok/s and TTFT), then a cached follow-up (the same prompt plus `NEW_TOKENS`) while the slot
-still holds the prompt: resident, its slot rewound to the prompt's anchor, no attention KV
-copied. Once A is idle it stores that conversation's full state (save GB/s, device → host,
+still holds the prompt: resident, nothing copied (a partial state loaded to rewind the slot
+would be counted apart; no attention KV ever is). Once A is idle it stores that conversation's full state (save GB/s, device → host,
 timed with the device idle); a short other prompt then takes the slot, and the
 conversation's next turn restores the stored state whole (restore GB/s, host → device, and
 its TTFT). Then A exports that checkpoint as the signed wire blob, exactly what a peer pull
