@@ -169,7 +169,8 @@ class PrefixStates:
         common = common_prefix_length(slot.tokens, tokens, limit)
         if not self.kind.needs_checkpoints or common == len(slot.tokens):
             return common
-        return max((n for n in slot.anchors if n <= common), default=0)
+        anchors = tuple(slot.anchors)  # one C-level copy: `local_reuse` reads from any thread
+        return max((n for n in anchors if n <= common), default=0)
 
     def cut(self, slot: Slot, n_tokens: int) -> bool:
         """Keep the first `n_tokens` of a slot: an attention slot's KV is cut, a hybrid or
