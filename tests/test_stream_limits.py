@@ -64,9 +64,9 @@ def test_the_largest_state_bounds_every_state_the_engine_saves(
         path = tiny_model(arch)
     engine = make_engine(path, n_ctx=256)
     tokens = _prompt(engine, engine.n_ctx - 8)
-    engine.generate(Prompt(tokens=tokens), GREEDY)
-    assert engine.wait_idle(10)
-    (_, state), _ = engine.export_best(tokens)
+    done = engine.generate(Prompt(tokens=tokens), GREEDY)
+    assert engine.wait_idle(10)  # the conversation stored once the engine is idle
+    (_, state), _ = engine.export_best(tokens + tuple(done.tokens))
     assert 0 < len(state) <= engine.largest_state_bytes
     if engine.state_size is not None:  # linear: the bound is a full context's exact size
         assert engine.largest_state_bytes == engine.state_bytes(engine.n_ctx)

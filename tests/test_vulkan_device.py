@@ -47,6 +47,7 @@ def three_turns(engine: Engine) -> list[dict[str, object]]:
     edited = first[:120] + tuple(rng.randrange(3, 1000) for _ in range(10))
     tokens, turns = first, []
     for turn in range(3):
+        assert engine.wait_idle(60)  # the previous reply replayed: its slot is free to reuse
         done = engine.generate(Prompt(tokens=edited if turn == 2 else tokens), GREEDY)
         rewound = done.timings.rewound_bytes > 0
         turns.append(
