@@ -81,21 +81,14 @@ def _gaps(
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the decoding streams gave no token in {START_TIMEOUT_S} s")
             time.sleep(0.01)
-        stats = engine.stats
-        before = (stats.saved_bytes, stats.anchor_bytes, _copy_s(engine), stats.checkpoints_saved)
+        before = _copies(engine)
         window = []
         for prompt in prompts:
             started = time.perf_counter()
             engine.generate(prompt, SamplingParams(max_tokens=1))
             window.append((started, time.perf_counter()))
-        saved, anchored, copy_s, full_saves = (
-            now - then
-            for now, then in zip(
-                (stats.saved_bytes, stats.anchor_bytes, _copy_s(engine), stats.checkpoints_saved),
-                before,
-                strict=True,
-            )
-        )
+        after = _copies(engine)
+        saved, anchored, copy_s, full_saves = (a - b for a, b in zip(after, before, strict=True))
         for handle in handles:
             handle.cancel()
         for reader in readers:
@@ -119,8 +112,11 @@ def _gaps(
     }
 
 
-def _copy_s(engine: Engine) -> float:
-    return engine.stats.save_seconds + engine.stats.anchor_seconds
+def _copies(engine: Engine) -> tuple[int, int, float, int]:
+    """The engine's state copies so far: full and partial bytes, their seconds, full states."""
+    stats = engine.stats
+    seconds = stats.save_seconds + stats.anchor_seconds
+    return stats.saved_bytes, stats.anchor_bytes, seconds, stats.checkpoints_saved
 
 
 def _record(handle: object, times: list[float]) -> None:

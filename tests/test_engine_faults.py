@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -50,6 +51,19 @@ def _raw(first: int) -> Prompt:
 def _tokens(engine, prompts: list[Prompt]) -> list[list[int]]:
     handles = [engine.submit(_request(p)) for p in prompts]
     return [h.result(timeout=60).tokens for h in handles]
+
+
+def _fail_for(monkeypatch, engine, call: str, fails: Callable[[int], bool]) -> None:
+    """Make the engine's `context.<call>(seq_id)` raise where `fails(seq_id)`: the fault
+    injected (llama.cpp cannot be made to fail there on purpose)."""
+    original = getattr(engine._context, call)
+
+    def faulty(seq_id: int) -> object:
+        if fails(seq_id):
+            raise RuntimeError(f"injected {call} fault")
+        return original(seq_id)
+
+    monkeypatch.setattr(engine._context, call, faulty)
 
 
 def _still_serves(engine, n: int = 1) -> None:
@@ -92,21 +106,14 @@ def test_a_failed_state_save_while_evicting_ends_only_its_request(
     engine.submit(prompt_only).result(timeout=60)
     assert engine.wait_idle(30)
     (victim,) = [s for s in engine._slots if s.tokens and s.tokens[0] == 3000]
-    save_state = engine._context.save_state
-
-    def failing_save(seq_id):
-        if seq_id == victim.seq_id:
-            raise RuntimeError("injected save_state fault")
-        return save_state(seq_id)
-
-    monkeypatch.setattr(engine._context, "save_state", failing_save)
+    _fail_for(monkeypatch, engine, "save_state", lambda seq_id: seq_id == victim.seq_id)
     handles = [engine.submit(_request(p)) for p in neighbours]
     bad = engine.submit(_request(_raw(5000), FAULTY))
     with pytest.raises(EngineError, match=f"request {FAULTY} failed while starting"):
         bad.result(timeout=60)
     assert [h.result(timeout=60).tokens for h in handles] == undisturbed
     assert victim.tokens == [] and victim.running is None  # its state was unknown: emptied
-    monkeypatch.setattr(engine._context, "save_state", save_state)
+    monkeypatch.undo()
     _still_serves(engine)
 
 
@@ -136,17 +143,12 @@ def test_a_failed_store_of_a_finished_conversation_loses_only_that_state(
     """The full state stored once the engine is idle: a save that raises is logged, the
     conversation's state is not stored (nor tried again), and the engine serves on."""
     engine = make_engine(tiny_model("qwen35"), n_slots=2)
-    save_state = engine._context.save_state
-
-    def failing_save(seq_id):
-        raise RuntimeError("injected save_state fault")
-
-    monkeypatch.setattr(engine._context, "save_state", failing_save)
+    _fail_for(monkeypatch, engine, "save_state", lambda seq_id: True)
     done = engine.submit(_request(_raw(1000))).result(timeout=60)
     assert len(done.tokens) == TOKENS  # answered before anything is stored
     assert engine.wait_idle(30)
     assert engine.stats.written_back == 0 and not engine.checkpoints()
-    monkeypatch.setattr(engine._context, "save_state", save_state)
+    monkeypatch.undo()
     _still_serves(engine)
 
 
@@ -155,21 +157,18 @@ def test_a_failed_anchor_ends_only_its_request(tiny_model, make_engine, monkeypa
     neighbours = [_raw(1000), _raw(2000)]
     undisturbed = _tokens(engine, neighbours)
     assert engine.wait_idle(30)
-    save_partial = engine._context.save_partial
 
-    def failing_partial(seq_id):
+    def faulty_request(seq_id: int) -> bool:
         running = engine._slots[seq_id].running  # on the engine thread: the slot's request
-        if running is not None and running.handle.request.request_id == FAULTY:
-            raise RuntimeError("injected save_partial fault")
-        return save_partial(seq_id)
+        return running is not None and running.handle.request.request_id == FAULTY
 
-    monkeypatch.setattr(engine._context, "save_partial", failing_partial)
+    _fail_for(monkeypatch, engine, "save_partial", faulty_request)
     handles = [engine.submit(_request(p)) for p in neighbours]
     bad = engine.submit(_request(_raw(5000), FAULTY))
     with pytest.raises(EngineError, match=f"request {FAULTY} failed while keeping an anchor"):
         bad.result(timeout=60)
     assert [h.result(timeout=60).tokens for h in handles] == undisturbed
-    monkeypatch.setattr(engine._context, "save_partial", save_partial)
+    monkeypatch.undo()
     _still_serves(engine)
 
 

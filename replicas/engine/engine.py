@@ -204,8 +204,9 @@ class Engine(EngineFace):
 
     def _run(self) -> None:
         while True:
-            if not self._busy() and self._cache.write_back(self._slots, self._busy):
-                continue  # stored a finished conversation while nothing else ran
+            if self._unsaved() and not self._busy():  # the lock only when there is any
+                self._cache.write_back(self._slots, self._busy)
+                continue  # stored finished conversations while nothing else ran
             with self._wakeup:
                 while not self._closed and not self._waiting and not self._running():
                     self._idle.set()
@@ -228,6 +229,9 @@ class Engine(EngineFace):
 
     def _running(self) -> list[Running]:
         return [s.running for s in self._slots if s.running is not None]
+
+    def _unsaved(self) -> bool:
+        return any(slot.unsaved and slot.running is None for slot in self._slots)
 
     def _busy(self) -> bool:
         with self._wakeup:

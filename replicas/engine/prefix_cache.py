@@ -251,11 +251,10 @@ class PrefixCache:
         self._keep(slot)
         self.states.empty(slot)
 
-    def write_back(self, slots: list[Slot], busy: Callable[[], bool]) -> bool:
+    def write_back(self, slots: list[Slot], busy: Callable[[], bool]) -> None:
         """Store the full state of each idle slot holding a finished conversation not
         stored yet (the state peers may pull), the most recent first, until `busy()`:
-        done while the engine has nothing else to do, so no stream waits for it. Whether
-        any was stored."""
+        done while the engine has nothing else to do, so no stream waits for it."""
         unsaved = [s for s in slots if s.running is None and s.unsaved]
         for slot in sorted(unsaved, key=lambda s: s.last_used, reverse=True):
             if busy():
@@ -266,7 +265,6 @@ class PrefixCache:
             except Exception:  # a cached state lost, no request: the engine loop goes on
                 logger.exception("storing an idle slot's conversation failed")
                 slot.stored()  # not tried again
-        return bool(unsaved)
 
     def _keep(self, slot: Slot) -> None:
         """Save a slot's state before it is given away, where that is worth it: an attention
