@@ -1,8 +1,8 @@
 """What computing a prompt costs the streams decoding beside it: their inter-token gaps while
 long chat prompts are computed in another slot, with the prefix cache on (checkpoints and
 anchors taken as the prompts are computed) and off (no state saved at all), on the same
-engine settings, a decode step after each prompt piece (`prefill_budget` 0), so a state
-saved after a piece shows in the gap it lengthens. `baton bench engine --concurrency K`
+engine settings, one prompt piece a step (`step_tokens` = `prefill_chunk` + the streams), so
+a state saved after a piece shows in the gap it lengthens. `baton bench engine --concurrency K`
 prints it.
 """
 
@@ -45,7 +45,8 @@ def _gaps(
         n_slots=DECODING_STREAMS + 1,
         n_threads=threads,
         prefix_cache=prefix_cache,
-        prefill_budget=0,  # a decode step after every prompt piece: each gap is one piece
+        # one piece a step: each gap is one piece
+        step_tokens=EngineConfig.model_fields["prefill_chunk"].default + DECODING_STREAMS,
     )
     with Engine(str(model), config, hmac_key=hmac_key) as engine:
         count = lambda text: len(engine.model.tokenize(text))  # noqa: E731

@@ -104,7 +104,7 @@ def engine_config(profile: Profile) -> EngineConfig:
         n_slots=profile.slots,
         n_threads=1,
         prefill_chunk=profile.prefill_chunk,
-        prefill_budget=profile.prefill_budget,
+        step_tokens=profile.step_tokens,
         block_tokens=profile.block_tokens,
         store_budget_bytes=tokens * (STATE_PER_TOKEN + 4),
         emulated=timing_of(profile),

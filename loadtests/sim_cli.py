@@ -10,7 +10,6 @@ from baton_serve.loadtests.bench_common import (
     bench_progress,
     needs_extra,
     non_negative_float,
-    non_negative_int,
     positive_float,
     positive_int,
     print_report,
@@ -49,9 +48,10 @@ def add_sim_command(benches: argparse._SubParsersAction) -> None:
     sim.add_argument("--slots", type=positive_int, help="requests a replica runs at once")
     sim.add_argument("--prefill-chunk", type=positive_int, help="prompt tokens of one prefill step")
     sim.add_argument(
-        "--prefill-budget",
-        type=non_negative_int,
-        help="prompt tokens computed between two decode steps (the engine's prefill_budget)",
+        "--step-tokens",
+        type=positive_int,
+        help="tokens of one step: decoding streams' rows plus prompt pieces (the engine's "
+        "step_tokens)",
     )
     sim.add_argument("--sessions-per-replica", type=int, help="sessions per replica (default 12)")
     sim.add_argument(
@@ -97,7 +97,7 @@ def _bench_sim(args: argparse.Namespace) -> int:
         cache_bytes=None if args.cache_gb is None else int(args.cache_gb * 1e9),
         slots=args.slots,
         prefill_chunk=args.prefill_chunk,
-        prefill_budget=args.prefill_budget,
+        step_tokens=args.step_tokens,
         step_noise=args.step_noise,
     )
     policies = args.policies or list(POLICIES)

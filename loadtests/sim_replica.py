@@ -3,10 +3,10 @@ prefix cache of checkpoints under a byte budget, and peer pulls by the replica's
 
 - **Slots and steps**: `profile.slots` requests run at once (the engine's `n_slots`); the
   rest queue in order. The engine's own `plan_step` decides what is admitted and what each
-  step does; the replica executes it one step at a time: a decode step (one token for
-  every decoding slot; `decode_step_s` grows with the batch) or a prefill step (the next
-  `prefill_chunk` tokens of a prompt: no checkpoint cuts here). A prompt's last step gives
-  its first token. Every step's time carries the host's noise (`step_noise`).
+  step does; the replica executes it one step at a time: a token for every decoding slot
+  and prompt pieces of at most `prefill_chunk` tokens (no checkpoint cuts here) within
+  `step_tokens`, timed as the emulated engine times it (`step_seconds`). A prompt's last
+  piece gives its first token. Every step's time carries the host's noise (`step_noise`).
 - **Replays**: once a reply is sent, its tokens are prefilled in its slot (the engine's
   replay, which makes the stored state exact), first in line; then the slot is free.
 - **Prefix cache** (attention): a checkpoint serves every prefix of itself; one is stored
@@ -38,7 +38,7 @@ from baton_serve.cache_store.pull_cost import ShipCost, pull_pays, pull_seconds
 from baton_serve.loadtests.sim_cache import SimCheckpoint, SimPrefixCache
 from baton_serve.replicas.engine import step_plan as steps
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
-from baton_serve.replicas.engine.emulated_timing import decode_step_seconds
+from baton_serve.replicas.engine.emulated_timing import decode_step_seconds, step_seconds
 from baton_serve.replicas.engine.engine_config import EngineConfig as _Engine
 from baton_serve.replicas.wire.route_plan import CACHED, IN_FLIGHT, PULL, RoutePlan
 
@@ -61,7 +61,7 @@ class Profile:
     cache_bytes: int
     block_tokens: int = 64
     prefill_chunk: int = _Engine.model_fields["prefill_chunk"].default  # the engine's defaults
-    prefill_budget: int = _Engine.model_fields["prefill_budget"].default
+    step_tokens: int = _Engine.model_fields["step_tokens"].default
     step_noise: float = 0.0  # sigma of a mean-1 lognormal factor on each step's time (0: none)
 
     def decode_step_s(self, streams: int) -> float:
@@ -70,13 +70,18 @@ class Profile:
             streams, self.decode_tokens_per_s, self.batch_decode_tokens_per_s, self.slots
         )
 
+    def step_s(self, streams: int, prompt_tokens: int) -> float:
+        """One step: a token for each of `streams`, and `prompt_tokens` (`step_seconds`)."""
+        decode_s = self.decode_step_s(streams) if streams else 0.0
+        return step_seconds(decode_s, prompt_tokens, self.prefill_tokens_per_s)
+
     def prefill_speed(self, streams: int) -> float:
-        """Prompt tokens per second while `streams` slots decode (a decode step after each
-        prefill budget): what an in-flight prefix's expected end is estimated with."""
+        """Prompt tokens per second while `streams` slots decode (their rows in every step,
+        beside one piece): what an in-flight prefix's expected end is estimated with."""
         if not streams:
             return self.prefill_tokens_per_s
-        tokens = max(self.prefill_budget, self.prefill_chunk)
-        return tokens / (tokens / self.prefill_tokens_per_s + self.decode_step_s(streams))
+        tokens = max(min(self.prefill_chunk, self.step_tokens - streams), MIN_PIECE)
+        return tokens / self.step_s(streams, tokens)
 
 
 def ship_cost(profile: Profile) -> ShipCost:
@@ -173,7 +178,6 @@ class SimReplica:
         self._decoding: list[Job] = []
         self._stepping = False  # a step is under way, until its effects are applied
         self._noise = random.Random(f"{seed}-{rid}")
-        self._paused_tokens = 0  # `StepView.paused_tokens`
         self._prompt_checkpoint: dict[int, int] = {}  # id(job) -> its prompt's checkpoint
         index.alive[rid] = FOREVER
 
@@ -270,18 +274,12 @@ class SimReplica:
             self._queue.remove(job)
             self._running += 1
             self._start(job)
-        if self._stepping:
+        if self._stepping or plan.empty:
             return
-        if plan.decode:
-            step_s = self._noisy(self.profile.decode_step_s(len(plan.decode)))
-            self._loop.at(self._loop.now + step_s, self._decode_step_done, list(plan.decode))
-        elif plan.prefill is not None:
-            job, end = plan.prefill.key, plan.prefill.end
-            step_s = self._noisy((end - job.done) / self.profile.prefill_tokens_per_s)
-            self._loop.at(self._loop.now + step_s, self._prefill_step_done, job, end)
-        else:
-            return
-        self._paused_tokens, self._stepping = plan.paused_tokens, True  # mid-step plans only admit
+        prompt_tokens = sum(piece.end - piece.start for piece in plan.prefill)
+        step_s = self._noisy(self.profile.step_s(len(plan.decode), prompt_tokens))
+        self._loop.at(self._loop.now + step_s, self._step_done, plan.decode, plan.prefill)
+        self._stepping = True  # mid-step plans only admit
 
     def _plan(self) -> steps.StepPlan[Job, Job]:
         p = self.profile
@@ -291,10 +289,10 @@ class SimReplica:
             queue=tuple(steps.Queued(j) for j in self._queue),
             free_slots=p.slots - self._running,
             runs=tuple(runs),
-            paused_tokens=self._paused_tokens,
-            prefill_budget=p.prefill_budget,
-            prefill_speed=p.prefill_tokens_per_s,
+            step_tokens=p.step_tokens,
             max_piece=p.prefill_chunk,
+            one_call=False,
+            prefill_speed=p.prefill_tokens_per_s,
             now=self._loop.now,
         )
         return steps.plan_step(view, self._must_wait)
@@ -345,20 +343,18 @@ class SimReplica:
             return seconds
         return seconds * self._noise.lognormvariate(-sigma * sigma / 2, sigma)  # mean 1
 
-    def _prefill_step_done(self, job: Job, end: int) -> None:
-        job.done = end
-        if job.done >= job.end:
-            self._prefilling.remove(job)
-            (self._finish if job.replaying else self._prefilled)(job)
-        self._stepping = False
-        self._schedule()
-
-    def _decode_step_done(self, batch: list[Job]) -> None:
-        for job in batch:
+    def _step_done(self, decoded: tuple[Job, ...], pieces: tuple[steps.Piece[Job], ...]) -> None:
+        for job in decoded:
             job.decode_left -= 1
             if job.decode_left <= 0:
                 self._decoding.remove(job)
                 self._decoded(job)
+        for piece in pieces:
+            job = piece.key
+            job.done = piece.end
+            if job.done >= job.end:
+                self._prefilling.remove(job)
+                (self._finish if job.replaying else self._prefilled)(job)
         self._stepping = False
         self._schedule()
 

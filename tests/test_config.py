@@ -53,6 +53,23 @@ def test_defaults() -> None:
     assert config.served_model_name == "SmolLM2-135M-Instruct.Q4_1"
 
 
+def test_the_retired_prefill_budget_is_read_as_step_tokens(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="baton.engine"):
+        assert EngineConfig(prefill_budget=512).step_tokens == 512
+    assert "prefill_budget is retired" in caplog.text
+    assert EngineConfig(prefill_budget=0).step_tokens == 1  # one piece a step, as before
+    assert EngineConfig(prefill_budget=64, step_tokens=300).step_tokens == 300
+
+
+def test_a_step_in_one_call_fits_n_batch() -> None:
+    exact = EngineConfig(step_tokens=4096, n_batch=512)
+    assert not exact.one_call_steps and exact.step_budget == 4096  # each piece its own call
+    one_call = EngineConfig(step_tokens=4096, n_batch=512, exact_reuse=False)
+    assert one_call.one_call_steps and one_call.step_budget == 512
+
+
 def test_yaml_file(tmp_path: Path) -> None:
     model = tmp_path / "qwen.gguf"
     model.write_bytes(b"GGUF")

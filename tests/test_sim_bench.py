@@ -3,10 +3,13 @@ the router's own code (pure Python, no model and no Ray: each test takes about a
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
 import sys
+import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -177,29 +180,29 @@ def test_the_command_prints_json_and_refuses_an_unknown_policy(tmp_path: Path) -
     assert wrong.returncode != 0 and "random" in wrong.stderr
 
 
-@pytest.mark.parametrize("budget", [CPU.prefill_budget, 0])
-def test_a_replica_steps_as_the_engine_does(budget: int) -> None:
-    """A prefill step (256 tokens: 2.56 s on the cpu profile) is not interrupted; the next
-    one takes the prompt with the shortest remaining prefill; the prompt's last step gives
-    its first token; while a slot decodes, a decode step comes once the prefill steps since
-    its last token reach the profile's prefill budget (budget 0: after every prefill step)."""
-    cpu = replace(CPU, step_noise=0.0, prefill_budget=budget)
+@pytest.mark.parametrize("step_tokens", [CPU.step_tokens, 129])
+def test_a_replica_steps_as_the_engine_does(step_tokens: int) -> None:
+    """A step (a 256-token piece: 2.56 s on the cpu profile) is not interrupted; the next
+    takes the prompt with the shortest remaining prefill; the prompt's last piece gives its
+    first token; once a slot decodes, every step carries its token beside the next piece,
+    which is cut to what the step has room for."""
+    cpu = replace(CPU, step_noise=0.0, step_tokens=step_tokens)
     long = Session(BURST, 0, 0.0, (), [Turn(((1, 1000),), 8)])
     short = Session(BURST, 1, 0.5, (), [Turn(((2, 100),), 8)])
     run = Cluster(cpu, 1, ROUND_ROBIN).run([Phase([long, short])])
     ttft = {r.session: r.ttft_s for r in run.records}
-    step_s = cpu.prefill_chunk / cpu.prefill_tokens_per_s
+    first = min(cpu.prefill_chunk, step_tokens)
 
-    # the short prompt waits for the long one's first step, then is prefilled whole
-    short_prefilled = step_s + 100 / cpu.prefill_tokens_per_s
+    # the short prompt waits for the long one's first piece, then is prefilled whole
+    short_prefilled = (first + 100) / cpu.prefill_tokens_per_s
     assert ttft[1] == pytest.approx(short_prefilled - 0.5)
-    # the long one's other 744 tokens go in 3 steps: within the default budget one after
-    # another; with budget 0 (one piece between decode steps) the first follows the short
-    # one's prefill at once and the other two each follow a decode step of the short one
-    # (which needs 7 after its first token: it decodes throughout)
-    decode_steps = 0 if budget >= 744 else 2
+    # the long one's other tokens go in pieces of what a step leaves beside the short
+    # one's token (which needs 7 more: it decodes throughout)
+    rest = 1000 - first
+    steps = -(-rest // min(cpu.prefill_chunk, step_tokens - 1))
+    assert steps == (3 if step_tokens > cpu.prefill_chunk else 7)
     long_prefilled = (
-        short_prefilled + decode_steps * cpu.decode_step_s(1) + 744 / cpu.prefill_tokens_per_s
+        short_prefilled + steps * cpu.decode_step_s(1) + rest / cpu.prefill_tokens_per_s
     )
     assert ttft[0] == pytest.approx(long_prefilled)
 
@@ -214,18 +217,29 @@ def test_a_decode_step_costs_between_one_stream_and_a_full_batch() -> None:
 
 
 @pytest.mark.parametrize("policy", ["baton", "pow2"])
-def test_a_slowed_clock_stretches_every_time_and_changes_no_decision(policy: str) -> None:
+def test_a_slowed_clock_stretches_every_time_and_changes_no_decision(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`bench routing --engine emulated --slowdown K` compares its TTFTs divided by K with
     the simulator at full speed: that holds only if `slowed` scales every rate and interval
     (a missed one would change what the simulator decides on the slowed workload). Without
     step noise: with it, the clock's rounding alone reorders near-ties and the seeded noise
-    then falls on other steps (a few % apart on this small workload)."""
+    then falls on other steps (a few % apart on this small workload). Exact ties (idle
+    replicas that could pull the same state) are broken by a hash of the clock's reading, so
+    that they rotate; here each run hashes its estimates' order instead, which a slower
+    clock does not change."""
     from baton_serve.loadtests.emulated_routing import slowed
+    from baton_serve.router.routing import route_cost
+
+    def clock_free_tie(counter: Iterator[int]) -> Callable[[object, float], int]:
+        return lambda estimate, _now: zlib.crc32(f"{next(counter)}".encode())
 
     quiet = replace(CPU, step_noise=0.0)
     slow_profile, slow_workload = slowed(quiet, SMALL, 4.0)
+    monkeypatch.setattr(route_cost, "_tie", clock_free_tie(itertools.count()))
     fast = summarize(Cluster(quiet, 4, policy, 0).run(cluster_workload(SMALL, 4, 100.0)))
     phases = cluster_workload(slow_workload, 4, slow_profile.prefill_tokens_per_s)
+    monkeypatch.setattr(route_cost, "_tie", clock_free_tie(itertools.count()))
     slow = summarize(Cluster(slow_profile, 4, policy, 0).run(phases))
     for name in ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s"):
         assert slow[name] == pytest.approx(4 * fast[name], rel=1e-6), name

@@ -1,11 +1,13 @@
 """`plan_step`, the engine's scheduling over plain data: admission, waiting for a prefix in
-flight, the decode batch, prefill pieces at checkpoint cuts — and the engine and the
-routing simulator both executing its plans."""
+flight, every decoding stream in every step beside prompt pieces within the step's budget,
+pieces at checkpoint cuts — and the engine and the routing simulator both executing its
+plans."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from baton_serve.loadtests.sim_bench import PROFILES
@@ -15,7 +17,6 @@ from baton_serve.loadtests.sim_workload import BURST, Phase, Session, Turn
 from baton_serve.replicas.engine import engine as engine_module
 from baton_serve.replicas.engine import step_plan
 from baton_serve.replicas.engine.checkpoint_policy import prefill_checkpoints, prefill_pieces
-from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.step_plan import (
     Piece,
     Queued,
@@ -33,12 +34,12 @@ def view(
     runs: tuple[RunView[str], ...] = (),
     *,
     free: int = 4,
-    paused: int = 0,
-    budget: int = 512,
+    step_tokens: int = 512,
     now: float = 10.0,
     max_piece: int = 256,
+    one_call: bool = False,
 ) -> StepView[str, str]:
-    return StepView(queue, free, runs, paused, budget, 100.0, max_piece, now)
+    return StepView(queue, free, runs, step_tokens, max_piece, one_call, 100.0, now)
 
 
 def prefill(key: str, done: int, end: int, since: float = 0.0, **kw: object) -> RunView[str]:
@@ -90,56 +91,72 @@ def test_the_decode_batch_is_every_decoding_request_in_order() -> None:
     assert plan_step(view(runs=runs)) == StepPlan(decode=("a", "c"))
 
 
-def test_decoding_streams_wait_through_at_most_the_prefill_budget() -> None:
-    runs = (RunView("d", 0, decoding=True), prefill("p", 0, 1000))
-    first = plan_step(view(runs=runs, paused=0, budget=512))
-    assert first.prefill == Piece("p", 0, 256) and first.paused_tokens == 256
-    at_budget = (RunView("d", 0, decoding=True), prefill("p", 256, 1000))
-    second = plan_step(view(runs=at_budget, paused=256, budget=512))
-    assert second.prefill == Piece("p", 256, 512) and second.paused_tokens == 512
-    over = (RunView("d", 0, decoding=True), prefill("p", 512, 1000))
-    assert plan_step(view(runs=over, paused=512, budget=512)) == StepPlan(decode=("d",))
-    # the decode step's plan starts the next pause from nothing
-    assert plan_step(view(runs=over, paused=512, budget=512)).paused_tokens == 0
+def test_every_step_carries_every_decoding_stream_beside_a_piece() -> None:
+    runs = (RunView("d", 1, decoding=True), RunView("e", 0, decoding=True), prefill("p", 0, 1000))
+    plan = plan_step(view(runs=runs))
+    assert plan == StepPlan(decode=("e", "d"), prefill=(Piece("p", 0, 256),))
+    # the next step too: a stream never waits for a prompt's other pieces
+    later = (*runs[:2], prefill("p", 256, 1000))
+    assert plan_step(view(runs=later)).decode == ("e", "d")
 
 
-def test_a_small_prompt_fits_the_rest_of_the_budget() -> None:
-    runs = (RunView("d", 0, decoding=True), prefill("p", 0, 100))
-    plan = plan_step(view(runs=runs, paused=400, budget=512))
-    assert plan.prefill == Piece("p", 0, 100) and plan.paused_tokens == 500
-    assert plan_step(view(runs=runs, paused=450, budget=512)).decode == ("d",)
+def test_the_piece_is_cut_to_the_room_the_streams_leave() -> None:
+    streams = tuple(RunView(f"d{i}", i, decoding=True) for i in range(3))
+    plan = plan_step(view(runs=(*streams, prefill("p", 0, 1000)), step_tokens=103))
+    assert plan.prefill == (Piece("p", 0, 100),)
+    # a cut never leaves one token before a planned boundary: it moves back by one
+    cut = plan_step(view(runs=(*streams, prefill("p", 0, 101)), step_tokens=103))
+    assert cut.prefill == (Piece("p", 0, 99),)
+    ahead = prefill("p", 0, 1000, boundaries=(101, 1000))
+    assert plan_step(view(runs=(*streams, ahead), step_tokens=103)).prefill == (Piece("p", 0, 99),)
 
 
-def test_one_piece_fits_any_budget_so_budget_zero_alternates() -> None:
-    runs = (RunView("d", 0, decoding=True), prefill("p", 0, 1000))
-    first = plan_step(view(runs=runs, paused=0, budget=0))
-    assert first.prefill == Piece("p", 0, 256)  # never starved by a small budget
-    assert plan_step(view(runs=runs, paused=256, budget=0)) == StepPlan(decode=("d",))
+def test_one_piece_always_goes_in_so_prompts_never_starve() -> None:
+    streams = tuple(RunView(f"d{i}", i, decoding=True) for i in range(4))
+    plan = plan_step(view(runs=(*streams, prefill("p", 0, 1000)), step_tokens=4))
+    assert len(plan.decode) == 4 and plan.prefill == (Piece("p", 0, 2),)  # never one token
+    three = plan_step(view(runs=(*streams, prefill("p", 0, 3)), step_tokens=4))
+    assert three.prefill == (Piece("p", 0, 3),)  # 2 would leave a lone row
 
 
-def test_prefill_without_decoding_streams_pauses_nobody() -> None:
-    plan = plan_step(view(runs=(prefill("a", 0, 1000),), paused=300, budget=512))
-    assert plan.prefill == Piece("a", 0, 256) and plan.paused_tokens == 0
+def test_a_step_computed_in_one_call_carries_several_prompts() -> None:
+    runs = (
+        RunView("d", 0, decoding=True),
+        prefill("long", 0, 1000, since=9.0),
+        prefill("short", 0, 100, since=9.0),
+        prefill("mid", 0, 300, since=9.0),
+    )
+    plan = plan_step(view(runs=runs, step_tokens=512, one_call=True))
+    # by priority, one piece a run, until the step's 512 tokens are spent
+    assert plan.prefill == (Piece("short", 0, 100), Piece("mid", 0, 256), Piece("long", 0, 155))
+    assert plan.decode == ("d",)
+    # computed in calls of their own, a step has one piece
+    assert plan_step(view(runs=runs, step_tokens=512)).prefill == (Piece("short", 0, 100),)
+
+
+def test_prefill_without_decoding_streams_has_the_whole_step() -> None:
+    plan = plan_step(view(runs=(prefill("a", 0, 1000),), step_tokens=100))
+    assert plan == StepPlan(prefill=(Piece("a", 0, 100),))
 
 
 def test_the_prompt_with_least_left_goes_first_aged_so_none_starves() -> None:
     short, long = prefill("short", 0, 100, since=9.0), prefill("long", 0, 1000, since=9.0)
-    assert plan_step(view(runs=(long, short))).prefill.key == "short"  # type: ignore[union-attr]
+    assert plan_step(view(runs=(long, short))).prefill[0].key == "short"
     # at 100 tokens/s, 10 s of waiting is worth 1000 tokens: the old long prompt goes first
     old_long = prefill("long", 0, 1000, since=0.0)
-    assert plan_step(view(runs=(short, old_long))).prefill.key == "long"  # type: ignore[union-attr]
+    assert plan_step(view(runs=(short, old_long))).prefill[0].key == "long"
     # equal priorities: the older one
     a, b = prefill("a", 0, 100, since=5.0), prefill("b", 100, 200, since=5.0)
     assert step_plan.prefill_priority(a, 100.0, 10.0) == step_plan.prefill_priority(b, 100.0, 10.0)
-    assert plan_step(view(runs=(b, a))).prefill.key == "b"  # type: ignore[union-attr]
+    assert plan_step(view(runs=(b, a))).prefill[0].key == "b"
 
 
 def _pieces(run: RunView[str], max_piece: int) -> list[tuple[int, int]]:
     """The pieces successive plans give `run` when each is executed."""
     got = []
     while run.done < run.end:
-        piece = plan_step(view(runs=(run,), max_piece=max_piece)).prefill
-        assert piece is not None and piece.start == run.done
+        (piece,) = plan_step(view(runs=(run,), max_piece=max_piece)).prefill
+        assert piece.start == run.done
         got.append((piece.start, piece.end))
         run = replace(run, done=piece.end)
     return got
@@ -190,7 +207,8 @@ def test_the_simulator_executes_plan_step(monkeypatch: pytest.MonkeyPatch) -> No
     short = Session(BURST, 1, 0.5, (), [Turn(((2, 100),), 8)])
     Cluster(cpu, 1, ROUND_ROBIN).run([Phase([long, short])])
 
-    pieces = [(p.prefill.key.n_prompt, p.prefill.start, p.prefill.end) for p in plans if p.prefill]
+    steps = [p for p in plans if p.prefill]
+    pieces = [(p.prefill[0].key.n_prompt, p.prefill[0].start, p.prefill[0].end) for p in steps]
     assert pieces[:5] == [
         (1000, 0, 256),
         (100, 0, 100),  # less left than the long prompt: it goes first
@@ -200,21 +218,8 @@ def test_the_simulator_executes_plan_step(monkeypatch: pytest.MonkeyPatch) -> No
     ]
     admitted = [p.admit.n_prompt for p in plans if p.admit is not None]
     assert admitted == [1000, 100]
-    # the short one decodes once the long one's last 744 tokens (within the budget) are done
-    kinds = ["d" if p.decode else "p" for p in plans if p.decode or p.prefill]
-    assert "".join(kinds).startswith("pppppdd")
-
-
-def test_the_simulator_follows_the_profiles_prefill_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    plans = _recording(monkeypatch, step_plan)
-    cpu = replace(PROFILES["cpu"], step_noise=0.0, prefill_budget=0)
-    long = Session(BURST, 0, 0.0, (), [Turn(((1, 1000),), 8)])
-    short = Session(BURST, 1, 0.5, (), [Turn(((2, 100),), 8)])
-    Cluster(cpu, 1, ROUND_ROBIN).run([Phase([long, short])])
-    # budget 0: once the short one decodes (its prefill gave its first token), a decode
-    # step follows each prefill step
-    kinds = ["d" if p.decode else "p" for p in plans if p.decode or p.prefill]
-    assert "".join(kinds).startswith("pppdpdpd")
+    # once the short one has its first token, it decodes in every step beside the long one
+    assert [len(p.decode) for p in steps[:5]] == [0, 0, 1, 1, 1]
 
 
 def test_the_engine_executes_plan_step(
@@ -240,45 +245,62 @@ def test_the_engine_executes_plan_step(
         max_interval=config.max_interval_checkpoints,
     )
     first_decode = next(i for i, p in enumerate(plans) if p.decode)
-    prompt_pieces = [p.prefill for p in plans[:first_decode] if p.prefill is not None]
+    prompt_pieces = [piece for p in plans[:first_decode] for piece in p.prefill]
     ends = [piece.end for piece in prompt_pieces]
     assert ends == prefill_pieces(0, len(prompt), cuts, 32)
     assert set(cuts) <= set(ends) and prompt.system_end in ends
     assert result.usage.computed_tokens == len(prompt)
     assert sum(1 for p in plans if p.decode) == len(result.tokens) - 1  # the first: prefill's
-    replay = [p.prefill for p in plans[first_decode:] if p.prefill is not None]
+    replay = [piece for p in plans[first_decode:] for piece in p.prefill]
     assert replay and replay[-1].end == len(prompt) + len(result.tokens)
 
 
-@pytest.mark.parametrize("budget", [EngineConfig.model_fields["prefill_budget"].default, 0])
-def test_prompts_that_arrive_together_decode_in_step(
-    monkeypatch: pytest.MonkeyPatch, tiny_model, make_engine, budget: int
+@pytest.mark.parametrize("exact_reuse", [True, False])
+def test_a_stream_decodes_in_every_step_while_a_prompt_is_computed(
+    monkeypatch: pytest.MonkeyPatch, tiny_model, make_engine, exact_reuse: bool
 ) -> None:
-    """Two prompts submitted at once, within the prefill budget: both are computed before the
-    first decode step, so every decode step carries both streams and they end together.
-    Budget 0 (one prefill step between decode steps) lets the first stream run ahead. (The
-    second is submitted long before the first's dozen pieces are done.)"""
+    """Two prompts submitted at once: the first to finish decodes in every step that
+    computes the other's pieces. With exact reuse each step has one piece, in a call after
+    the decode rows'; without, both prompts' pieces share the steps (one llama_decode)."""
     plans = _recording(monkeypatch, engine_module)
-    engine = make_engine(tiny_model("llama"), prefill_chunk=16, prefill_budget=budget)
-    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine = make_engine(tiny_model("llama"), prefill_chunk=16, exact_reuse=exact_reuse)
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True)
     prompts = [
-        engine.text_prompt(f"Request {i}: " + "tell me a story. " * (40 + 4 * i)) for i in (0, 1)
+        engine.text_prompt(f"Request {i}: " + "tell me a story. " * (10 + 30 * i)) for i in (0, 1)
     ]
     handles = [engine.submit(GenerationRequest(prompt=p, sampling=sampling)) for p in prompts]
     results = [h.result(60) for h in handles]
     assert engine.wait_idle(60)
 
-    assert all(len(r.tokens) == 8 for r in results)
-    total = sum(len(p) for p in prompts)
-    decodes = [len(p.decode) for p in plans if p.decode]
-    first_decode = next(i for i, p in enumerate(plans) if p.decode)
-    prefilled_before = sum(
-        p.prefill.end - p.prefill.start for p in plans[:first_decode] if p.prefill
+    assert all(len(r.tokens) == 24 for r in results)
+    steps = [p for p in plans if not p.empty]
+    first_streams = next(i for i, p in enumerate(steps) if p.decode)
+    long_pieces = [  # the second prompt's (not its reply's replay)
+        p
+        for p in steps[first_streams:]
+        if any(x.key.handle is handles[1] and x.end <= len(prompts[1]) for x in p.prefill)
+    ]
+    assert len(long_pieces) >= 3 and all(p.decode for p in long_pieces)
+    shared = [p for p in steps if len(p.prefill) > 1]
+    assert bool(shared) is not exact_reuse  # one call: both prompts' pieces in a step
+
+
+def test_a_prompt_computed_beside_a_decoding_stream_is_bit_exact(tiny_model, make_engine) -> None:
+    """On the CPU with exact reuse, a prompt whose pieces share steps with another stream's
+    decoding gives the same logits, bit for bit, as the prompt computed alone (its pieces
+    never share a llama_decode with the decode rows)."""
+    path = tiny_model("qwen35")
+    engine = make_engine(path, prefill_chunk=16, prefix_cache=False)
+    prompt = engine.text_prompt("A prompt computed in many pieces. " * 12)
+    alone = engine.generate(prompt, SamplingParams(max_tokens=1), return_logits=True)
+    other = engine.text_prompt("Another conversation, already decoding. " * 2)
+    stream = engine.submit(
+        GenerationRequest(prompt=other, sampling=SamplingParams(max_tokens=400, ignore_eos=True))
     )
-    if budget:
-        assert total <= budget  # (the case's premise)
-        assert prefilled_before == total
-        assert decodes == [2] * 7  # the first token of each comes from its prefill
-    else:
-        assert prefilled_before < total
-        assert 1 in decodes  # a decode step of one stream while the other was prefilled
+    next(iter(stream))  # decoding now
+    decode_steps = engine.stats.decode_steps
+    beside = engine.generate(prompt, SamplingParams(max_tokens=1), return_logits=True)
+    assert engine.stats.decode_steps - decode_steps >= 3  # the stream's steps beside it
+    assert len(stream.result(120).tokens) == 400
+    assert alone.logits is not None and beside.logits is not None
+    assert np.array_equal(alone.logits, beside.logits)

@@ -125,11 +125,10 @@ class EmulatedContext:
         self._sleep(self._step_s(added))
 
     def _step_s(self, added: dict[int, list[BatchEntry]]) -> float:
-        """A decode step (one token for each sequence) or a prefill piece."""
-        if all(len(batch) == 1 for batch in added.values()):
-            seconds = self.timing.decode_step_s(len(added))
-        else:
-            seconds = sum(map(len, added.values())) / self.timing.prefill_tokens_per_s
+        """A step: a token for each decoding sequence (one row), prompt pieces."""
+        streams = sum(len(batch) == 1 for batch in added.values())
+        prompt_tokens = sum(len(batch) for batch in added.values() if len(batch) > 1)
+        seconds = self.timing.step_s(streams, prompt_tokens)
         sigma = self.timing.step_noise
         if sigma:
             seconds *= self._noise.lognormvariate(-sigma * sigma / 2, sigma)  # mean 1

@@ -19,6 +19,13 @@ def decode_step_seconds(
     return one + (streams - 1) * (full - one) / (slots - 1)
 
 
+def step_seconds(decode_s: float, prompt_tokens: int, prefill_tokens_per_s: float) -> float:
+    """Seconds of one engine step: its decode rows' (`decode_step_seconds`; 0 without any)
+    plus its prompt tokens at the prefill pace. The two add, as on a CPU; a GPU's overlap,
+    which is not measured yet. The simulator's replicas and the emulated engine both use it."""
+    return decode_s + prompt_tokens / prefill_tokens_per_s
+
+
 class EmulatedTiming(BaseModel):
     """What one replica's compute costs: a profile of `bench sim`'s (its name labels the
     replica's device, `emulated:<name>`)."""
@@ -43,6 +50,11 @@ class EmulatedTiming(BaseModel):
         return decode_step_seconds(
             streams, self.decode_tokens_per_s, self.batch_decode_tokens_per_s, self.batch_slots
         )
+
+    def step_s(self, streams: int, prompt_tokens: int) -> float:
+        """One step: a token for each of `streams`, and `prompt_tokens` (`step_seconds`)."""
+        decode_s = self.decode_step_s(streams) if streams else 0.0
+        return step_seconds(decode_s, prompt_tokens, self.prefill_tokens_per_s)
 
     def restore_s(self, n_tokens: int) -> float:
         """Restoring a real `n_tokens`-token state."""

@@ -1,11 +1,10 @@
 """The replica engine: one llama.cpp context, several sequence slots, continuous batching.
 
 One thread (the engine loop) owns the llama context. Requests join between steps. A step
-is one `llama_decode`: either a *decode step* — one token for every generating sequence —
-or a *prefill step* — the next piece of one sequence's prompt. Running streams wait through
-at most `prefill_budget` prompt tokens, so prompts that arrive together decode in step.
-(Mixing both kinds in one call buys nothing here: with one KV stream per sequence and
-with recurrent memory, llama.cpp splits a batch into equal-length sub-batches anyway.)
+carries every generating sequence's next token and pieces of prompts within
+`step_tokens`, so a prompt never stops the running streams for more than one step
+(`step_executor` computes it: in one llama_decode, or the decode rows first and each
+piece in a call of its own where reuse is exact).
 
 `step_plan.plan_step` decides each step over plain data (of several prompts, the one with
 the least left goes first, aged); the loop executes it. Which cached state serves a prompt
@@ -38,7 +37,6 @@ from baton_serve.replicas.engine.emulated_compute import load_model, open_contex
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.engine_face import EngineFace
 from baton_serve.replicas.engine.liveness import IDLE_BEAT_S, Heartbeat, request_deadline_s
-from baton_serve.replicas.engine.llama_context import BatchEntry
 from baton_serve.replicas.engine.prefix_cache import PrefixCache
 from baton_serve.replicas.engine.prefix_states import CheckpointListener, PrefixStates
 from baton_serve.replicas.engine.prompt import (
@@ -52,8 +50,9 @@ from baton_serve.replicas.engine.request_check import check_request
 from baton_serve.replicas.engine.request_handle import RequestHandle
 from baton_serve.replicas.engine.slots import Phase, Running, Slot, start_request
 from baton_serve.replicas.engine.stats import EngineLoad, EngineStats
+from baton_serve.replicas.engine.step_executor import StepExecutor
 from baton_serve.replicas.engine.step_guard import StepGuard
-from baton_serve.replicas.engine.step_plan import Piece, Queued, StepPlan, StepView, plan_step
+from baton_serve.replicas.engine.step_plan import Queued, StepPlan, StepView, plan_step
 from baton_serve.replicas.wire.prompt_types import ChatMessage, Prompt
 from baton_serve.replicas.wire.protocol import (
     Completion,
@@ -100,8 +99,10 @@ class Engine(EngineFace):
         self._closed = False
         self._idle = threading.Event()
         self._peer_asks = deque()
-        self._paused_tokens = 0  # `StepView.paused_tokens`
         self._guard = StepGuard(self._context, self.stats)
+        self._executor = StepExecutor(
+            self.config, self._guard, self._cache, self.stats, self._sampled
+        )
         self._heartbeat = Heartbeat(self.config.stall_timeout_s)
         self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
         self._thread.start()
@@ -238,7 +239,7 @@ class Engine(EngineFace):
             return self._closed or bool(self._waiting) or bool(self._running())
 
     def _step(self) -> None:
-        """Execute `plan_step`'s plan: its admissions, then one decode or prefill step."""
+        """Execute `plan_step`'s plan: its admissions, then one step."""
         self._drop_cancelled()
         if self._peer_asks:  # rare: no work on the decode loop without one
             self._cache.checkpoint_for_peers(self._peer_asks, self._running())
@@ -249,13 +250,7 @@ class Engine(EngineFace):
                 self._waiting.remove(handle)  # only this thread removes from the queue
             self._guard.start(handle, free, self._start, handle, free)
             plan = self._plan()
-        if plan.decode:
-            self._decode_step(list(plan.decode))
-        elif plan.prefill is not None:
-            self._prefill_step(plan.prefill)
-        else:
-            return
-        self._paused_tokens = plan.paused_tokens
+        self._executor.run(plan)
 
     def _plan(self) -> StepPlan[RequestHandle, Running]:
         with self._wakeup:
@@ -264,10 +259,10 @@ class Engine(EngineFace):
             queue=queue,
             free_slots=sum(s.running is None for s in self._slots),
             runs=tuple(r.view() for r in self._running()),
-            paused_tokens=self._paused_tokens,
-            prefill_budget=self.config.prefill_budget,
-            prefill_speed=self.stats.prefill_speed,
+            step_tokens=self.config.step_budget,
             max_piece=self.config.prefill_chunk,
+            one_call=self.config.one_call_steps,
+            prefill_speed=self.stats.prefill_speed,
             now=time.perf_counter(),
         )
         return plan_step(view, self._must_wait)
@@ -322,58 +317,6 @@ class Engine(EngineFace):
         run.rewound_bytes = stats.rewound_bytes - rewound
 
     # ---- steps ---------------------------------------------------------------------------
-
-    def _decode_step(self, runs: list[Running]) -> None:
-        entries = [
-            BatchEntry(r.slot.seq_id, r.pending_token, len(r.slot.tokens), True) for r in runs
-        ]
-        logits = self._guard.decode(entries, runs)
-        if logits is None:
-            return
-        self.stats.decode_steps += 1
-        for i, run in enumerate(runs):
-            run.slot.computed((entries[i].token,))
-            self._guard.run("sampling a token", run, self._sampled, run, logits[i])
-
-    def _prefill_step(self, piece: Piece[Running]) -> None:
-        run, start, end = piece.key, piece.start, piece.end
-        slot = run.slot
-        run.pieces = [p for p in run.pieces if p > end]
-        wants_logits = run.phase is Phase.PREFILL and end == len(run.feed)
-        entries = [
-            BatchEntry(slot.seq_id, run.feed[p], p, wants_logits and p == end - 1)
-            for p in range(start, end)
-        ]
-        started = time.perf_counter()
-        logits = self._guard.decode(entries, [run])
-        if logits is None:
-            return
-        self.stats.prefill_seconds += time.perf_counter() - started
-        self.stats.prefill_steps += 1
-        slot.computed(run.feed[start:end])
-        if run.phase is Phase.PREFILL:
-            self.stats.prompt_tokens_computed += end - start
-        else:
-            self.stats.replayed_tokens += end - start
-        states = self._cache.states
-        if end in run.anchors:
-            if not self._guard.run("keeping an anchor", run, states.anchor, slot):
-                return
-        if end in run.checkpoints:
-            if not self._guard.run("saving a checkpoint", run, states.save, slot):
-                return
-        if wants_logits:
-            row = logits[len(entries) - 1]
-            for fork in run.forks:  # n > 1: each choice starts from this prompt's state
-                copy = states.copy
-                if self._guard.run("copying its prompt's state", fork, copy, run.slot, fork.slot):
-                    self._guard.run("sampling a token", fork, self._sampled, fork, row)
-                if run.handle.cancelled:
-                    return  # failed: its other choices stop at the next step
-            self._guard.run("sampling a token", run, self._sampled, run, row)
-        elif run.phase is Phase.REPLAY and not run.pieces:
-            slot.finished()  # its full state is stored when the engine is idle: `write_back`
-            slot.release()
 
     def _sampled(self, run: Running, logits: np.ndarray) -> None:
         """Take the next token from `logits` (streamed); finish when a stop rule fires."""

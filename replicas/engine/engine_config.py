@@ -32,14 +32,14 @@ class EngineConfig(BaseModel):
     prefill_chunk: int = Field(
         default=256, ge=4, description="most prompt tokens of one prefill step (one sequence)"
     )
-    prefill_budget: int = Field(
+    step_tokens: int = Field(
         default=2048,
-        ge=0,
-        description="most prompt tokens computed between two decode steps while streams "
-        "decode (the longest pause a running stream sees; one prefill step always fits): "
-        "prompts that arrive together are computed together, so their streams decode in "
-        "step, as in llama-server's batch of n_batch tokens; 0: alternate one prefill step "
-        "and one decode step",
+        ge=1,
+        description="most tokens of one engine step: every decoding stream's next token plus "
+        "prompt pieces up to this many in all (one piece always goes in). Smaller: a running "
+        "stream's longest gap (one step) is shorter and a long prompt takes more steps; "
+        "where a step is one llama_decode (exact_reuse off) it is also capped at n_batch. "
+        "Replaces prefill_budget (read as this, with a warning, for one release)",
     )
     n_threads: int = Field(
         default_factory=lambda: os.cpu_count() or 1,
@@ -163,6 +163,33 @@ class EngineConfig(BaseModel):
         description="the engine is unhealthy (Serve replaces the replica) when it has work "
         "but has not completed a step for this long",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_keys(cls, data: object) -> object:
+        if isinstance(data, dict) and "prefill_budget" in data:
+            data = dict(data)
+            budget = data.pop("prefill_budget")
+            logger.warning(
+                "engine.prefill_budget is retired: read as engine.step_tokens (%s); "
+                "rename it, it will be refused in the next release",
+                budget,
+            )
+            if isinstance(budget, int) and "step_tokens" not in data:
+                data["step_tokens"] = max(1, budget)
+        return data
+
+    @property
+    def one_call_steps(self) -> bool:
+        """Whether a step's decode rows and prompt pieces go into one llama_decode. Exact
+        reuse keeps them apart: llama.cpp would give a piece's first token a ubatch with
+        the decode rows, and that lone row rounds differently from the piece's others."""
+        return not self.exact_reuse
+
+    @property
+    def step_budget(self) -> int:
+        """Tokens of one step (`step_tokens`, within n_batch where the step is one call)."""
+        return min(self.step_tokens, self.n_batch) if self.one_call_steps else self.step_tokens
 
     @field_validator("n_ctx")
     @classmethod

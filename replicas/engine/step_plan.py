@@ -9,14 +9,18 @@ describe their queue and slots as a `StepView` and execute the `StepPlan` that
   overtakes it); one that must wait (another slot is computing its prefix) lets the
   others pass. A plan admits at most one: admitting it can make a later request wait for
   it, so the executor starts it and plans again.
-- **The step**: a prefill step — the next piece of the prompt (or replay) with the least
-  left to compute, less what could have been computed in the time it has waited (aged: none
-  starves) — unless that piece would make decoding requests wait through more than
-  `prefill_budget` prompt tokens since their last token (one piece always fits), then a
-  decode step (one token for every decoding request).
-  Prompts that arrive together are thus computed together before the next decode step, and
-  their streams decode in step, as llama-server's one batch of every slot's prompt does;
-  a stream that is decoding pauses for at most one budget.
+- **The step** carries every decoding stream's next token and, within `step_tokens` in
+  all, pieces of prompts (and replays): the prompt with the least left to compute goes
+  first, less what could have been computed in the time it has waited (aged: none
+  starves). So a prompt never stops the running streams for more than one step, and a
+  stream never holds a prompt back: vLLM's chunked prefill and llama-server's one batch
+  of every slot's work do the same. One piece always goes in, however many streams decode.
+- **Pieces** end at the run's planned boundaries (checkpoints, even pieces) or where the
+  budget runs out, never leaving a one-token remainder (`checkpoint_policy`: one row
+  rounds differently); a run has one piece a step. Where the executor computes a step in
+  one call (`one_call`) several runs' pieces share it; otherwise a step has one piece,
+  computed in a call of its own after the decode rows', and the plan after it may admit
+  what arrived meanwhile.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 
 Q = TypeVar("Q")  # the executor's queued request
 R = TypeVar("R")  # the executor's running request
@@ -58,10 +64,10 @@ class StepView(Generic[Q, R]):
     queue: tuple[Queued[Q], ...]
     free_slots: int
     runs: tuple[RunView[R], ...]
-    paused_tokens: int  # prompt tokens computed since decoding requests' last token
-    prefill_budget: int  # most prompt tokens decoding requests wait through
+    step_tokens: int  # most tokens of one step: a row per decoding stream plus prompt pieces
+    max_piece: int  # most tokens of one piece
+    one_call: bool  # the step is one llama_decode (several runs' pieces), else one piece
     prefill_speed: float  # prompt tokens per second: what a prompt's wait is worth
-    max_piece: int  # most prompt tokens of one prefill step
     now: float  # on the clock of the runs' `since`
 
 
@@ -76,14 +82,18 @@ class Piece(Generic[R]):
 
 @dataclass(frozen=True)
 class StepPlan(Generic[Q, R]):
-    """What to do now: admit one request (then plan again), or run one step — a decode
-    step for `decode`, in that order, or a prefill step for `prefill` — or nothing."""
+    """What to do now: admit one request (then plan again), or run one step — a token for
+    each of `decode`, in that order, and the `prefill` pieces, in that order — or nothing."""
 
     admit: Q | None = None
     waiting: tuple[Q, ...] = ()  # queued requests passed over: they must wait
     decode: tuple[R, ...] = ()
-    prefill: Piece[R] | None = None
-    paused_tokens: int = 0  # the next view's `paused_tokens`, once this step is done
+    prefill: tuple[Piece[R], ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to compute."""
+        return not self.decode and not self.prefill
 
 
 def _never(_key: object) -> bool:
@@ -107,27 +117,40 @@ def plan_step(view: StepView[Q, R], must_wait: Callable[[Q], bool] = _never) -> 
         waiting.append(queued.key)
     passed = tuple(waiting)
     decoding = tuple(r.key for r in sorted((r for r in view.runs if r.decoding), key=_order))
-    prefilling = [r for r in view.runs if r.done < r.end]
-    if not prefilling:
-        return StepPlan(waiting=passed, decode=decoding)
-    run = min(prefilling, key=lambda r: prefill_priority(r, view.prefill_speed, view.now))
-    piece = Piece(run.key, run.done, next_piece_end(run, view.max_piece))
-    if not decoding:
-        return StepPlan(waiting=passed, prefill=piece)
-    paused = view.paused_tokens + piece.end - piece.start
-    if view.paused_tokens and paused > view.prefill_budget:  # one piece fits any budget
-        return StepPlan(waiting=passed, decode=decoding)
-    return StepPlan(waiting=passed, prefill=piece, paused_tokens=paused)
+    prefilling = sorted(
+        (r for r in view.runs if r.done < r.end),
+        key=lambda r: prefill_priority(r, view.prefill_speed, view.now),
+    )
+    left = view.step_tokens - len(decoding)
+    pieces: list[Piece[R]] = []
+    for run in prefilling:  # one piece a run: its state after a piece is what comes next
+        end = _piece_end(run, min(view.max_piece, left), first=not pieces)
+        if end is None:
+            continue
+        pieces.append(Piece(run.key, run.done, end))
+        left -= end - run.done
+        if not view.one_call or left < MIN_PIECE:
+            break
+    return StepPlan(waiting=passed, decode=decoding, prefill=tuple(pieces))
+
+
+def _piece_end(run: RunView[R], room: int, *, first: bool) -> int | None:
+    """Where `run`'s next piece ends within `room` tokens: at its next planned
+    boundary, or earlier where the room ends, never leaving one token before the boundary;
+    None if no piece fits (the step's first piece always does: prompts never starve)."""
+    done = run.done
+    boundary = min((b for b in run.boundaries if b > done), default=run.end)
+    end = min(boundary, done + max(room, MIN_PIECE if first else 0))
+    if boundary - end == 1:  # the rest would be a lone row
+        end = end - 1 if end - 1 - done >= MIN_PIECE else boundary
+    if end - done < min(MIN_PIECE, boundary - done):
+        return None
+    if not first and end - done > room:
+        return None
+    return end
 
 
 def prefill_priority(run: RunView[R], tokens_per_s: float, now: float) -> tuple[float, float]:
     """Lowest first: the tokens left to compute, less those computable in the time it has
     waited (so a long prompt is not starved by short ones), then age."""
     return run.end - run.done - tokens_per_s * (now - run.since), run.since
-
-
-def next_piece_end(run: RunView[R], max_piece: int) -> int:
-    """Where `run`'s next prefill piece ends: its next planned boundary, at most
-    `max_piece` tokens on."""
-    boundary = min((b for b in run.boundaries if b > run.done), default=run.end)
-    return min(boundary, run.done + max_piece)
