@@ -39,7 +39,7 @@ from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.serve_app import replica_stats, serve_app
 from baton_serve.loadtests.sim_bench import AGREEMENT, P99_RATIO_TARGET, PROFILES, summarize
 from baton_serve.loadtests.sim_cluster import Cluster
-from baton_serve.loadtests.sim_replica import Profile, ship_cost
+from baton_serve.loadtests.sim_profile import Profile, ship_cost
 from baton_serve.loadtests.sim_workload import ClusterWorkload, Session, cluster_workload
 from baton_serve.loadtests.sse import StreamError, aresponse_events
 from baton_serve.replicas.engine.emulated_compute import STATE_PER_TOKEN, EmulatedModel

@@ -21,7 +21,7 @@ import numpy as np
 from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.sim_cluster import Cluster, RunResult
 from baton_serve.loadtests.sim_policies import BATON, POLICIES
-from baton_serve.loadtests.sim_replica import Profile
+from baton_serve.loadtests.sim_profile import Profile
 from baton_serve.loadtests.sim_workload import (
     ClusterWorkload,
     cluster_workload,

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from baton_serve.cache_store.index.memory_index import ModelIndex
 from baton_serve.loadtests.sim_policies import BATON, make_policy
-from baton_serve.loadtests.sim_replica import EventLoop, Job, Profile, SimReplica
+from baton_serve.loadtests.sim_profile import Profile
+from baton_serve.loadtests.sim_replica import EventLoop, Job, SimReplica
 from baton_serve.loadtests.sim_workload import (
     Phase,
     Segment,

@@ -34,61 +34,14 @@ from dataclasses import dataclass, field
 
 from baton_serve.cache_store.index.index import IndexEntry, IndexMatch
 from baton_serve.cache_store.index.memory_index import ModelIndex
-from baton_serve.cache_store.pull_cost import ShipCost, pull_pays, pull_seconds
+from baton_serve.cache_store.pull_cost import pull_pays, pull_seconds
 from baton_serve.loadtests.sim_cache import SimCheckpoint, SimPrefixCache
+from baton_serve.loadtests.sim_profile import Profile, ship_cost
 from baton_serve.replicas.engine import step_plan as steps
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
-from baton_serve.replicas.engine.emulated_timing import decode_step_seconds, step_seconds
-from baton_serve.replicas.engine.engine_config import EngineConfig as _Engine
 from baton_serve.replicas.wire.route_plan import CACHED, IN_FLIGHT, PULL, RoutePlan
 
 FOREVER = float("inf")
-
-
-@dataclass(frozen=True)
-class Profile:
-    """What a replica costs: prefill and decode speeds, the link, state sizes."""
-
-    name: str
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float  # one stream decoding alone
-    batch_decode_tokens_per_s: float  # all `slots` streams decoding at once, together
-    slots: int
-    link_bytes_per_s: float
-    ship_latency_s: float  # per pull: the peer's export call, the index lookup
-    restore_bytes_per_s: float
-    bytes_per_token: int
-    cache_bytes: int
-    block_tokens: int = 64
-    prefill_chunk: int = _Engine.model_fields["prefill_chunk"].default  # the engine's defaults
-    step_tokens: int = _Engine.model_fields["step_tokens"].default
-    step_noise: float = 0.0  # sigma of a mean-1 lognormal factor on each step's time (0: none)
-
-    def decode_step_s(self, streams: int) -> float:
-        """Seconds of one decode step for `streams` decoding slots (`decode_step_seconds`)."""
-        return decode_step_seconds(
-            streams, self.decode_tokens_per_s, self.batch_decode_tokens_per_s, self.slots
-        )
-
-    def step_s(self, streams: int, prompt_tokens: int) -> float:
-        """One step: a token for each of `streams`, and `prompt_tokens` (`step_seconds`)."""
-        decode_s = self.decode_step_s(streams) if streams else 0.0
-        return step_seconds(decode_s, prompt_tokens, self.prefill_tokens_per_s)
-
-    def prefill_speed(self, streams: int) -> float:
-        """Prompt tokens per second while `streams` slots decode (their rows in every step,
-        beside one piece): what an in-flight prefix's expected end is estimated with."""
-        if not streams:
-            return self.prefill_tokens_per_s
-        tokens = max(min(self.prefill_chunk, self.step_tokens - streams), MIN_PIECE)
-        return tokens / self.step_s(streams, tokens)
-
-
-def ship_cost(profile: Profile) -> ShipCost:
-    """What a pull costs a replica of `profile` (the rates a real replica measures): the
-    link and the restore in one rate, since a state crosses both."""
-    seconds_per_byte = 1 / profile.link_bytes_per_s + 1 / profile.restore_bytes_per_s
-    return ShipCost(bandwidth_bytes_per_s=1 / seconds_per_byte, latency_s=profile.ship_latency_s)
 
 
 class EventLoop:
@@ -276,9 +229,16 @@ class SimReplica:
             self._start(job)
         if self._stepping or plan.empty:
             return
-        prompt_tokens = sum(piece.end - piece.start for piece in plan.prefill)
-        step_s = self._noisy(self.profile.step_s(len(plan.decode), prompt_tokens))
-        self._loop.at(self._loop.now + step_s, self._step_done, plan.decode, plan.prefill)
+        # The engine's order (its exact-reuse calls): the decode rows, then the piece.
+        pace = self._noisy(1.0)
+        at = self._loop.now
+        if plan.decode:
+            at += pace * self.profile.decode_step_s(len(plan.decode))
+            self._loop.at(at, self._decoded_step, plan.decode)
+        for piece in plan.prefill:
+            at += pace * self.profile.step_s(0, piece.end - piece.start)
+            self._loop.at(at, self._piece_done, piece)
+        self._loop.at(at, self._step_done)
         self._stepping = True  # mid-step plans only admit
 
     def _plan(self) -> steps.StepPlan[Job, Job]:
@@ -291,7 +251,7 @@ class SimReplica:
             runs=tuple(runs),
             step_tokens=p.step_tokens,
             max_piece=p.prefill_chunk,
-            one_call=False,
+            one_call=False,  # the engine's calls where reuse is exact
             prefill_speed=p.prefill_tokens_per_s,
             now=self._loop.now,
         )
@@ -343,18 +303,21 @@ class SimReplica:
             return seconds
         return seconds * self._noise.lognormvariate(-sigma * sigma / 2, sigma)  # mean 1
 
-    def _step_done(self, decoded: tuple[Job, ...], pieces: tuple[steps.Piece[Job], ...]) -> None:
+    def _decoded_step(self, decoded: tuple[Job, ...]) -> None:
         for job in decoded:
             job.decode_left -= 1
             if job.decode_left <= 0:
                 self._decoding.remove(job)
                 self._decoded(job)
-        for piece in pieces:
-            job = piece.key
-            job.done = piece.end
-            if job.done >= job.end:
-                self._prefilling.remove(job)
-                (self._finish if job.replaying else self._prefilled)(job)
+
+    def _piece_done(self, piece: steps.Piece[Job]) -> None:
+        job = piece.key
+        job.done = piece.end
+        if job.done >= job.end:
+            self._prefilling.remove(job)
+            (self._finish if job.replaying else self._prefilled)(job)
+
+    def _step_done(self) -> None:
         self._stepping = False
         self._schedule()
 

@@ -182,27 +182,30 @@ def test_the_command_prints_json_and_refuses_an_unknown_policy(tmp_path: Path) -
 
 @pytest.mark.parametrize("step_tokens", [CPU.step_tokens, 129])
 def test_a_replica_steps_as_the_engine_does(step_tokens: int) -> None:
-    """A step (a 256-token piece: 2.56 s on the cpu profile) is not interrupted; the next
-    takes the prompt with the shortest remaining prefill; the prompt's last piece gives its
-    first token; once a slot decodes, every step carries its token beside the next piece,
-    which is cut to what the step has room for."""
+    """A step (a 256-token piece: 2.56 s on the cpu profile) is not interrupted; with no
+    stream decoding the next carries a piece of each prompt, the one with the shortest
+    remaining prefill first, as the step's tokens allow; a prompt's first token comes as its
+    last piece is done; once a slot decodes, every step carries its token and one piece."""
     cpu = replace(CPU, step_noise=0.0, step_tokens=step_tokens)
     long = Session(BURST, 0, 0.0, (), [Turn(((1, 1000),), 8)])
     short = Session(BURST, 1, 0.5, (), [Turn(((2, 100),), 8)])
     run = Cluster(cpu, 1, ROUND_ROBIN).run([Phase([long, short])])
     ttft = {r.session: r.ttft_s for r in run.records}
-    first = min(cpu.prefill_chunk, step_tokens)
+    first = min(cpu.prefill_chunk, step_tokens)  # the long one's, alone
+    beside = min(cpu.prefill_chunk, step_tokens - 100)  # its next, after the short one's
 
-    # the short prompt waits for the long one's first piece, then is prefilled whole
+    # the short prompt waits for the long one's first step, then goes first in the next
     short_prefilled = (first + 100) / cpu.prefill_tokens_per_s
     assert ttft[1] == pytest.approx(short_prefilled - 0.5)
-    # the long one's other tokens go in pieces of what a step leaves beside the short
-    # one's token (which needs 7 more: it decodes throughout)
-    rest = 1000 - first
+    # the long one's other tokens go one piece a step beside the short one's token (which
+    # needs 7 more: it decodes throughout), each cut to what the step has room for
+    rest = 1000 - first - beside
     steps = -(-rest // min(cpu.prefill_chunk, step_tokens - 1))
-    assert steps == (3 if step_tokens > cpu.prefill_chunk else 7)
+    assert steps == (2 if step_tokens > cpu.prefill_chunk + 100 else 7)
     long_prefilled = (
-        short_prefilled + steps * cpu.decode_step_s(1) + rest / cpu.prefill_tokens_per_s
+        (first + 100 + beside) / cpu.prefill_tokens_per_s
+        + steps * cpu.decode_step_s(1)
+        + rest / cpu.prefill_tokens_per_s
     )
     assert ttft[0] == pytest.approx(long_prefilled)
 

@@ -119,7 +119,7 @@ def test_one_piece_always_goes_in_so_prompts_never_starve() -> None:
     assert three.prefill == (Piece("p", 0, 3),)  # 2 would leave a lone row
 
 
-def test_a_step_computed_in_one_call_carries_several_prompts() -> None:
+def test_a_step_carries_several_prompts_where_it_is_one_call_or_no_stream_decodes() -> None:
     runs = (
         RunView("d", 0, decoding=True),
         prefill("long", 0, 1000, since=9.0),
@@ -130,8 +130,10 @@ def test_a_step_computed_in_one_call_carries_several_prompts() -> None:
     # by priority, one piece a run, until the step's 512 tokens are spent
     assert plan.prefill == (Piece("short", 0, 100), Piece("mid", 0, 256), Piece("long", 0, 155))
     assert plan.decode == ("d",)
-    # computed in calls of their own, a step has one piece
+    # a call a piece: beside a decoding stream, one; with none decoding, each prompt's
     assert plan_step(view(runs=runs, step_tokens=512)).prefill == (Piece("short", 0, 100),)
+    idle = plan_step(view(runs=runs[1:], step_tokens=512)).prefill
+    assert idle == (Piece("short", 0, 100), Piece("mid", 0, 256), Piece("long", 0, 156))
 
 
 def test_prefill_without_decoding_streams_has_the_whole_step() -> None:
@@ -208,18 +210,19 @@ def test_the_simulator_executes_plan_step(monkeypatch: pytest.MonkeyPatch) -> No
     Cluster(cpu, 1, ROUND_ROBIN).run([Phase([long, short])])
 
     steps = [p for p in plans if p.prefill]
-    pieces = [(p.prefill[0].key.n_prompt, p.prefill[0].start, p.prefill[0].end) for p in steps]
+    pieces = [(x.key.n_prompt, x.start, x.end) for p in steps for x in p.prefill]
     assert pieces[:5] == [
         (1000, 0, 256),
-        (100, 0, 100),  # less left than the long prompt: it goes first
+        (100, 0, 100),  # less left than the long prompt: it goes first, in the same step
         (1000, 256, 512),
         (1000, 512, 768),
         (1000, 768, 1000),
     ]
     admitted = [p.admit.n_prompt for p in plans if p.admit is not None]
     assert admitted == [1000, 100]
-    # once the short one has its first token, it decodes in every step beside the long one
-    assert [len(p.decode) for p in steps[:5]] == [0, 0, 1, 1, 1]
+    # no stream decodes in the first two steps: a piece of each prompt; then the short one
+    # decodes in every step, beside one piece of the long one
+    assert [(len(p.prefill), len(p.decode)) for p in steps[:4]] == [(1, 0), (2, 0), (1, 1), (1, 1)]
 
 
 def test_the_engine_executes_plan_step(
@@ -259,9 +262,10 @@ def test_the_engine_executes_plan_step(
 def test_a_stream_decodes_in_every_step_while_a_prompt_is_computed(
     monkeypatch: pytest.MonkeyPatch, tiny_model, make_engine, exact_reuse: bool
 ) -> None:
-    """Two prompts submitted at once: the first to finish decodes in every step that
-    computes the other's pieces. With exact reuse each step has one piece, in a call after
-    the decode rows'; without, both prompts' pieces share the steps (one llama_decode)."""
+    """Two prompts submitted at once start in the same step; the first to finish decodes in
+    every step that computes the other's pieces. With exact reuse each piece is a call of
+    its own and a step beside a decoding stream has one; without, the step is one
+    llama_decode and may carry both prompts' pieces beside it."""
     plans = _recording(monkeypatch, engine_module)
     engine = make_engine(tiny_model("llama"), prefill_chunk=16, exact_reuse=exact_reuse)
     sampling = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -281,8 +285,9 @@ def test_a_stream_decodes_in_every_step_while_a_prompt_is_computed(
         if any(x.key.handle is handles[1] and x.end <= len(prompts[1]) for x in p.prefill)
     ]
     assert len(long_pieces) >= 3 and all(p.decode for p in long_pieces)
-    shared = [p for p in steps if len(p.prefill) > 1]
-    assert bool(shared) is not exact_reuse  # one call: both prompts' pieces in a step
+    assert any(len(p.prefill) == 2 for p in steps[:first_streams])  # both, before any decodes
+    if exact_reuse:  # a piece a call: beside a decoding stream, one piece a step
+        assert all(len(p.prefill) <= 1 for p in steps if p.decode)
 
 
 def test_a_prompt_computed_beside_a_decoding_stream_is_bit_exact(tiny_model, make_engine) -> None:

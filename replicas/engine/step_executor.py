@@ -3,8 +3,9 @@ then what follows each — a stream's next token sampled, a piece's anchor and c
 kept, a prompt's first token sampled (and its other choices forked), a replay's end.
 
 Where a step is one llama_decode (`EngineConfig.one_call_steps`) every part shares one
-call; otherwise the decode rows go first, then each piece in its own call, so a stream's
-token is out before the prompt work of its step.
+call; otherwise the decode rows go first, then each piece in a call of its own (a piece's
+first token would share a sub-batch with the decode rows, and that lone row of its sequence
+rounds differently), so a stream's token is out before the prompt work of its step.
 """
 
 from __future__ import annotations

@@ -18,9 +18,11 @@ describe their queue and slots as a `StepView` and execute the `StepPlan` that
 - **Pieces** end at the run's planned boundaries (checkpoints, even pieces) or where the
   budget runs out, never leaving a one-token remainder (`checkpoint_policy`: one row
   rounds differently); a run has one piece a step. Where the executor computes a step in
-  one call (`one_call`) several runs' pieces share it; otherwise a step has one piece,
-  computed in a call of its own after the decode rows', and the plan after it may admit
-  what arrived meanwhile.
+  one call (`one_call`) several runs' pieces share it. Where each piece is a call of its
+  own, a step beside decoding streams has one piece (each more would lengthen their gap,
+  and the least-left prompt finishes first); a step with no stream decoding has a piece
+  of every prompt, so prompts that arrive together start decoding together and stay in
+  step (each one's next prompt then lands beside the other's, not between its tokens).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class StepView(Generic[Q, R]):
     runs: tuple[RunView[R], ...]
     step_tokens: int  # most tokens of one step: a row per decoding stream plus prompt pieces
     max_piece: int  # most tokens of one piece
-    one_call: bool  # the step is one llama_decode (several runs' pieces), else one piece
+    one_call: bool  # the step is one llama_decode; else a call a piece (one beside streams)
     prefill_speed: float  # prompt tokens per second: what a prompt's wait is worth
     now: float  # on the clock of the runs' `since`
 
@@ -129,7 +131,7 @@ def plan_step(view: StepView[Q, R], must_wait: Callable[[Q], bool] = _never) -> 
             continue
         pieces.append(Piece(run.key, run.done, end))
         left -= end - run.done
-        if not view.one_call or left < MIN_PIECE:
+        if (decoding and not view.one_call) or left < MIN_PIECE:
             break
     return StepPlan(waiting=passed, decode=decoding, prefill=tuple(pieces))
 
