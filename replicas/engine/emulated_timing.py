@@ -21,8 +21,9 @@ def decode_step_seconds(
 
 def step_seconds(decode_s: float, prompt_tokens: int, prefill_tokens_per_s: float) -> float:
     """Seconds of one engine step: its decode rows' (`decode_step_seconds`; 0 without any)
-    plus its prompt tokens at the prefill pace. The two add, as on a CPU; a GPU's overlap,
-    which is not measured yet. The simulator's replicas and the emulated engine both use it."""
+    plus its prompt tokens at the prefill pace. The two add, as on a CPU (a GPU overlaps
+    them, by an amount not measured yet). The simulator's replicas and the emulated engine
+    both use it."""
     return decode_s + prompt_tokens / prefill_tokens_per_s
 
 

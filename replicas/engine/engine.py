@@ -316,7 +316,7 @@ class Engine(EngineFace):
         run.restored_bytes = stats.restored_bytes - restored
         run.rewound_bytes = stats.rewound_bytes - rewound
 
-    # ---- steps ---------------------------------------------------------------------------
+    # ---- a sampled token (the step executor's callback) -----------------------------------
 
     def _sampled(self, run: Running, logits: np.ndarray) -> None:
         """Take the next token from `logits` (streamed); finish when a stop rule fires."""

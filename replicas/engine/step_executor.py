@@ -36,15 +36,15 @@ class StepExecutor:
         sample: Callable[[Running, np.ndarray], None],
     ) -> None:
         """`sample` takes a stream's next token from its logits row (and may finish it)."""
-        self.config = config
-        self.stats = stats
-        self.sample = sample
+        self._config = config
+        self._stats = stats
+        self._sample = sample
         self._guard = guard
         self._states = cache.states
 
     def run(self, plan: StepPlan[object, Running]) -> None:
         """Compute `plan`'s step (nothing if it has none)."""
-        if self.config.one_call_steps:
+        if self._config.one_call_steps:
             self._one_call_step(list(plan.decode), plan.prefill)
             return
         if plan.decode:
@@ -99,10 +99,10 @@ class StepExecutor:
 
     def _decoded(self, runs: list[Running], logits: dict[int, np.ndarray]) -> None:
         """Each stream's token is in its slot: sample its next."""
-        self.stats.decode_steps += 1
+        self._stats.decode_steps += 1
         for i, run in enumerate(runs):
             run.slot.computed((run.pending_token,))
-            self._guard.run("sampling a token", run, self.sample, run, logits[i])
+            self._guard.run("sampling a token", run, self._sample, run, logits[i])
 
     def _computed(
         self, piece: Piece[Running], logits: dict[int, np.ndarray], offset: int, seconds: float
@@ -112,13 +112,13 @@ class StepExecutor:
         run, start, end = piece.key, piece.start, piece.end
         slot = run.slot
         run.pieces = [p for p in run.pieces if p > end]
-        self.stats.prefill_seconds += seconds
-        self.stats.prefill_steps += 1
+        self._stats.prefill_seconds += seconds
+        self._stats.prefill_steps += 1
         slot.computed(run.feed[start:end])
         if run.phase is Phase.PREFILL:
-            self.stats.prompt_tokens_computed += end - start
+            self._stats.prompt_tokens_computed += end - start
         else:
-            self.stats.replayed_tokens += end - start
+            self._stats.replayed_tokens += end - start
         states = self._states
         if end in run.anchors:
             if not self._guard.run("keeping an anchor", run, states.anchor, slot):
@@ -131,10 +131,10 @@ class StepExecutor:
             for fork in run.forks:  # n > 1: each choice starts from this prompt's state
                 copy = states.copy
                 if self._guard.run("copying its prompt's state", fork, copy, run.slot, fork.slot):
-                    self._guard.run("sampling a token", fork, self.sample, fork, row)
+                    self._guard.run("sampling a token", fork, self._sample, fork, row)
                 if run.handle.cancelled:
                     return  # failed: its other choices stop at the next step
-            self._guard.run("sampling a token", run, self.sample, run, row)
+            self._guard.run("sampling a token", run, self._sample, run, row)
         elif run.phase is Phase.REPLAY and not run.pieces and end == len(run.feed):
             slot.finished()  # its full state is stored when the engine is idle: `write_back`
             slot.release()

@@ -125,7 +125,7 @@ def plan_step(view: StepView[Q, R], must_wait: Callable[[Q], bool] = _never) -> 
     )
     left = view.step_tokens - len(decoding)
     pieces: list[Piece[R]] = []
-    for run in prefilling:  # one piece a run: its state after a piece is what comes next
+    for run in prefilling:  # one piece a run: its anchors and checkpoints come between pieces
         end = _piece_end(run, min(view.max_piece, left), first=not pieces)
         if end is None:
             continue
