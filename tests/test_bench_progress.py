@@ -93,25 +93,40 @@ def test_bench_engine_shows_turns_on_stderr_and_plots_them(tmp_path: Path) -> No
     assert done.stdout.rstrip().endswith(f"wrote {out / 'engine_turns.png'}")
 
 
-def test_bench_ship_json_stays_one_object_and_plots_by_size(tmp_path: Path) -> None:
+def test_bench_ship_pulls_instead_of_recomputing_in_one_json_object_with_a_plot(
+    tmp_path: Path,
+) -> None:
+    """`bench ship` on a generated hybrid: each size's pull against recomputing, its stages
+    adding up to the move; one JSON object on stdout, nothing else; the plot by size."""
     out = tmp_path / "out"
     done = _baton(
         "bench",
         "ship",
         "--model",
-        "tiny:llama",
+        "tiny:qwen35",
         "--tokens",
         "256",
-        "512",
+        "1024",
         "--out",
         str(out),
         "--json",
         cache=tmp_path,
     )
     assert done.returncode == 0, done.stderr
-    assert [row["prefix_tokens"] for row in json.loads(done.stdout)["rows"]] == [256, 512]
+    rows = json.loads(done.stdout)["rows"]
+    assert [row["prefix_tokens"] for row in rows] == [256, 1024]
     assert "[bench" not in done.stderr  # silent with --json
     assert_png(out / "ship_vs_recompute.png")
+    row = rows[1]
+    assert row["cached_tokens"] == 1024
+    assert row["computed_tokens_recompute"] == 1026
+    assert row["state_bytes"] > 0
+    # the move (asking the peer until the state is restored) and its stages, which add up
+    assert 0 < row["move_s"] < row["ship_s"] and row["gb_per_s"] > 0
+    stages = row["stages_s"]
+    assert set(stages) == {"export", "transfer", "validate", "restore", "rest"}
+    assert abs(sum(stages.values()) - row["move_s"]) < 1e-6
+    assert all(stages[name] > 0 for name in ("transfer", "validate", "restore"))
 
 
 def test_bench_index_shows_its_phases(tmp_path: Path) -> None:
