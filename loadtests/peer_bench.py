@@ -298,7 +298,7 @@ def peer_benchmark(
     slots: int | None = None,
     replicas: int | None = None,
     exact_reuse: bool = True,
-    flash_attn: bool = False,
+    flash_attn: bool = EngineConfig.model_fields["flash_attn"].default,
     traced: bool = True,
     progress: Progress = SILENT,
 ) -> tuple[dict, list[PeerRecord]]:
