@@ -39,8 +39,7 @@ class Profile:
 
     def step_s(self, streams: int, prompt_tokens: int) -> float:
         """One step: a token for each of `streams`, and `prompt_tokens` (`step_seconds`)."""
-        decode_s = self.decode_step_s(streams) if streams else 0.0
-        return step_seconds(decode_s, prompt_tokens, self.prefill_tokens_per_s)
+        return step_seconds(self.decode_step_s(streams), prompt_tokens, self.prefill_tokens_per_s)
 
     def prefill_speed(self, streams: int) -> float:
         """Prompt tokens per second while `streams` slots decode (their rows in every step,

@@ -12,6 +12,8 @@ def decode_step_seconds(
     """Seconds of one decode step for `streams` decoding slots: linear between one stream
     alone and all `slots` together (a CPU's step grows with its batch, a GPU's hardly does).
     The simulator's replicas and the emulated engine both time their steps with it."""
+    if not streams:  # a step of prompt pieces only
+        return 0.0
     one = 1 / decode_tokens_per_s
     if slots == 1:
         return one
@@ -20,7 +22,7 @@ def decode_step_seconds(
 
 
 def step_seconds(decode_s: float, prompt_tokens: int, prefill_tokens_per_s: float) -> float:
-    """Seconds of one engine step: its decode rows' (`decode_step_seconds`; 0 without any)
+    """Seconds of one engine step: its decode rows' (`decode_step_seconds`)
     plus its prompt tokens at the prefill pace. The two add, as on a CPU (a GPU overlaps
     them, by an amount not measured yet). The simulator's replicas and the emulated engine
     both use it."""
@@ -54,8 +56,7 @@ class EmulatedTiming(BaseModel):
 
     def step_s(self, streams: int, prompt_tokens: int) -> float:
         """One step: a token for each of `streams`, and `prompt_tokens` (`step_seconds`)."""
-        decode_s = self.decode_step_s(streams) if streams else 0.0
-        return step_seconds(decode_s, prompt_tokens, self.prefill_tokens_per_s)
+        return step_seconds(self.decode_step_s(streams), prompt_tokens, self.prefill_tokens_per_s)
 
     def restore_s(self, n_tokens: int) -> float:
         """Restoring a real `n_tokens`-token state."""
