@@ -18,6 +18,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from baton_serve.cache_store.media_tokens import span_floor
+
 HASH_BYTES = 16
 DEFAULT_BLOCK_TOKENS = 64
 TOKEN_DTYPE = np.dtype("<i4")
@@ -122,9 +124,10 @@ class PrefixHasher:
 def common_prefix_length(
     a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray, limit: int | None = None
 ) -> int:
-    """How many leading tokens `a` and `b` share (at most `limit`)."""
+    """How many leading tokens `a` and `b` share (at most `limit`), never ending inside a
+    media span (an image is reused whole or not at all: `media_tokens.span_floor`)."""
     n = min(len(a), len(b), len(a) if limit is None else limit)
     if n <= 0:
         return 0
     mismatch = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(mismatch[0]) if mismatch.size else n
+    return span_floor(a, int(mismatch[0]) if mismatch.size else n)

@@ -29,7 +29,8 @@ from baton_serve.deploy.capacity_check import check_object_store_fits, fit_store
 from baton_serve.deploy.config import BatonConfig, ConfigError, RouterPolicy, load_config
 from baton_serve.deploy.index_placement import start_embedded_index_on_head
 from baton_serve.replicas.engine.llama_model import LlamaModel
-from baton_serve.replicas.models.model_source import resolve_model
+from baton_serve.replicas.engine.media_input import MediaBounds
+from baton_serve.replicas.models.model_source import resolve_model, resolve_projector
 from baton_serve.replicas.serve_deployment import ReplicaDeployment, ReplicaSettings
 from baton_serve.router.gateway.api_key_source import (
     API_KEYS_ENV,
@@ -208,6 +209,7 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
     replicas on this machine report their start-up stages there (`deploy/startup.py`)."""
     check_cluster_key(config)
     model_path = resolve_model(config.model)
+    mmproj = str(resolve_projector(config.mmproj, model_path)) if config.mmproj else None
     engine = config.engine.model_copy(update={"n_threads": engine_threads(config)})
     if config.index == EMBEDDED_SPEC and ray.is_initialized():
         start_embedded_index_on_head()  # not on a worker, which may die
@@ -227,6 +229,7 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
     ).bind(
         ReplicaSettings(
             model_path=str(model_path),
+            mmproj=mmproj,
             engine=engine,
             hmac_key_file=replica_key_file(config),
             index=config.index,
@@ -249,6 +252,12 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
     settings = GatewaySettings(
         model_name=config.served_model_name,
         model_path=str(model_path),
+        mmproj=mmproj,
+        media_bounds=MediaBounds(
+            max_images=config.max_images,
+            max_image_bytes=config.max_image_bytes,
+            max_image_pixels=config.max_image_pixels,
+        ),
         n_ctx=config.engine.n_ctx,
         block_tokens=config.engine.block_tokens,
         chat_template=config.engine.chat_template,

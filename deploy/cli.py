@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, entry_points, version
+from pathlib import Path
 
 from baton_serve.deploy.config import load_config
 from baton_serve.deploy.serve_flags import add_serve_flags, overrides_from
@@ -87,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--layers", type=int, default=2)
     make.add_argument("--embd", type=int, default=64, help="embedding size (multiple of 32)")
+    make.add_argument(
+        "--mmproj", metavar="PATH", help="also write a matching vision projector (qwen35, llama)"
+    )
     variant = make.add_argument_group("metadata and structure variants")
     variant.add_argument("--no-bos", action="store_true", help="no BOS token id")
     variant.add_argument("--no-eos", action="store_true", help="no EOS token id")
@@ -176,7 +180,11 @@ def _serve_config(args: argparse.Namespace) -> int:
 
 def _make_model(args: argparse.Namespace) -> int:
     from baton_serve.replicas.models.tiny_model import ModelVariant, write_tiny_model
+    from baton_serve.replicas.models.tiny_projector import PROJECTOR_TYPES, write_tiny_projector
 
+    if args.mmproj and args.arch not in PROJECTOR_TYPES:
+        supported = ", ".join(PROJECTOR_TYPES)
+        raise ValueError(f"--mmproj: no projector for {args.arch}; supported: {supported}")
     variant = ModelVariant(
         bos=not args.no_bos,
         eos=not args.no_eos,
@@ -198,6 +206,9 @@ def _make_model(args: argparse.Namespace) -> int:
         variant=variant,
     )
     print(path)
+    if args.mmproj:
+        mmproj = Path(args.mmproj)
+        print(write_tiny_projector(mmproj, arch=args.arch, n_embd_text=args.embd, seed=args.seed))
     return 0
 
 

@@ -76,6 +76,13 @@ class BatonConfig(Credentials, RequestBounds):
         "$BATON_CACHE_DIR); hf://ORG/REPO/PATH[@REVISION] (a Hugging Face file, downloaded once "
         "into $BATON_CACHE_DIR/models); unset: SmolLM2-135M-Instruct",
     )
+    mmproj: str | None = Field(
+        default=None,
+        description="an image projector GGUF matched to the model (llama.cpp's mtmd, as "
+        "llama-server's --mmproj): a path; hf://ORG/REPO/PATH[@REVISION]; tiny:ARCH (a generated "
+        "projector for the generated model tiny:ARCH). Unset: the model reads text only, and a "
+        "chat with an image gets a 400 naming the part",
+    )
     model_name: str | None = Field(
         default=None,
         description="the model's name in the OpenAI API (/v1/models, a request's model field); "

@@ -40,8 +40,8 @@ PORTABLE_CMAKE_ARGS = (
     "-DGGML_CPU_ALL_VARIANTS=ON",
     # Backend modules install into CMAKE_INSTALL_BINDIR: put them beside libllama.so.
     "-DCMAKE_INSTALL_BINDIR=llama_cpp/lib",
-    # Baton serves text models: the multimodal library is not built (minutes saved).
-    "-DLLAVA_BUILD=OFF",
+    # libmtmd (llama.cpp's multimodal library) is built: Baton encodes images with it.
+    "-DLLAVA_BUILD=ON",
 )
 BUILD_INFO = "baton-build.json"
 

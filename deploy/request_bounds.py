@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from baton_serve.replicas.engine.media_input import MediaBounds
 from baton_serve.router.gateway.grammar_limits import (
     MAX_GRAMMAR_CHARS,
     MAX_GRAMMAR_CHOICES,
@@ -110,6 +111,25 @@ class RequestBounds(BaseModel):
         "messages of one chat request, 4 per message at the default max_messages: each is "
         "validated on the gateway's event loop (a 4 MiB body of 70,000 tool calls took 2 s); "
         "more get a 400 naming the setting, counted as they are met",
+    )
+    max_images: int = Field(
+        default=MediaBounds.max_images,
+        ge=0,
+        description="most images in one chat request (a model served with mmproj); more get "
+        "a 400 naming the setting, counted before any image is read",
+    )
+    max_image_bytes: int = Field(
+        default=MediaBounds.max_image_bytes,
+        ge=1,
+        description="largest image file (a data: URL's decoded bytes), checked before its "
+        "base64 is decoded; larger gets a 400 naming the part. The whole body is bounded by "
+        "max_body_bytes too: serve images larger than about 3 MiB with a larger one",
+    )
+    max_image_pixels: int = Field(
+        default=MediaBounds.max_image_pixels,
+        ge=1,
+        description="most pixels of one image (8K by default), read from its header before "
+        "its pixels are decoded; more gets a 400 naming the part",
     )
     max_grammar_chars: int = Field(
         default=MAX_GRAMMAR_CHARS,

@@ -109,6 +109,7 @@ def read_chat_template(path: str) -> str:
 
 SERVE_FLAGS = (
     SettingFlag("--model", "model"),
+    SettingFlag("--mmproj", "mmproj"),
     SettingFlag("--model-name", "model_name"),
     SettingFlag("--replicas", "replicas"),
     SettingFlag("--gpus-per-replica", "num_gpus_per_replica"),

@@ -51,6 +51,7 @@ class ReplicaSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model_path: str
+    mmproj: str | None = None  # an image projector's GGUF, beside the model
     engine: EngineConfig = EngineConfig()
     # The cluster key's file; None: the replica's environment (cache_store.cluster_key). The
     # key itself is never here: Serve stores and shows a deployment's arguments.
@@ -108,6 +109,7 @@ class ReplicaDeployment:
             settings.model_path,
             settings.engine,
             hmac_key=read_cluster_key(settings.hmac_key_file),
+            mmproj=settings.mmproj,
         )
         index = None
         if settings.index:

@@ -20,7 +20,8 @@ from fixtures_redis import (  # noqa: F401
 
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.models.tiny_model import write_tiny_model
+from baton_serve.replicas.models.tiny_model import DEFAULT_EMBD, write_tiny_model
+from baton_serve.replicas.models.tiny_projector import write_tiny_projector
 
 HMAC_KEY = b"test-cluster-key"
 
@@ -39,14 +40,33 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
     return get
 
 
+@pytest.fixture(scope="session")
+def tiny_projector(
+    tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Path]:
+    """`tiny_projector(arch)` → a generated image projector for `tiny_model(arch)`."""
+    folder = tmp_path_factory.mktemp("projectors")
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = write_tiny_projector(
+                folder / f"{arch}-mmproj.gguf", arch=arch, n_embd_text=DEFAULT_EMBD
+            )
+        return made[arch]
+
+    return get
+
+
 @pytest.fixture
 def make_engine() -> Iterator[Callable[..., Engine]]:
     """`make_engine(path, **config)` → a running engine, closed after the test."""
     engines: list[Engine] = []
 
-    def make(path: Path, **config: object) -> Engine:
+    def make(path: Path, mmproj: Path | None = None, **config: object) -> Engine:
         settings = {"n_ctx": 1024, "n_slots": 2, "n_threads": 2, **config}
-        engine = Engine(str(path), EngineConfig(**settings), hmac_key=HMAC_KEY)
+        projector = str(mmproj) if mmproj else None
+        engine = Engine(str(path), EngineConfig(**settings), hmac_key=HMAC_KEY, mmproj=projector)
         engines.append(engine)
         return engine
 

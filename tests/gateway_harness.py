@@ -78,7 +78,7 @@ def serve_app(app: FastAPI) -> Iterator[str]:
 @contextlib.contextmanager
 def serving(settings: GatewaySettings, config: EngineConfig) -> Iterator[Served]:
     """The gateway over one replica of the settings' model, served; the engine is closed after."""
-    engine = Engine(settings.model_path, config, hmac_key=b"k")
+    engine = Engine(settings.model_path, config, hmac_key=b"k", mmproj=settings.mmproj)
     readiness = {"ready": True}
 
     async def ready() -> bool:

@@ -280,6 +280,7 @@ def _says(content: object) -> list[dict[str, object]]:
 
 
 TOO_LONG = (400, None, "context_length_exceeded")
+IMAGE_PART = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
 BAD_REQUESTS = [  # path, body (JSON, or raw bytes), then (status, param, code)
     pytest.param(
         CHAT, b'{"model": "baton-tiny", "messages": [', (400, None, None), id="malformed JSON"
@@ -297,6 +298,20 @@ BAD_REQUESTS = [  # path, body (JSON, or raw bytes), then (status, param, code)
         _chat(messages=_says([{"type": "image_url"}])),
         (400, "messages[0].content", None),
         id="image",
+    ),
+    pytest.param(
+        CHAT,
+        _chat(messages=_says([{"type": "text", "text": "see"}, IMAGE_PART])),
+        (400, "messages[0].content[1]", None),
+        id="an image for a model without a projector",
+    ),
+    pytest.param(
+        CHAT,
+        _chat(
+            messages=_says([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}])
+        ),
+        (400, "messages[0].content[0]", None),
+        id="audio",
     ),
     pytest.param(CHAT, _chat(max_tokens=-1), (400, "max_tokens", None), id="max_tokens negative"),
     pytest.param(CHAT, _chat(max_tokens="many"), (400, "max_tokens", None), id="max_tokens a word"),

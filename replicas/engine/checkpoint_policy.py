@@ -8,6 +8,8 @@ pieces), and checkpoints sit only at piece boundaries.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from baton_serve.replicas.wire.prompt_types import Prompt
 
 MIN_PIECE = 2
@@ -47,20 +49,44 @@ def interval_checkpoints(cached: int, end: int, interval: int, max_interval: int
     return grid
 
 
-def prefill_pieces(start: int, end: int, cuts: list[int], max_piece: int) -> list[int]:
+def prefill_pieces(
+    start: int,
+    end: int,
+    cuts: list[int],
+    max_piece: int,
+    spans: Sequence[tuple[int, int]] = (),
+) -> list[int]:
     """End positions of the pieces that prefill tokens [start, end).
 
     Every piece has at least two tokens (when there are two to compute) and at most
     `max_piece` (≥ 4). Each of `cuts` becomes a piece boundary unless that would leave a
     one-token piece; the caller checkpoints only at boundaries it gets back.
+
+    Each media span (`media_tokens.media_spans`; none may straddle `start` or `end`) is a
+    piece of its own, however long: an image is fed in one call, and the text between two
+    spans may be one token (it is cut there whenever it is computed, so it rounds the same).
     """
     if max_piece < 2 * MIN_PIECE:
         raise ValueError(f"max_piece must be at least {2 * MIN_PIECE}")
+    ends: list[int] = []
+    previous = start
+    for span_start, span_end in spans:
+        if span_end <= start or span_start >= end:
+            continue
+        if span_start < start or span_end > end:
+            raise ValueError(f"media span [{span_start}, {span_end}) straddles [{start}, {end})")
+        ends += _text_pieces(previous, span_start, cuts, max_piece)
+        ends.append(span_end)
+        previous = span_end
+    return ends + _text_pieces(previous, end, cuts, max_piece)
+
+
+def _text_pieces(start: int, end: int, cuts: list[int], max_piece: int) -> list[int]:
     if end - start < MIN_PIECE:
         return [end] if end > start else []
     kept: list[int] = []
     previous = start
-    for cut in sorted(set(cuts)):
+    for cut in sorted({c for c in cuts if start < c < end}):
         if cut - previous >= MIN_PIECE and end - cut >= MIN_PIECE:
             kept.append(cut)
             previous = cut

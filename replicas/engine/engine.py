@@ -31,12 +31,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from baton_serve.cache_store.media_tokens import media_spans
 from baton_serve.replicas.engine import device_memory
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE, prefill_pieces
 from baton_serve.replicas.engine.emulated_compute import load_model, open_context
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.engine_face import EngineFace
 from baton_serve.replicas.engine.liveness import IDLE_BEAT_S, Heartbeat, request_deadline_s
+from baton_serve.replicas.engine.media_projector import MediaProjector
 from baton_serve.replicas.engine.prefix_cache import PrefixCache
 from baton_serve.replicas.engine.prefix_states import CheckpointListener, PrefixStates
 from baton_serve.replicas.engine.prompt import (
@@ -46,6 +48,7 @@ from baton_serve.replicas.engine.prompt import (
     no_chat_template_message,
     text_prompt,
 )
+from baton_serve.replicas.engine.prompt_media import prepare_images
 from baton_serve.replicas.engine.request_check import check_request
 from baton_serve.replicas.engine.request_handle import RequestHandle
 from baton_serve.replicas.engine.slots import Phase, Running, Slot, start_request
@@ -76,7 +79,9 @@ class Engine(EngineFace):
         *,
         hmac_key: bytes,
         listener: CheckpointListener | None = None,
+        mmproj: str | None = None,
     ) -> None:
+        """`mmproj`: an image projector's GGUF (llama.cpp's mtmd) for the model to read images."""
         if not hmac_key:
             raise ValueError("an HMAC key is required to sign and check state blobs")
         self.config = config or EngineConfig()
@@ -88,6 +93,7 @@ class Engine(EngineFace):
         params = device_memory.engine_context_params(self.config, self.model.n_ctx_train)
         self._context = open_context(self.model, params)
         self.n_ctx = self._context.n_ctx_per_seq
+        self._projector = self._load_projector(mmproj)
         states = PrefixStates(self.model, self._context, self.config, self.stats, hmac_key=hmac_key)
         self._cache = PrefixCache(states, self.config, self.stats)  # `EngineFace` shows it
         if listener is not None:  # others may be added later, before requests arrive
@@ -101,11 +107,24 @@ class Engine(EngineFace):
         self._peer_asks = deque()
         self._guard = StepGuard(self._context, self.stats)
         self._executor = StepExecutor(
-            self.config, self._guard, self._cache, self.stats, self._sampled
+            self.config, self._guard, self._cache, self.stats, self._sampled, self._projector
         )
         self._heartbeat = Heartbeat(self.config.stall_timeout_s)
         self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
         self._thread.start()
+
+    def _load_projector(self, mmproj: str | None) -> MediaProjector | None:
+        if mmproj is None:
+            return None
+        if self.config.emulated is not None:
+            raise ValueError("an emulated engine reads no images: serve it without mmproj")
+        return MediaProjector(
+            mmproj, self.model, use_gpu=bool(self.model.devices), threads=self.config.n_threads
+        )
+
+    @property
+    def takes_images(self) -> bool:
+        return self._projector is not None and self._projector.takes_images
 
     # ---- prompts -------------------------------------------------------------------------
 
@@ -125,7 +144,9 @@ class Engine(EngineFace):
     def check(self, request: GenerationRequest) -> None:
         """Raise `PromptError`, `PromptTooLong` or `InvalidGeneration` if it is unservable."""
         self._check_open()
-        check_request(request, self.model, self.n_ctx, len(self._slots), self.config)
+        check_request(
+            request, self.model, self.n_ctx, len(self._slots), self.config, self._projector
+        )
 
     def submit(
         self, request: GenerationRequest, prefix_hashes: Sequence[bytes] = ()
@@ -135,6 +156,9 @@ class Engine(EngineFace):
         self.check(request)
         chain = self.carried_chain(request.prompt.tokens, prefix_hashes)
         handle = RequestHandle(request, request_deadline_s(request, self.n_ctx, self.config), chain)
+        if request.prompt.media:
+            spans = media_spans(request.prompt.tokens)
+            handle.images = prepare_images(request.prompt, spans, self._projector)
         with self._wakeup:
             if self._closed:
                 raise EngineClosed("the engine is shut down")
@@ -192,6 +216,8 @@ class Engine(EngineFace):
         """Stop, write what RAM holds to the disk tier (if any) and free llama.cpp's memory."""
         self.stop()
         self._cache.states.close()
+        if self._projector is not None:
+            self._projector.close()
         self._context.close()
         self.model.close()
 
@@ -297,7 +323,9 @@ class Engine(EngineFace):
         saved, restored, rewound = stats.saved_bytes, stats.restored_bytes, stats.rewound_bytes
         slot, cached = self._cache.place(prompt.tokens, free, handle.prefix_hashes)
         full, partial = self._cache.checkpoints_for(prompt, cached)
-        pieces = prefill_pieces(cached, len(prompt), full + partial, self.config.prefill_chunk)
+        spans = tuple(media_spans(prompt.tokens)) if prompt.media else ()
+        chunk = self.config.prefill_chunk
+        pieces = prefill_pieces(cached, len(prompt), full + partial, chunk, spans)
         run = start_request(
             handle,
             self.model,
@@ -310,6 +338,7 @@ class Engine(EngineFace):
             admitted_at,
             self.n_ctx,
             max_grammar_nesting=self.config.max_grammar_nesting,
+            spans=spans,
         )
         # copied by `place`, before `run` was there to count them: an evicted KV, a restore
         run.saved_bytes = stats.saved_bytes - saved
@@ -353,7 +382,7 @@ class Engine(EngineFace):
             return
         run.phase = Phase.REPLAY
         run.feed = history
-        run.pieces = prefill_pieces(start, len(history), [], self.config.prefill_chunk)
+        run.pieces = prefill_pieces(start, len(history), [], self.config.prefill_chunk, run.spans)
         run.checkpoints, run.anchors = set(), set()
 
     def _complete(self, run: Running, reason: str) -> None:

@@ -180,16 +180,16 @@ class LlamaContext:
         """
         self.restore_state(target, self.save_state(source))
 
-    def truncate(self, seq_id: int, n_tokens: int) -> bool:
-        """Drop positions ≥ n_tokens. False where what is left is not the exact state of
-        the first n_tokens: recurrent memory, or a sliding window that dropped some of the
-        positions those tokens attend to."""
-        if not llama_cpp.llama_memory_seq_rm(self.memory, seq_id, n_tokens, -1):
+    def truncate(self, seq_id: int, position: int) -> bool:
+        """Drop positions ≥ `position` (a token count where no image came before). False
+        where what is left is not the exact state of the tokens before it: recurrent
+        memory, or a sliding window that dropped some of the positions they attend to."""
+        if not llama_cpp.llama_memory_seq_rm(self.memory, seq_id, position, -1):
             return False
         window = self.model.sliding_window
-        if window and n_tokens > 0:
+        if window and position > 0:
             oldest = llama_cpp.llama_memory_seq_pos_min(self.memory, seq_id)
-            return 0 <= oldest <= max(0, n_tokens - window)
+            return 0 <= oldest <= max(0, position - window)
         return True
 
     def save_state(self, seq_id: int) -> memoryview:
@@ -210,8 +210,8 @@ class LlamaContext:
         written = llama_cpp.llama_state_seq_get_data_ext(self.pointer, target, size, seq_id, flags)
         return buf[:written].data.toreadonly()
 
-    def rewind(self, seq_id: int, n_tokens: int, partial: memoryview) -> None:
-        """Bring a sequence back to its first `n_tokens`: load `partial` (what `save_partial`
+    def rewind(self, seq_id: int, position: int, partial: memoryview) -> None:
+        """Bring a sequence back to before `position`: load `partial` (what `save_partial`
         gave at that point; its attention cells below it are still those) and drop the
         attention cells from there on. The attention KV stays where it is: nothing of it is
         copied. Only in this order: a hybrid memory refuses to cut its recurrent part."""
@@ -221,12 +221,14 @@ class LlamaContext:
         loaded = llama_cpp.llama_state_seq_set_data_ext(
             self.pointer, source, data.size, seq_id, flags
         )
-        if not loaded or not llama_cpp.llama_memory_seq_rm(self.memory, seq_id, n_tokens, -1):
+        if not loaded or not llama_cpp.llama_memory_seq_rm(self.memory, seq_id, position, -1):
             self.clear(seq_id)
             raise StateRestoreError("llama.cpp could not rewind the sequence to its anchor")
-        if llama_cpp.llama_memory_seq_pos_max(self.memory, seq_id) != n_tokens - 1:
+        # an image's cells under M-RoPE share its first position: the last cell may be below
+        last = llama_cpp.llama_memory_seq_pos_max(self.memory, seq_id)
+        if last >= position or (position > 0 and last < 0):
             self.clear(seq_id)
-            raise StateRestoreError(f"the rewound sequence does not end at {n_tokens} tokens")
+            raise StateRestoreError(f"the rewound sequence does not end before {position}")
 
     def state_size_line(self, seq_id: int, token: int) -> tuple[int, int]:
         """(fixed, per_token) byte sizes of a sequence state, measured on an empty sequence.

@@ -29,18 +29,25 @@ _GGML_LOG_LEVEL_WARN = 3
 _GGML_LOG_LEVEL_ERROR = 4
 
 
+# An image under M-RoPE takes fewer positions than cells: the text after it is expected to
+# jump, and llama.cpp warns of each jump.
+_EXPECTED = (b"find_slot: non-consecutive token position",)
+
+
 @llama_cpp.llama_log_callback
-def _forward_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
-    """Route llama.cpp's warnings and errors to Python logging; drop its chatter."""
+def forward_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    """Route llama.cpp's (and its mtmd's) warnings and errors to Python logging; drop its
+    chatter."""
     if level in (_GGML_LOG_LEVEL_WARN, _GGML_LOG_LEVEL_ERROR) and text:
-        logger.warning("%s", text.decode("utf-8", errors="replace").rstrip())
+        if not text.startswith(_EXPECTED):
+            logger.warning("%s", text.decode("utf-8", errors="replace").rstrip())
 
 
 def _init_backend() -> ggml_backends.CpuChoice:
     global _backend_ready
     with _backend_lock:
         if not _backend_ready:
-            llama_cpp.llama_log_set(_forward_llama_log, ctypes.c_void_p(0))
+            llama_cpp.llama_log_set(forward_llama_log, ctypes.c_void_p(0))
             ggml_backends.ensure_loaded()
             llama_cpp.llama_backend_init()
             _backend_ready = True
@@ -104,6 +111,7 @@ class LlamaModel:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.has_text = llama_cpp.llama_vocab_type(self.vocab) != llama_cpp.LLAMA_VOCAB_TYPE_NONE
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(pointer)
+        self.n_embd_input = llama_cpp.llama_model_n_embd_inp(pointer)  # an image's row width
         self.bos_token = self._special(llama_cpp.llama_vocab_bos(self.vocab))
         self.eos_token = self._special(llama_cpp.llama_vocab_eos(self.vocab))
         self.add_bos = self.bos_token is not None and bool(

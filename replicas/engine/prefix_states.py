@@ -181,7 +181,7 @@ class PrefixStates:
             return True
         if self.kind.needs_checkpoints:
             return self.rewind(slot, n_tokens)
-        if self.context.truncate(slot.seq_id, n_tokens):
+        if self.context.truncate(slot.seq_id, slot.position_at(n_tokens)):
             slot.cut(n_tokens)
             return True
         self.empty(slot)
@@ -208,7 +208,7 @@ class PrefixStates:
             return False
         started = time.perf_counter()
         try:
-            self.context.rewind(slot.seq_id, n_tokens, partial)
+            self.context.rewind(slot.seq_id, slot.position_at(n_tokens), partial)
         except StateRestoreError:
             logger.warning("emptying a slot that llama.cpp could not rewind to its anchor")
             slot.empty()

@@ -11,7 +11,10 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    from baton_serve.replicas.engine.prompt_media import PromptImages
 from baton_serve.replicas.wire.protocol import (
     Completion,
     EngineTimeout,
@@ -49,6 +52,7 @@ class RequestHandle:
         self._readers: list[Callable[[object], None]] = []
         self._choices: dict[int, Completion] = {}
         self.cancelled = False
+        self.images: PromptImages | None = None  # its prompt's images, prepared at submission
 
     @property
     def done(self) -> bool:

@@ -11,6 +11,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from baton_serve.cache_store.media_tokens import positions_after
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE, prefill_pieces
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.engine.request_handle import RequestHandle
@@ -53,6 +54,7 @@ class Slot:
     _anchors: dict[int, memoryview] = field(default_factory=dict, repr=False)
     # It holds a finished conversation whose full state is not stored yet (`write_back`).
     _unsaved: bool = field(default=False, repr=False)
+    _position: int = field(default=0, repr=False)  # llama.cpp's next position: `position`
 
     @property
     def tokens(self) -> Sequence[int]:
@@ -62,6 +64,18 @@ class Slot:
     @property
     def chain(self) -> tuple[bytes, ...]:
         return self._chain
+
+    @property
+    def position(self) -> int:
+        """The llama.cpp position its next token takes: one per token it holds, less the
+        positions images leave out under M-RoPE (`media_tokens.positions_after`)."""
+        return self._position
+
+    def position_at(self, n_tokens: int) -> int:
+        """The llama.cpp position of its `n_tokens`-th token."""
+        if n_tokens >= len(self._tokens):
+            return self._position + n_tokens - len(self._tokens)
+        return positions_after(self._tokens[:n_tokens])
 
     @property
     def anchors(self) -> Mapping[int, memoryview]:
@@ -83,10 +97,13 @@ class Slot:
         `anchors`: those of the slot it was copied from."""
         self._tokens, self._chain = list(tokens), tuple(chain)
         self._anchors, self._unsaved = dict(anchors or {}), False
+        self._position = positions_after(self._tokens)
 
     def computed(self, tokens: Iterable[int]) -> None:
         """Its state now also holds `tokens`, which continue the sequence `chain` hashes."""
-        self._tokens.extend(tokens)
+        added = list(tokens)
+        self._tokens.extend(added)
+        self._position += positions_after(added)
         self._unsaved = False
 
     def anchored(self, partial: memoryview, most: int) -> None:
@@ -114,10 +131,12 @@ class Slot:
             del self._tokens[n_tokens:]
             self._anchors = {n: a for n, a in self._anchors.items() if n <= n_tokens}
             self._unsaved = False
+            self._position = positions_after(self._tokens)
 
     def empty(self) -> None:
         """Its state now holds nothing."""
         self._tokens, self._chain, self._anchors, self._unsaved = [], (), {}, False
+        self._position = 0
 
     def release(self) -> None:
         """No request runs here any more (what the slot holds stays, for reuse)."""
@@ -153,6 +172,7 @@ class Running:
     restored_bytes: int = 0  # `Timings.restored_bytes`, so far
     anchor_bytes: int = 0  # `Timings.anchor_bytes`, so far
     rewound_bytes: int = 0  # `Timings.rewound_bytes`, so far
+    spans: tuple[tuple[int, int], ...] = ()  # the media spans of `feed` (`media_tokens`)
 
     def view(self) -> RunView[Running]:
         """What `plan_step` reads of it: a prompt or replay being computed (in the pieces
@@ -160,7 +180,8 @@ class Running:
         seq_id = self.slot.seq_id
         if self.phase in (Phase.PREFILL, Phase.REPLAY):
             done, end, pieces = len(self.slot.tokens), len(self.feed), tuple(self.pieces)
-            return RunView(self, seq_id, False, done, end, pieces, self.ready_at)
+            whole = tuple(e for _, e in self.spans if e > done)
+            return RunView(self, seq_id, False, done, end, pieces, self.ready_at, whole)
         return RunView(self, seq_id, decoding=self.phase is Phase.DECODE)
 
     def checkpoint_at(self, position: int, max_piece: int) -> bool:
@@ -170,7 +191,7 @@ class Running:
         if self.phase is not Phase.PREFILL or position - start < MIN_PIECE:
             return False
         cuts = [p for p in self.checkpoints | self.anchors if p > start] + [position]
-        pieces = prefill_pieces(start, len(self.feed), cuts, max_piece)
+        pieces = prefill_pieces(start, len(self.feed), cuts, max_piece, self.spans)
         if position not in pieces:
             return False
         self.pieces = pieces
@@ -290,6 +311,7 @@ def start_request(
     n_ctx: int,
     *,
     max_grammar_nesting: int,
+    spans: tuple[tuple[int, int], ...] = (),
 ) -> Running:
     """Put `handle`'s request in `slot` (which holds `cached` tokens of its prompt) and, for
     n > 1, its other choices in the least recently used other `free` slots, waiting to fork
@@ -316,6 +338,7 @@ def start_request(
             slot=target,
             cached=cached,
             feed=request.prompt.tokens,
+            spans=spans,
             pieces=pieces if not index else [],
             checkpoints=checkpoints if not index else set(),
             anchors=anchors if not index else set(),

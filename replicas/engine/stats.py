@@ -26,6 +26,8 @@ class EngineStats:
     prefill_steps: int = 0
     prompt_tokens_computed: int = 0
     replayed_tokens: int = 0
+    images_encoded: int = 0  # projector runs: a cached image's prefix needs none
+    encode_seconds: float = 0.0
     checkpoints_saved: int = 0
     checkpoints_restored: int = 0
     checkpoints_imported: int = 0

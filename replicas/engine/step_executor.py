@@ -15,8 +15,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from baton_serve.cache_store.media_tokens import is_media
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_context import BatchEntry
+from baton_serve.replicas.engine.media_projector import MediaProjector
 from baton_serve.replicas.engine.prefix_cache import PrefixCache
 from baton_serve.replicas.engine.slots import Phase, Running
 from baton_serve.replicas.engine.stats import EngineStats
@@ -34,24 +36,34 @@ class StepExecutor:
         cache: PrefixCache,
         stats: EngineStats,
         sample: Callable[[Running, np.ndarray], None],
+        projector: MediaProjector | None = None,
     ) -> None:
-        """`sample` takes a stream's next token from its logits row (and may finish it)."""
+        """`sample` takes a stream's next token from its logits row (and may finish it);
+        `projector` encodes the images of prompts that hold some."""
         self._config = config
+        self._projector = projector
+        self._context = cache.states.context
         self._stats = stats
         self._sample = sample
         self._guard = guard
         self._states = cache.states
 
     def run(self, plan: StepPlan[object, Running]) -> None:
-        """Compute `plan`'s step (nothing if it has none)."""
+        """Compute `plan`'s step (nothing if it has none). An image's piece is a call of its
+        own (its rows are embeddings, not token ids)."""
+        images = [piece for piece in plan.prefill if _is_image(piece)]
+        texts = [piece for piece in plan.prefill if not _is_image(piece)]
         if self._config.one_call_steps:
-            self._one_call_step(list(plan.decode), plan.prefill)
-            return
-        if plan.decode:
-            self._decode_step(list(plan.decode))
-        for piece in plan.prefill:
-            if piece.key.slot.running is piece.key:  # not failed by an earlier part
-                self._prefill_step(piece)
+            self._one_call_step(list(plan.decode), texts)
+        else:
+            if plan.decode:
+                self._decode_step(list(plan.decode))
+            for piece in texts:
+                if piece.key.slot.running is piece.key:  # not failed by an earlier part
+                    self._prefill_step(piece)
+        for piece in images:
+            if piece.key.slot.running is piece.key:
+                self._image_step(piece)
 
     def _one_call_step(self, decoding: list[Running], pieces: Sequence[Piece[Running]]) -> None:
         """The decode rows and every piece in one llama_decode."""
@@ -86,14 +98,34 @@ class StepExecutor:
         if logits is not None:
             self._computed(piece, logits, 0, time.perf_counter() - started)
 
+    def _image_step(self, piece: Piece[Running]) -> None:
+        started = time.perf_counter()
+        if self._guard.run("feeding an image", piece.key, self._feed_image, piece):
+            self._computed(piece, {}, 0, time.perf_counter() - started)
+
+    def _feed_image(self, piece: Piece[Running]) -> None:
+        run = piece.key
+        if self._projector is None or run.handle.images is None:
+            raise RuntimeError("an image's piece without its image")
+        slot = run.slot
+        run.handle.images.feed(
+            self._projector,
+            self._context,
+            piece.start,
+            seq_id=slot.seq_id,
+            position=slot.position,
+            stats=self._stats,
+        )
+
     def _decode_entries(self, runs: list[Running]) -> list[BatchEntry]:
-        return [BatchEntry(r.slot.seq_id, r.pending_token, len(r.slot.tokens), True) for r in runs]
+        return [BatchEntry(r.slot.seq_id, r.pending_token, r.slot.position, True) for r in runs]
 
     def _piece_entries(self, piece: Piece[Running]) -> list[BatchEntry]:
         run, end = piece.key, piece.end
         wants_logits = run.phase is Phase.PREFILL and end == len(run.feed)
+        position = run.slot.position - piece.start  # a text piece: one position a token
         return [
-            BatchEntry(run.slot.seq_id, run.feed[p], p, wants_logits and p == end - 1)
+            BatchEntry(run.slot.seq_id, run.feed[p], position + p, wants_logits and p == end - 1)
             for p in range(piece.start, end)
         ]
 
@@ -138,3 +170,7 @@ class StepExecutor:
         elif run.phase is Phase.REPLAY and not run.pieces and end == len(run.feed):
             slot.finished()  # its full state is stored when the engine is idle: `write_back`
             slot.release()
+
+
+def _is_image(piece: Piece[Running]) -> bool:
+    return is_media(piece.key.feed[piece.start])

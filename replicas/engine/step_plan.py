@@ -17,7 +17,8 @@ describe their queue and slots as a `StepView` and execute the `StepPlan` that
   of every slot's work do the same. One piece always goes in, however many streams decode.
 - **Pieces** end at the run's planned boundaries (checkpoints, even pieces) or where the
   budget runs out, never leaving a one-token remainder (`checkpoint_policy`: one row
-  rounds differently); a run has one piece a step. Where the executor computes a step in
+  rounds differently), and an image's piece is never cut (`whole`); a run has one piece
+  a step. Where the executor computes a step in
   one call (`one_call`) several runs' pieces share it. Where each piece is a call of its
   own, a step beside decoding streams has one piece (each more would lengthen their gap,
   and the least-left prompt finishes first); a step with no stream decoding has a piece
@@ -57,6 +58,7 @@ class RunView(Generic[R]):
     end: int = 0  # prefill: tokens its slot holds when the prefill is done
     boundaries: tuple[int, ...] = ()  # piece ends planned ahead (checkpoints, even pieces)
     since: float = 0.0  # when it began waiting for its prefill
+    whole: tuple[int, ...] = ()  # boundaries whose piece is never cut short (an image's)
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ def plan_step(view: StepView[Q, R], must_wait: Callable[[Q], bool] = _never) -> 
     left = view.step_tokens - len(decoding)
     pieces: list[Piece[R]] = []
     for run in prefilling:  # one piece a run: its anchors and checkpoints come between pieces
-        end = _piece_end(run, min(view.max_piece, left), first=not pieces)
+        end = _piece_end(run, view.max_piece, left, first=not pieces)
         if end is None:
             continue
         pieces.append(Piece(run.key, run.done, end))
@@ -136,12 +138,16 @@ def plan_step(view: StepView[Q, R], must_wait: Callable[[Q], bool] = _never) -> 
     return StepPlan(waiting=passed, decode=decoding, prefill=tuple(pieces))
 
 
-def _piece_end(run: RunView[R], room: int, *, first: bool) -> int | None:
-    """Where `run`'s next piece ends within `room` tokens: at its next planned
-    boundary, or earlier where the room ends, never leaving one token before the boundary;
-    None if no piece fits (the step's first piece always does: prompts never starve)."""
+def _piece_end(run: RunView[R], max_piece: int, left: int, *, first: bool) -> int | None:
+    """Where `run`'s next piece ends within `left` tokens (and `max_piece`, but for an
+    image's): at its next planned boundary, or earlier where the room ends, never leaving
+    one token before the boundary; None if no piece fits (the step's first piece always
+    does: prompts never starve)."""
     done = run.done
     boundary = min((b for b in run.boundaries if b > done), default=run.end)
+    if boundary in run.whole:
+        return boundary if first or boundary - done <= left else None
+    room = min(max_piece, left)
     end = min(boundary, done + max(room, MIN_PIECE if first else 0))
     if boundary - end == 1:  # the rest would be a lone row
         end = end - 1 if end - 1 - done >= MIN_PIECE else boundary

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from baton_serve.replicas.models.default_model import default_model_path
 from baton_serve.replicas.models.hf_hub import HF_PREFIX, hub_download, parse_hf_ref
-from baton_serve.replicas.models.tiny_model import ARCHITECTURES, write_tiny_model
+from baton_serve.replicas.models.tiny_model import ARCHITECTURES, DEFAULT_EMBD, write_tiny_model
+from baton_serve.replicas.models.tiny_projector import write_tiny_projector
 
 TINY_PREFIX = "tiny:"
 
@@ -38,3 +39,19 @@ def resolve_model(spec: str | None) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
     return path
+
+
+def resolve_projector(spec: str, model_path: Path) -> Path:
+    """An image projector argument as a file: ``tiny:ARCH`` → the generated projector for the
+    generated model ``tiny:ARCH`` (`model_path`), ``hf://…`` → downloaded, else a file path."""
+    if spec.startswith(TINY_PREFIX):
+        arch = spec[len(TINY_PREFIX) :]
+        path = model_cache_dir() / f"tiny-{arch}-mmproj.gguf"
+        if model_path != model_cache_dir() / f"tiny-{arch}.gguf":
+            raise ValueError(f"mmproj {spec} is generated for the model {spec}, not {model_path}")
+        if not path.is_file():
+            partial = path.with_suffix(".partial")
+            write_tiny_projector(partial, arch=arch, n_embd_text=DEFAULT_EMBD)
+            partial.replace(path)
+        return path
+    return resolve_model(spec)

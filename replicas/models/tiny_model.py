@@ -28,6 +28,7 @@ ARCHITECTURES: tuple[str, ...] = ("llama", "qwen35", "lfm2", "granitehybrid", "m
 HYBRID_ARCHITECTURES = frozenset({"qwen35", "lfm2", "granitehybrid"})
 
 RMS_EPS = 1e-5
+DEFAULT_EMBD = 64  # `tiny:ARCH` models' width
 FFN_MULT = 2  # n_ff = FFN_MULT * n_embd
 HEAD_DIM = 16  # attention and gated-delta-net head size; n_head = n_embd // HEAD_DIM
 QWEN35_ROPE_SECTIONS = (3, 3, 2, 0)  # sums to HEAD_DIM // 2
@@ -314,7 +315,7 @@ def write_tiny_model(
     *,
     seed: int = 0,
     n_layers: int = 2,
-    n_embd: int = 64,
+    n_embd: int = DEFAULT_EMBD,
     tokenizer_from: str | Path | None = None,
     variant: ModelVariant = ModelVariant(),
 ) -> Path:

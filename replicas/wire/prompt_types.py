@@ -27,14 +27,26 @@ class ChatMessage(BaseModel):
         return {"content": self.content, **self.model_dump(exclude_none=True)}
 
 
+class MediaInput(BaseModel):
+    """An image in a prompt: the file as the client sent it and the digest of its pixels,
+    which its placeholder ids in the prompt carry (`cache_store.media_tokens`)."""
+
+    model_config = {"frozen": True}
+
+    digest: bytes
+    data: bytes
+
+
 class Prompt(BaseModel):
-    """Token ids to prefill, and where each chat message starts (empty for raw prompts)."""
+    """Token ids to prefill, and where each chat message starts (empty for raw prompts).
+    `media`: the images, one for each media span of `tokens`, in order."""
 
     model_config = {"frozen": True}
 
     tokens: tuple[int, ...]
     message_starts: tuple[int, ...] = ()
     message_roles: tuple[str, ...] = ()
+    media: tuple[MediaInput, ...] = ()
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -146,7 +146,7 @@ def _forced_tools(tools: Sequence[Tool], choice: api.ToolChoice) -> list[Tool]:
 def _chat_message(message: api.InputMessage) -> ChatMessage:
     return ChatMessage(
         role=message.role,
-        content=message.content,
+        content=message.text,
         name=message.name,
         tool_calls=[c.template_view() for c in message.tool_calls] if message.tool_calls else None,
         tool_call_id=message.tool_call_id,
@@ -158,11 +158,11 @@ def _spelled_out(message: api.InputMessage, fmt: ToolFormat) -> ChatMessage:
     """For a template that cannot show calls: calls written into the assistant's content,
     a tool result as a user message."""
     if message.tool_calls:
-        text = "\n".join(filter(None, [message.content, format_calls(message.tool_calls, fmt)]))
+        text = "\n".join(filter(None, [message.text, format_calls(message.tool_calls, fmt)]))
         return ChatMessage(role="assistant", content=text)
     if message.role == "tool":
         return ChatMessage(
-            role="user", content=f"<tool_response>\n{message.content}\n</tool_response>"
+            role="user", content=f"<tool_response>\n{message.text}\n</tool_response>"
         )
     return _chat_message(message)
 

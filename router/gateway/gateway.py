@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from baton_serve.replicas.engine.media_input import DecodedImage, MediaBounds, MediaError
 from baton_serve.replicas.telemetry import tracing
 from baton_serve.replicas.telemetry.logs import bound_request
 from baton_serve.replicas.wire.prompt_types import Prompt
@@ -67,6 +68,7 @@ from baton_serve.router.gateway.list_bounds import (
     ListBounds,
 )
 from baton_serve.router.gateway.logprobs import LogprobFormat
+from baton_serve.router.gateway.media_parts import ChatMedia, has_media, resolve_media
 from baton_serve.router.gateway.middleware import APIKeyAuth, BodySizeLimit
 from baton_serve.router.gateway.prompt_builder import ChatEnding, PromptBuilder
 from baton_serve.router.gateway.reply_budget import ReplyBudget
@@ -115,6 +117,8 @@ class GatewaySettings:
     prompt_threads: int = 4  # chats rendered and prompts tokenised at once, off the event loop
     grammar_limits: GrammarLimits = GrammarLimits()  # a reply's grammar; strict calls' checks
     engine: str | None = None  # what computes, for /health ("llama.cpp", "emulated:NAME")
+    mmproj: str | None = None  # the image projector the replicas serve
+    media_bounds: MediaBounds = MediaBounds()  # images a chat may carry
 
 
 def create_app(
@@ -130,6 +134,7 @@ def create_app(
         n_ctx=settings.n_ctx,
         chat_template=settings.chat_template,
         max_prompt_bytes=settings.max_prompt_bytes,
+        mmproj=settings.mmproj,
     )
     threads = PromptThreads(settings.prompt_threads)
     gateway = _Gateway(settings, replicas, builder, threads, Readiness(ready) if ready else None)
@@ -201,6 +206,10 @@ class _Gateway:
     async def chat(self, body: api.ChatCompletionRequest) -> Response:
         self._check_model(body.model)
         self._budget.check_asked(body, prompts=1)
+        images: tuple[DecodedImage, ...] = ()
+        if has_media(body.messages):
+            media = await self._read_media(body.messages)
+            body, images = body.model_copy(update={"messages": media.messages}), media.images
         tools = self._builder.template_tools
         plan = await self._grammars.plan(body, tools)
         grammar = await self._grammars.chat(body, plan)
@@ -208,7 +217,7 @@ class _Gateway:
         extras = template_variables(body, plan.extras)
         with tracing.span("tokenise") as span:
             prompt = await self._prompt_threads.run(
-                self._builder.from_messages, plan.messages, extras, _chat_ending(body)
+                self._builder.from_messages, plan.messages, extras, _chat_ending(body), images
             )
             span.set_attribute("baton.prompt_tokens", len(prompt))
         (max_tokens,) = self._budget.replies(body, [len(prompt)])
@@ -238,6 +247,14 @@ class _Gateway:
         return _json(
             api.ChatCompletion(**asdict(reply), choices=choices, usage=usage_of([done])), [done]
         )
+
+    async def _read_media(self, messages: list[api.InputMessage]) -> ChatMedia:
+        """The images of a chat, read in a prompt thread; a 400 naming a part that cannot be."""
+        bounds, takes = self._settings.media_bounds, self._builder.takes_images
+        try:
+            return await self._prompt_threads.run(resolve_media, messages, bounds, takes)
+        except MediaError as exc:
+            raise invalid_request(str(exc), param=exc.param) from None
 
     async def complete(self, body: api.CompletionRequest) -> Response:
         self._check_model(body.model)
@@ -288,7 +305,10 @@ class _Gateway:
         )
 
     async def models(self) -> Response:
-        card = api.ModelCard(id=self._settings.model_name, created=self._started)
+        modalities = ["text", "image"] if self._builder.takes_images else ["text"]
+        card = api.ModelCard(
+            id=self._settings.model_name, created=self._started, modalities=modalities
+        )
         return _json(api.ModelList(data=[card]))
 
     async def health(self) -> JSONResponse:

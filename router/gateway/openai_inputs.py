@@ -3,9 +3,18 @@ prompts in their four forms, one message of a conversation, and the stream optio
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 from baton_serve.router.gateway.list_bounds import counted_in_total
 from baton_serve.router.gateway.openai_tools import ToolCall
@@ -38,19 +47,72 @@ def _as_list(value: object) -> object:
     return [value] if isinstance(value, str) else value
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(min_length=1, description="a base64 data: URL")
+    detail: Literal["auto", "low", "high"] = Field(
+        default="auto",
+        description="Accepted; every image is read at the resolution its projector takes.",
+    )
+
+
+def _url_object(value: object) -> object:
+    return {"url": value} if isinstance(value, str) else value
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["image_url"]
+    image_url: Annotated[ImageURL, BeforeValidator(_url_object)]
+
+
+class AudioPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["input_audio"]
+
+
+MediaPart = ImagePart | AudioPart
+ContentPart = Annotated[TextPart | ImagePart | AudioPart, Field(discriminator="type")]
+
+
+_PARTS: TypeAdapter[list[TextPart | ImagePart | AudioPart]] = TypeAdapter(list[ContentPart])
+
+
 def _joined_text_parts(value: object) -> object:
-    """Message content given as parts: the text parts, joined with newlines."""
+    """Message content given as parts: the text parts joined with newlines, where all are
+    text; the parts themselves where an image (or audio) is among them."""
     if not isinstance(value, list):
+        if not isinstance(value, str):
+            raise ValueError("content is a string or a list of content parts")
         return value
-    texts = []
+    known = ("text", "image_url", "input_audio")
     for part in value:
-        text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
-        if not isinstance(text, str):
+        if not isinstance(part, dict) or part.get("type") not in known:
             raise ValueError(
-                'only text content parts ({"type": "text", "text": "..."}) are supported'
+                'a content part is {"type": "text", "text": ...} or '
+                '{"type": "image_url", "image_url": {"url": "data:..."}}'
             )
-        texts.append(text)
-    return "\n".join(texts)
+    if all(part["type"] == "text" for part in value):
+        texts = [part.get("text") for part in value]
+        if not all(isinstance(text, str) for text in texts):
+            raise ValueError('a text content part is {"type": "text", "text": "..."}')
+        return "\n".join(texts)
+    try:
+        return _PARTS.validate_python(value)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
+        raise ValueError(f"content{where}: {error['msg']}") from None
 
 
 def _is_token_id(value: object) -> bool:
@@ -75,8 +137,9 @@ def _prompt_list(value: object) -> list[str | list[int]]:
 
 
 MessageContent = Annotated[
-    str,
-    BeforeValidator(_joined_text_parts, json_schema_input_type=str | list[dict[str, str]]),
+    str | list[ContentPart],
+    Field(union_mode="left_to_right"),
+    BeforeValidator(_joined_text_parts, json_schema_input_type=str | list[dict[str, Any]]),
     counted_in_total("content"),  # parts counted first (the last before-validator runs first)
 ]
 StopSequences = Annotated[
@@ -104,6 +167,14 @@ class InputMessage(BaseModel):
     tool_calls: Annotated[list[ToolCall], counted_in_total("tool_calls")] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+
+    @property
+    def text(self) -> str | None:
+        """The content as text: the gateway has put a marker in place of each image
+        (`media_parts`) before anything reads it."""
+        if isinstance(self.content, list):
+            raise TypeError("a message's images are not resolved yet")
+        return self.content
 
     @model_validator(mode="after")
     def _shape_fits_role(self) -> InputMessage:

@@ -409,6 +409,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "baton"
+    modalities: list[Literal["text", "image"]] = Field(
+        default=["text"], description="what a chat's messages may hold for this model"
+    )
 
 
 class ModelList(BaseModel):

@@ -12,6 +12,8 @@ from baton_serve.cache_store.prefix_hash import PrefixHasher
 from baton_serve.replicas.engine.chat_segments import ChatText
 from baton_serve.replicas.engine.engine_config import context_size
 from baton_serve.replicas.engine.llama_model import LlamaModel
+from baton_serve.replicas.engine.media_input import DecodedImage
+from baton_serve.replicas.engine.media_projector import MediaProjector
 from baton_serve.replicas.engine.prompt import (
     PromptError,
     RenderedTooLarge,
@@ -21,13 +23,14 @@ from baton_serve.replicas.engine.prompt import (
     text_prompt,
     tokenize_chat,
 )
-from baton_serve.replicas.wire.prompt_types import ChatMessage, Prompt
+from baton_serve.replicas.wire.prompt_types import ChatMessage, MediaInput, Prompt
 from baton_serve.router.gateway.chat_plan import TemplateTools
 from baton_serve.router.gateway.errors import (
     context_length_exceeded,
     invalid_request,
     prompt_too_large,
 )
+from baton_serve.router.gateway.media_tokenizer import MediaTokenizer
 from baton_serve.router.gateway.reply_parser import THINK_OPEN
 from baton_serve.router.gateway.token_cache import TokenCache
 from baton_serve.router.gateway.tool_calls import ToolFormat
@@ -51,9 +54,15 @@ class PromptBuilder:
         n_ctx: int,
         chat_template: str | None = None,
         max_prompt_bytes: int | None = None,
+        mmproj: str | None = None,
     ) -> None:
+        """`mmproj`: the image projector the replicas serve, loaded here (on the CPU) for
+        the tokens each image takes."""
         self.max_prompt_bytes = max_prompt_bytes
         self._model = LlamaModel(model_path, vocab_only=True)
+        self._projector = (
+            MediaProjector(mmproj, self._model, use_gpu=False, threads=1) if mmproj else None
+        )
         self._chat_tokens = TokenCache(self._model)  # earlier messages come back each turn
         self._template = model_chat_template(self._model, chat_template)
         self.template_tools = (
@@ -64,14 +73,19 @@ class PromptBuilder:
         self._hasher = PrefixHasher(self._model.fingerprint, block_tokens)
         self.n_ctx = context_size(n_ctx, self._model.n_ctx_train)
 
+    @property
+    def takes_images(self) -> bool:
+        return self._projector is not None and self._projector.takes_images
+
     def from_messages(
         self,
         messages: Sequence[ChatMessage],
         extras: Mapping[str, Any] | None = None,
         ending: ChatEnding = "generation_prompt",
+        images: Sequence[DecodedImage] = (),
     ) -> Prompt:
         """A chat rendered with the model's template (`extras`: more template variables),
-        ending as `ending` says."""
+        ending as `ending` says; `images`: those its messages' markers stand for."""
         if self._template is None:
             raise invalid_request(no_chat_template_message(self._model.name), param="messages")
         try:
@@ -81,12 +95,28 @@ class PromptBuilder:
             if ending == "inside_last_message":
                 chat = _cut_after_last_message(chat, messages[-1].content)
             self._refuse_unfitting(chat.text)
-            prompt = tokenize_chat(self._chat_tokens, chat, messages)
+            if images:
+                prompt = self._with_images(chat, messages, images)
+            else:
+                prompt = tokenize_chat(self._chat_tokens, chat, messages)
         except RenderedTooLarge as exc:
             raise prompt_too_large(exc.size, exc.limit, "messages", "max_prompt_bytes") from None
         except PromptError as exc:
             raise invalid_request(str(exc), param="messages") from exc
         return self.check_length(prompt)
+
+    def _with_images(
+        self, chat: ChatText, messages: Sequence[ChatMessage], images: Sequence[DecodedImage]
+    ) -> Prompt:
+        projector = self._projector
+        assert projector is not None  # the gateway reads no image for a model without one
+        tokenizer = MediaTokenizer(
+            self._chat_tokens,
+            [MediaInput(digest=image.digest, data=image.source) for image in images],
+            [projector.layout(image).tokens(projector.identity(image.digest)) for image in images],
+        )
+        prompt = tokenize_chat(tokenizer, chat, messages)
+        return prompt.model_copy(update={"media": tuple(tokenizer.used)})
 
     def from_text(self, text: str) -> Prompt:
         """Raw text, with BOS where the model wants one."""
@@ -176,6 +206,8 @@ class PromptBuilder:
         return prompt
 
     def close(self) -> None:
+        if self._projector is not None:
+            self._projector.close()
         self._model.close()
 
 

@@ -166,6 +166,9 @@ podSelector:
 {{- if semverCompare "<2.53.0" .Values.rayVersion }}
 {{- fail (printf "rayVersion %s: the chart needs Ray 2.53.0 or later (token auth, the Ray node's /api/healthz)" .Values.rayVersion) }}
 {{- end }}
+{{- if and .Values.model.mmproj (not (has .Values.model.source (list "pvc" "hostPath"))) }}
+{{- fail (printf "model.mmproj is read from the model volume: model.source %s has none it can be in (use pvc or hostPath)" .Values.model.source) }}
+{{- end }}
 {{- $disk := .Values.diskTier }}
 {{- if and $disk.enabled (eq $disk.volume "hostPath") (not ($disk.hostPath | default dict).path) }}
 {{- fail "diskTier.volume is hostPath: set diskTier.hostPath.path (a directory on every GPU node)" }}

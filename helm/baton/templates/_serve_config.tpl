@@ -51,6 +51,9 @@ baton_gateway, which the head or the gateway group's pods declare (rayservice.ya
 {{- with .Values.model.name }}
 {{- $_ := set $args "model_name" . }}
 {{- end }}
+{{- with .Values.model.mmproj }}
+{{- $_ := set $args "mmproj" (printf "%s/%s" $.Values.model.mountPath .) }}
+{{- end }}
 {{- if eq .Values.redis.mode "none" }}
 {{- $_ := set $args "index" "embedded" }}
 {{- else if and (eq .Values.redis.mode "external") (not .Values.redis.external.existingSecret) }}

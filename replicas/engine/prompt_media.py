@@ -1,0 +1,129 @@
+"""A prompt's images on the engine: its placeholder ids checked against the images it
+carries, each image read and prepared where the request is submitted (off the engine
+loop), and encoded and fed on the loop only when its piece is computed — never for an
+image whose state a cached prefix already holds."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from baton_serve.cache_store.media_tokens import (
+    MEDIA_TOKEN_BASE,
+    media_spans,
+    media_tokens,
+    positions_after,
+)
+from baton_serve.replicas.engine.llama_context import LlamaContext
+from baton_serve.replicas.engine.media_input import MediaError, decode_image
+from baton_serve.replicas.engine.media_projector import MediaProjector, PreparedImage
+from baton_serve.replicas.engine.prompt import PromptError
+from baton_serve.replicas.engine.stats import EngineStats
+from baton_serve.replicas.wire.prompt_types import Prompt
+
+# The gateway has bounded each image's pixels; a replica reads what it is sent, no more.
+MAX_PIXELS = 1 << 26
+
+
+def checked_spans(
+    prompt: Prompt, n_vocab: int, projector: MediaProjector | None
+) -> list[tuple[int, int]]:
+    """The prompt's media spans, each one the placeholders of the image it carries there;
+    `PromptError` for any other id outside the vocabulary, or images where the model takes
+    none."""
+    tokens = prompt.tokens
+    if all(0 <= t < n_vocab for t in tokens) and not prompt.media:
+        return []
+    if any(t < 0 or n_vocab <= t < MEDIA_TOKEN_BASE for t in tokens):
+        raise PromptError(f"token ids must be in [0, {n_vocab})")
+    if projector is None or not projector.takes_images:
+        raise PromptError("this model takes no images: it is served without a projector (--mmproj)")
+    spans = media_spans(tokens)
+    if len(spans) != len(prompt.media):
+        raise PromptError(f"the prompt holds {len(spans)} images' ids for {len(prompt.media)}")
+    for (start, end), item in zip(spans, prompt.media, strict=True):
+        ids = tokens[start:end]
+        n_pos = positions_after(ids)
+        if n_pos == 0 or ids != media_tokens(projector.identity(item.digest), end - start, n_pos):
+            raise PromptError(f"the ids at [{start}, {end}) are not its image's")
+    return spans
+
+
+@dataclass
+class PromptImages:
+    """A request's images, by the start of their span in its prompt."""
+
+    prepared: dict[int, PreparedImage]
+    _embeddings: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def span_start(self, start: int) -> bool:
+        return start in self.prepared
+
+    def close(self) -> None:
+        for image in self.prepared.values():
+            image.close()
+        self.prepared.clear()
+        self._embeddings.clear()
+
+    def feed(
+        self,
+        projector: MediaProjector,
+        context: LlamaContext,
+        start: int,
+        *,
+        seq_id: int,
+        position: int,
+        stats: EngineStats,
+    ) -> None:
+        """Encode the image at `start` (once a request: a replay may feed it again) and
+        decode its embeddings into `seq_id` from `position` on."""
+        image = self.prepared[start]
+        embeddings = self._embeddings.get(start)
+        if embeddings is None:
+            started = time.perf_counter()
+            embeddings = projector.encode(image, context.model.n_embd_input)
+            self._embeddings[start] = embeddings
+            stats.images_encoded += 1
+            stats.encode_seconds += time.perf_counter() - started
+        projector.feed(
+            context.pointer,
+            image,
+            embeddings,
+            seq_id=seq_id,
+            position=position,
+            n_batch=context.params.n_batch,
+        )
+
+
+def prepare_images(
+    prompt: Prompt, spans: list[tuple[int, int]], projector: MediaProjector | None
+) -> PromptImages | None:
+    """Each image of `prompt` (at `spans`, from `checked_spans`) read and prepared;
+    `PromptError` where an image is not the one its ids name."""
+    if not spans or projector is None:
+        return None
+    prepared: dict[int, PreparedImage] = {}
+    try:
+        for (start, end), item in zip(spans, prompt.media, strict=True):
+            try:
+                image = decode_image(item.data, MAX_PIXELS)
+            except MediaError as exc:
+                raise PromptError(f"the image at [{start}, {end}): {exc}") from None
+            if image.digest != item.digest:
+                raise PromptError(f"the image at [{start}, {end}) is not the one its ids name")
+            prepared[start] = projector.prepare(image)
+            layout = prepared[start].layout
+            n_pos = positions_after(prompt.tokens[start:end])
+            if (layout.n_tokens, layout.n_pos) != (end - start, n_pos):
+                raise PromptError(
+                    f"the image at [{start}, {end}) takes {layout.n_tokens} tokens and "
+                    f"{layout.n_pos} positions here, not {end - start} and {n_pos} "
+                    "(the gateway's projector is not this replica's)"
+                )
+    except BaseException:
+        for image in prepared.values():
+            image.close()
+        raise
+    return PromptImages(prepared)

@@ -1,0 +1,154 @@
+"""Write tiny, deterministic, random-weight vision projector ("mmproj") GGUF files.
+
+llama.cpp's ``mtmd`` library loads them next to a text model from `tiny_model` of the same
+``n_embd``: an image becomes a handful of embeddings that the text model decodes in place of
+tokens. Two of mtmd's projector families are written, one for each kind of text position:
+
+* ``qwen35`` → ``qwen2vl_merger`` (Qwen2-VL): a ViT with 2-D M-RoPE, two patch-embedding
+  convolutions (the two frames of Qwen's temporal patch) and a merger that concatenates each
+  2×2 block of patches and projects it with a 2-layer MLP. Images keep their aspect ratio:
+  mtmd resizes them to multiples of 28 px (patch 14 × merge 2) holding between 8 and 4096
+  tokens (``image_min_tokens`` / ``image_max_tokens`` move the bounds), one token per
+  28×28 px, so a square image of at most 84×84 px gives 3×3 = **9 tokens** and one of
+  112×112 px 4×4 = **16 tokens**. The text model's imrope makes ``mtmd_decode_use_mrope()``
+  true, and a 3×3 grid then takes 3 positions.
+* ``llama`` → ``mlp`` (LLaVA-1.5): a CLIP ViT with learned 1-D position embeddings and a
+  2-layer MLP. Every image is padded to a square and resized to 56×56 px: 4×4 patches =
+  **16 tokens**, decoded at 16 ordinary consecutive positions.
+
+Weights are F16 (norms, biases and position embeddings F32), drawn with std 1/sqrt(fan-in)
+so that activations stay of order one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from baton_serve.replicas.models.tiny_model import _Tensors
+
+VISION_EMBD = 64
+VISION_HEADS = 4  # head size 16: Qwen's vision M-RoPE splits it in four sections of 4
+VISION_FF = 128  # != VISION_EMBD, or mtmd's fix-up for old files swaps ffn_up and ffn_down
+VISION_LAYERS = 2
+PATCH_SIZE = 14
+SPATIAL_MERGE = 2  # qwen2vl: 2×2 patches per token
+LAYER_NORM_EPS = 1e-6
+# The CLIP / OpenAI normalization that both Qwen2-VL and LLaVA-1.5 use.
+IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
+IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
+
+PROJECTOR_TYPES = {"qwen35": "qwen2vl_merger", "llama": "mlp"}
+# clip.vision.image_size: the input side for mlp; qwen2vl only records it (its images keep
+# their own size) and real files write Qwen2-VL's 560.
+IMAGE_SIZES = {"qwen35": 112, "llama": 56}
+IMAGE_TOKENS = {"qwen35": 9, "llama": 16}  # qwen35: for a square image of at most 84×84 px
+
+
+def _conv(t: _Tensors, name: str) -> None:
+    """A patch-embedding convolution of GGUF shape [patch, patch, 3, VISION_EMBD], F16."""
+    fan_in = 3 * PATCH_SIZE * PATCH_SIZE
+    values = t.rng.standard_normal((VISION_EMBD, 3, PATCH_SIZE, PATCH_SIZE)) * fan_in**-0.5
+    t.items.append((name, values.astype(np.float16), None))
+
+
+def _bias(t: _Tensors, name: str, n: int) -> None:
+    """A small random F32 bias (zeros would hide a bias applied to the wrong tensor)."""
+    t.f32(name, t.rng.standard_normal(n) * 0.02)
+
+
+def _layer_norm(t: _Tensors, name: str, n: int) -> None:
+    t.ones(name + ".weight", n)
+    t.f32(name + ".bias", np.zeros(n))
+
+
+def _linear(t: _Tensors, name: str, n_in: int, n_out: int) -> None:
+    t.matrix(name + ".weight", n_in, n_out)
+    _bias(t, name + ".bias", n_out)
+
+
+def _vit_block(t: _Tensors, il: int) -> None:
+    """Pre-norm encoder block: biased q/k/v/out projections and a 2-layer FFN."""
+    p = f"v.blk.{il}."
+    _layer_norm(t, p + "ln1", VISION_EMBD)
+    for proj in ("attn_q", "attn_k", "attn_v", "attn_out"):
+        _linear(t, p + proj, VISION_EMBD, VISION_EMBD)
+    _layer_norm(t, p + "ln2", VISION_EMBD)
+    _linear(t, p + "ffn_up", VISION_EMBD, VISION_FF)
+    _linear(t, p + "ffn_down", VISION_FF, VISION_EMBD)
+
+
+def _qwen2vl_tensors(t: _Tensors, n_embd_text: int) -> None:
+    """Two patch convolutions (no bias), blocks, merger norm and MLP (mm.0, GELU, mm.2)."""
+    _conv(t, "v.patch_embd.weight")
+    _conv(t, "v.patch_embd.weight.1")
+    for il in range(VISION_LAYERS):
+        _vit_block(t, il)
+    _layer_norm(t, "v.post_ln", VISION_EMBD)
+    merged = VISION_EMBD * SPATIAL_MERGE**2
+    _linear(t, "mm.0", merged, merged)
+    _linear(t, "mm.2", merged, n_embd_text)
+
+
+def _mlp_tensors(t: _Tensors, n_embd_text: int) -> None:
+    """Patch convolution, position embeddings, pre-norm, blocks and MLP (mm.0, GELU, mm.2).
+
+    LLaVA takes the features of the second-to-last block, so the last one is loaded but
+    never run, as in real LLaVA-1.5 files.
+    """
+    n_patches = (IMAGE_SIZES["llama"] // PATCH_SIZE) ** 2
+    _conv(t, "v.patch_embd.weight")
+    t.f32("v.position_embd.weight", t.rng.standard_normal((n_patches, VISION_EMBD)) * 0.02)
+    _layer_norm(t, "v.pre_ln", VISION_EMBD)
+    for il in range(VISION_LAYERS):
+        _vit_block(t, il)
+    _linear(t, "mm.0", VISION_EMBD, n_embd_text)
+    _linear(t, "mm.2", n_embd_text, n_embd_text)
+
+
+def write_tiny_projector(path: Path, *, arch: str, n_embd_text: int, seed: int = 0) -> Path:
+    """Write a random-weight vision projector for a tiny ``arch`` text model to ``path``.
+
+    Its output width is ``n_embd_text`` (the text model's ``n_embd``; mtmd refuses a
+    mismatch). The same arguments always give a byte-identical file. Tokens per image are
+    in `IMAGE_TOKENS` and the module docstring.
+    """
+    if arch not in PROJECTOR_TYPES:
+        expected = ", ".join(PROJECTOR_TYPES)
+        raise ValueError(f"no projector for architecture {arch!r}; expected one of {expected}")
+    if n_embd_text <= 0:
+        raise ValueError(f"n_embd_text must be positive, got {n_embd_text}")
+    t = _Tensors(seed)
+    if arch == "qwen35":
+        _qwen2vl_tensors(t, n_embd_text)
+    else:
+        _mlp_tensors(t, n_embd_text)
+
+    path = Path(path)
+    w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])  # "clip"
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_name(f"baton-tiny-{arch}-mmproj")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type(PROJECTOR_TYPES[arch])
+    w.add_vision_projection_dim(n_embd_text)
+    w.add_vision_image_size(IMAGE_SIZES[arch])
+    w.add_vision_patch_size(PATCH_SIZE)
+    w.add_vision_embedding_length(VISION_EMBD)
+    w.add_vision_feed_forward_length(VISION_FF)
+    w.add_vision_block_count(VISION_LAYERS)
+    w.add_vision_head_count(VISION_HEADS)
+    w.add_vision_attention_layernorm_eps(LAYER_NORM_EPS)
+    w.add_vision_image_mean(list(IMAGE_MEAN))
+    w.add_vision_image_std(list(IMAGE_STD))
+    if arch == "qwen35":
+        w.add_vision_spatial_merge_size(SPATIAL_MERGE)
+    for name, data, raw_dtype in t.items:
+        w.add_tensor(name, data, raw_dtype=raw_dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

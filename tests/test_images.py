@@ -1,0 +1,142 @@
+"""Images in the conversation, on real llama.cpp with generated models and projectors: the
+gateway's prompt (its template, the image's tokens and identity) and the engine's cache,
+which serves a follow-up turn without running the encoder again, bit-exact, and never
+serves one image's state for another's. Both position schemes: qwen35's projector is the
+Qwen-VL line's (M-RoPE, an image takes fewer positions than tokens), llama's takes one
+position a token."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from baton_serve.cache_store.media_tokens import media_spans
+from baton_serve.replicas.engine.media_input import MediaBounds
+from baton_serve.replicas.engine.prompt import PromptError
+from baton_serve.replicas.wire.prompt_types import ChatMessage, Prompt
+from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.router.gateway.media_parts import resolve_media
+from baton_serve.router.gateway.openai_inputs import InputMessage
+from baton_serve.router.gateway.prompt_builder import PromptBuilder
+
+GREEDY = SamplingParams(max_tokens=8)
+VISION_ARCHS = ("qwen35", "llama")
+
+
+def image_url(seed: int, size: int = 80) -> str:
+    """A PNG of random pixels as a data: URL."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def asking(seed: int, question: str = "What is in this picture?") -> dict:
+    parts = [{"type": "text", "text": question}]
+    return {
+        "role": "user",
+        "content": [*parts, {"type": "image_url", "image_url": image_url(seed)}],
+    }
+
+
+@pytest.fixture
+def builder(request, tiny_model, tiny_projector):
+    arch = request.param
+    built = PromptBuilder(
+        tiny_model(arch), block_tokens=16, n_ctx=1024, mmproj=str(tiny_projector(arch))
+    )
+    yield built
+    built.close()
+
+
+def chat_prompt(builder: PromptBuilder, messages: list[dict]) -> Prompt:
+    """What the gateway builds: images read and marked, the chat rendered and tokenised."""
+    media = resolve_media([InputMessage(**m) for m in messages], MediaBounds(), True)
+    chat = [ChatMessage(role=m.role, content=m.text) for m in media.messages]
+    return builder.from_messages(chat, images=media.images)
+
+
+@pytest.mark.parametrize("builder", VISION_ARCHS, indirect=True)
+def test_a_follow_up_turn_is_served_from_cache_without_the_encoder(
+    builder, tiny_model, tiny_projector, make_engine
+) -> None:
+    arch = builder._model.path.stem
+    model, mmproj = tiny_model(arch), tiny_projector(arch)
+    engine = make_engine(model, mmproj, prefill_chunk=16, block_tokens=16)
+    scratch = make_engine(model, mmproj, prefix_cache=False)
+    messages = [{"role": "system", "content": "You describe pictures."}, asking(1)]
+    first = chat_prompt(builder, messages)
+    (span,) = media_spans(first.tokens)
+    reply = engine.generate(first, GREEDY)
+    assert engine.stats.images_encoded == 1
+
+    messages += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "More?"}]
+    second = chat_prompt(builder, messages)
+    assert second.tokens[: span[1]] == first.tokens[: span[1]] and len(second.media) == 1
+    resumed = engine.generate(second, GREEDY, return_logits=True)
+    fresh = scratch.generate(second, GREEDY, return_logits=True)
+
+    assert engine.stats.images_encoded == 1  # the image's state came from the cache
+    assert resumed.usage.cached_tokens > span[1]
+    assert resumed.tokens == fresh.tokens
+    assert float(np.abs(resumed.logits - fresh.logits).max()) == 0.0
+
+
+@pytest.mark.parametrize("builder", ["qwen35"], indirect=True)
+def test_a_different_image_with_the_same_text_is_never_served_from_cache(
+    builder, tiny_model, tiny_projector, make_engine
+) -> None:
+    engine = make_engine(tiny_model("qwen35"), tiny_projector("qwen35"))
+    red, blue = chat_prompt(builder, [asking(1)]), chat_prompt(builder, [asking(2)])
+    (span,) = media_spans(red.tokens)
+    assert red.tokens[: span[0]] == blue.tokens[: span[0]] and red.tokens != blue.tokens
+    engine.generate(red, GREEDY)
+    again = engine.generate(blue, GREEDY)
+    assert again.usage.cached_tokens <= span[0]
+    assert engine.stats.images_encoded == 2
+
+
+@pytest.mark.parametrize("builder", ["qwen35"], indirect=True)
+def test_a_state_holding_an_image_serves_another_engine(
+    builder, tiny_model, tiny_projector, make_engine
+) -> None:
+    """What a pull between replicas does: the checkpoint after the image, shipped as a
+    blob, serves the follow-up on an engine that never saw the image."""
+    model, mmproj = tiny_model("qwen35"), tiny_projector("qwen35")
+    first, second = make_engine(model, mmproj), make_engine(model, mmproj)
+    scratch = make_engine(model, mmproj, prefix_cache=False)
+    prompt = chat_prompt(builder, [asking(3)])
+    first.generate(prompt, GREEDY)
+    assert first.wait_idle(30)  # the conversation's state is stored once the engine is idle
+    best = max(first.checkpoints(), key=lambda c: c.n_tokens)
+    (span,) = media_spans(prompt.tokens)
+    assert best.n_tokens > span[1]
+    second.import_checkpoint(first.export_checkpoint(best.prefix_hash))
+
+    more = tuple(second.model.tokenize(" And what else?"))
+    follow_up = prompt.model_copy(update={"tokens": tuple(best.tokens.tolist()) + more})
+    on_second = second.generate(follow_up, GREEDY, return_logits=True)
+    assert second.stats.images_encoded == 0
+    assert on_second.usage.cached_tokens == best.n_tokens
+    from_scratch = scratch.generate(follow_up, GREEDY, return_logits=True)
+    assert on_second.tokens == from_scratch.tokens
+    assert float(np.abs(on_second.logits - from_scratch.logits).max()) == 0.0
+
+
+@pytest.mark.parametrize("builder", ["qwen35"], indirect=True)
+def test_ids_that_are_not_their_image_are_refused(
+    builder, tiny_model, tiny_projector, make_engine
+) -> None:
+    engine = make_engine(tiny_model("qwen35"), tiny_projector("qwen35"))
+    red, blue = chat_prompt(builder, [asking(1)]), chat_prompt(builder, [asking(2)])
+    with pytest.raises(PromptError, match="not its image's"):
+        engine.generate(red.model_copy(update={"media": blue.media}), GREEDY)
+    with pytest.raises(PromptError, match="images' ids"):
+        engine.generate(red.model_copy(update={"media": ()}), GREEDY)
+    text_only = make_engine(tiny_model("qwen35"))
+    with pytest.raises(PromptError, match="takes no images"):
+        text_only.generate(red, GREEDY)

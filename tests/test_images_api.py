@@ -1,0 +1,104 @@
+"""Images through the OpenAI API: the OpenAI SDK sends image parts to a real gateway over
+real HTTP (one replica of a generated qwen35 with its generated projector), streamed and
+not; a follow-up turn comes back cached; each part Baton cannot take gets a 400 naming it."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import openai
+import pytest
+from gateway_harness import serving
+from PIL import Image
+from test_images import image_url
+
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.media_input import MediaBounds
+from baton_serve.router.gateway.gateway import GatewaySettings
+
+MODEL = "baton-vision"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model, tiny_projector):
+    settings = GatewaySettings(
+        MODEL,
+        str(tiny_model("qwen35")),
+        n_ctx=1024,
+        mmproj=str(tiny_projector("qwen35")),
+        media_bounds=MediaBounds(max_images=2, max_image_bytes=64 << 10, max_image_pixels=1 << 16),
+    )
+    with serving(settings, EngineConfig(n_ctx=1024, n_slots=2, n_threads=2)) as served:
+        yield served
+
+
+def _image_message(seed: int) -> dict:
+    return {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "What is in this picture?"},
+            {"type": "image_url", "image_url": {"url": image_url(seed)}},
+        ],
+    }
+
+
+def test_the_openai_sdk_sends_an_image_and_its_follow_up_is_cached(served) -> None:
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none")
+    assert client.models.list().data[0].model_extra["modalities"] == ["text", "image"]
+    messages = [_image_message(7)]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+    reply = first.choices[0].message.content
+    encoded = served.engine.stats.images_encoded
+    assert encoded == 1 and first.usage.prompt_tokens > 9  # the image's 9 tokens and text
+
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "More?"}]
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details.cached_tokens > 9
+    assert served.engine.stats.images_encoded == encoded  # not encoded again
+
+
+def _png_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def _blank_png(side: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (side, side)).save(buffer, "PNG")  # compresses to almost nothing
+    return buffer.getvalue()
+
+
+BAD_PARTS = [
+    pytest.param(_png_url(b"not a png at all"), "cannot be read", id="undecodable"),
+    pytest.param("data:image/png;base64,@@@@", "does not decode", id="bad base64"),
+    pytest.param("https://example.com/cat.png", "does not fetch", id="remote URL"),
+    pytest.param(_png_url(b"\0" * (65 << 10)), "max_image_bytes", id="too many bytes"),
+    pytest.param(_png_url(_blank_png(300)), "max_image_pixels", id="too many pixels"),
+]
+
+
+@pytest.mark.parametrize(("url", "says"), BAD_PARTS)
+def test_a_bad_image_gets_a_400_naming_its_part(served, url: str, says: str) -> None:
+    content = [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": url}}]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+    response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages[0].content[1]" and says in error["message"]
+
+
+def test_more_images_than_the_bound_get_a_400_before_any_is_read(served) -> None:
+    parts = [{"type": "image_url", "image_url": {"url": "data:,"}}] * 3
+    body = {"model": MODEL, "messages": [{"role": "user", "content": parts}]}
+    response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    assert "max_images" in response.json()["error"]["message"]
