@@ -75,7 +75,12 @@ def build_server(args: list[str], out: Path, jobs: int) -> Path:
             if path.name == SERVER_BINARY or ".so" in path.name:
                 shutil.copy2(path, staged / path.name, follow_symlinks=False)
         llama_build.write_build_info(staged, args)
-        staged.replace(out)
+        try:
+            staged.replace(out)
+        except OSError:
+            if not (out / SERVER_BINARY).exists():
+                raise
+            # another process built the same flags meanwhile: its build is used
     return out / SERVER_BINARY
 
 

@@ -32,6 +32,7 @@ class ServerSettings:
     slots: int
     n_ctx: int  # per slot
     flash_attn: bool
+    mmproj: Path | None = None  # `--mmproj`: the image projector
 
 
 def server_command(binary: Path, model: Path, settings: ServerSettings, port: int) -> list[str]:
@@ -42,6 +43,8 @@ def server_command(binary: Path, model: Path, settings: ServerSettings, port: in
         *("-c", str(settings.slots * settings.n_ctx), "--jinja", "--no-webui"),
         *("-fa", "on" if settings.flash_attn else "off"),
     ]
+    if settings.mmproj is not None:
+        command += ["--mmproj", str(settings.mmproj.resolve())]
     if not cpu_choice().repack_safe:  # Baton's engine turns it off here too (AMX on this VM)
         command.append("--no-repack")
     return command

@@ -149,7 +149,8 @@ async def _play(
     async def session(http: httpx.AsyncClient, script: Session) -> None:
         messages = [{"role": "system", "content": script.system}]
         async with slots:
-            for turn, content in enumerate(script.messages):
+            for turn, text in enumerate(script.messages):
+                content = script.first_content(workload.image_px) if turn == 0 else text
                 messages.append({"role": "user", "content": content})
                 trace_id, traceparent = new_trace()
                 record = PeerRecord(
@@ -187,11 +188,13 @@ class Setup:
     n_ctx: int
     flash_attn: bool  # both sides: Baton's `engine.flash_attn`, llama-server's `-fa`
     exact_reuse: bool = True
+    mmproj: str | None = None  # both sides: the image projector
 
     def baton(self, model: Path) -> BatonConfig:
         """Baton as `baton serve` lays it out on `threads` cores (`share_cpus`)."""
         config = BatonConfig(
             model=str(model),
+            mmproj=self.mmproj,
             replicas=self.replicas,
             engine=EngineConfig(
                 n_ctx=self.n_ctx,
@@ -250,10 +253,17 @@ def _quantiles(values: list[float]) -> dict[str, float | None]:
 
 def summarize(records: list[PeerRecord], wall_s: float) -> dict:
     ok = [r for r in records if not r.error and r.ttft_s is not None]
+    cold, follow = [r for r in ok if r.turn == 0], [r for r in ok if r.turn > 0]
+    followed_prompts = sum(r.prompt_tokens for r in follow)
     return {
         "requests": len(records),
         "errors": len(records) - len(ok),
         "ttft_s": _quantiles([r.ttft_s for r in ok]),
+        "cold_ttft_s": _quantiles([r.ttft_s for r in cold]),
+        "follow_up_ttft_s": _quantiles([r.ttft_s for r in follow]),
+        "follow_up_cached": sum(r.cached_tokens for r in follow) / followed_prompts
+        if followed_prompts
+        else None,
         "itl_s": _quantiles([g for r in ok for g in r.gaps_s]),
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
         "output_tokens_per_s": sum(r.completion_tokens for r in ok) / wall_s if wall_s else 0.0,
@@ -272,6 +282,8 @@ def compare(baton: dict, peer: dict) -> list[dict]:
             rows.append(
                 (f"{metric[:-2]} p{q}", baton[metric][f"p{q}"], peer[metric][f"p{q}"], True)
             )
+    follow = "follow_up_ttft_s"
+    rows.append(("follow-up ttft p50", baton[follow]["p50"], peer[follow]["p50"], True))
     rows.append(("requests/s", baton["requests_per_s"], peer["requests_per_s"], False))
     result = []
     for name, ours, theirs, lower_better in rows:
@@ -299,14 +311,17 @@ def peer_benchmark(
     replicas: int | None = None,
     exact_reuse: bool = True,
     flash_attn: bool = EngineConfig.model_fields["flash_attn"].default,
+    mmproj: Path | None = None,
     traced: bool = True,
     progress: Progress = SILENT,
 ) -> tuple[dict, list[PeerRecord]]:
     """Run `workload` against llama-server, then Baton (and Baton traced, unless not
     `traced`). Threads default to the CPU count, slots to the concurrency, replicas to
     `baton serve`'s default; Baton's engines replay replies unless not `exact_reuse`; both
-    sides compute attention with flash attention only if `flash_attn`.
-    Returns the summary and every request."""
+    sides compute attention with flash attention only if `flash_attn`, and read images with
+    `mmproj` (which a workload with `image_px` needs). Returns the summary and every request."""
+    if workload.image_px and mmproj is None:
+        raise ValueError("a workload with images (image_px) needs the model's projector (mmproj)")
     setup = Setup(
         threads=threads or usable_cpus(),  # what `baton serve` shares out
         slots=slots or workload.concurrency,
@@ -314,6 +329,7 @@ def peer_benchmark(
         n_ctx=workload.n_ctx(),
         exact_reuse=exact_reuse,
         flash_attn=flash_attn,
+        mmproj=str(mmproj) if mmproj else None,
     )
     model = LlamaModel(model_path, vocab_only=True)
     try:
@@ -328,7 +344,7 @@ def peer_benchmark(
         return lambda k: progress.step(f"{name}: request {k}/{n}", done=index * n + k)
 
     progress.step(f"llama-server: -t {setup.threads} -np {setup.slots} (building it if needed)")
-    settings = ServerSettings(setup.threads, setup.slots, setup.n_ctx, setup.flash_attn)
+    settings = ServerSettings(setup.threads, setup.slots, setup.n_ctx, setup.flash_attn, mmproj)
     with llama_server(model_path, settings) as url:
         peer_rows, peer_wall = asyncio.run(
             _play(url, model_path.stem, LLAMA_SERVER, sessions, workload, step(LLAMA_SERVER, 0))

@@ -12,7 +12,7 @@ from baton_serve.loadtests.bench_common import (
     positive_int,
     print_report,
 )
-from baton_serve.replicas.models.model_source import resolve_model
+from baton_serve.replicas.models.model_source import resolve_model, resolve_projector
 
 _WORKLOAD_FLAGS = {  # flag → what it sets (defaults: `PeerWorkload`)
     "chat-sessions": "chat conversations (default 6)",
@@ -25,6 +25,8 @@ _WORKLOAD_FLAGS = {  # flag → what it sets (defaults: `PeerWorkload`)
     "turn-tokens": "each later question, and each agent's task (default 60)",
     "tool-tokens": "each tool result an agent appends (default 150)",
     "reply-tokens": "each reply, generated to the end (ignore_eos) (default 32)",
+    "image-px": "each conversation opens with a random-pixel image this many pixels a side "
+    "(default 0: none; needs --mmproj)",
     "seed": "seed of every text (default 0)",
 }
 
@@ -35,6 +37,9 @@ def add_peer_command(benches: argparse._SubParsersAction) -> None:
         "peer", help="Baton vs llama-server (same llama.cpp) on one node, one seeded workload"
     )
     peer.add_argument("--model", help=MODEL_HELP)
+    peer.add_argument(
+        "--mmproj", help="the model's image projector, for both sides (a path, hf://, tiny:ARCH)"
+    )
     peer.add_argument(
         "--threads",
         type=positive_int,
@@ -57,7 +62,9 @@ def add_peer_command(benches: argparse._SubParsersAction) -> None:
         "llama-server's -fa on); without it both run -fa off, Baton's default",
     )
     for name, what in _WORKLOAD_FLAGS.items():
-        kind = int if name in ("seed", "chat-sessions", "agent-sessions") else positive_int
+        kind = (
+            int if name in ("seed", "chat-sessions", "agent-sessions", "image-px") else positive_int
+        )
         peer.add_argument(f"--{name}", type=kind, help=what)
     peer.add_argument(
         "--no-breakdown",
@@ -77,9 +84,12 @@ def _bench_peer(args: argparse.Namespace) -> int:
 
     fields = [name.replace("-", "_") for name in _WORKLOAD_FLAGS]
     given = {field: getattr(args, field) for field in fields if getattr(args, field) is not None}
+    model = resolve_model(args.model)
+    mmproj = resolve_projector(args.mmproj, model) if args.mmproj else None
     with bench_progress(args, "peer") as progress:
         result, records = peer_benchmark(
-            resolve_model(args.model),
+            model,
+            mmproj=mmproj,
             workload=PeerWorkload(**given),
             threads=args.threads,
             slots=args.slots,

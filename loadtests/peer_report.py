@@ -39,7 +39,8 @@ def format_report(result: dict) -> str:
     peer, baton = result[LLAMA_SERVER], result[BATON]
     lines = [
         f"peer: {Path(result['model']).name}, {result['workload']['concurrency']} streams,"
-        f" {peer['requests']} requests each (seed {result['workload']['seed']},"
+        + _images(result["workload"])
+        + f" {peer['requests']} requests each (seed {result['workload']['seed']},"
         f" script {result['script']})",
         f"  llama-server: -t {setup['threads']} -np {setup['slots']} --jinja"
         f" -fa {'on' if setup.get('flash_attn') else 'off'}",
@@ -53,13 +54,13 @@ def format_report(result: dict) -> str:
         + ("" if engine.get("exact_reuse", True) else ", exact_reuse off (no replays)")
         + (", flash attention on" if engine.get("flash_attn") else ""),
         "",
-        f"  {'figure':<14}{'llama-server':>14}{'baton':>12}{'baton/llama':>13}  target",
+        f"  {'figure':<19}{'llama-server':>14}{'baton':>12}{'baton/llama':>13}  target",
     ]
     for row in result["rows"]:
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
         verdict = {True: "met", False: "NOT met", None: "-"}[row["met"]]
         lines.append(
-            f"  {row['figure']:<14}{_value(row, LLAMA_SERVER):>14}{_value(row, BATON):>12}"
+            f"  {row['figure']:<19}{_value(row, LLAMA_SERVER):>14}{_value(row, BATON):>12}"
             f"{ratio:>13}  {row['target']}x: {verdict}"
         )
     for side, summary in ((LLAMA_SERVER, peer), (BATON, baton)):
@@ -68,9 +69,42 @@ def format_report(result: dict) -> str:
             f" cached, {summary['completion_tokens']} generated, {summary['errors']} errors,"
             f" {summary['wall_s']:.1f} s"
         )
+    lines += format_follow_ups(result)
     if "breakdown" in result:
         lines += ["", *format_breakdown(result["breakdown"], baton)]
     return "\n".join(lines)
+
+
+FOLLOW_UP_TTFT = 0.3  # images: a follow-up's TTFT p50 at most this share of a cold turn's
+FOLLOW_UP_CACHED = 0.9  # images: at least this share of follow-ups' prompt tokens cached
+
+
+def format_follow_ups(result: dict) -> list[str]:
+    """Cold turns against follow-ups, each side (with images, against #48's targets)."""
+    images = bool(result["workload"].get("image_px"))
+    lines = ["", "cold first turns vs follow-up turns (TTFT p50; prompt tokens cached):"]
+    for side in (LLAMA_SERVER, BATON):
+        summary = result[side]
+        cold, follow = summary["cold_ttft_s"]["p50"], summary["follow_up_ttft_s"]["p50"]
+        cached = summary["follow_up_cached"]
+        if cold is None or follow is None or cached is None:
+            continue
+        ratio = follow / cold
+        line = (
+            f"  {side:<13}{cold * 1000:8.0f} ms -> {follow * 1000:6.0f} ms ({ratio:.2f}x),"
+            f" {cached:.0%} cached"
+        )
+        if images:
+            met = ratio <= FOLLOW_UP_TTFT and cached >= FOLLOW_UP_CACHED
+            line += f"  target <= {FOLLOW_UP_TTFT}x, >= {FOLLOW_UP_CACHED:.0%}: "
+            line += "met" if met else "NOT met"
+        lines.append(line)
+    return lines
+
+
+def _images(workload: dict) -> str:
+    px = workload.get("image_px")
+    return f" chats opening with a {px}x{px} image," if px else ""
 
 
 def format_breakdown(breakdown: dict, baton: dict) -> list[str]:

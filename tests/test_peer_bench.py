@@ -1,5 +1,6 @@
 """`baton bench peer` end to end on a tiny model and a few requests: both servers really
-served the same seeded workload, and every figure and breakdown part is measured.
+served the same seeded workload — its chats opening with an image, read by the model's
+generated projector on both sides — and every figure and breakdown part is measured.
 
 The bench runs in its own process (`baton bench peer --json`): it starts and stops Ray
 itself, twice (the traced run needs Ray's workers started with tracing on), which must not
@@ -35,6 +36,7 @@ FLAGS = {
     "turn-tokens": 20,
     "tool-tokens": 40,
     "reply-tokens": 6,
+    "image-px": 56,
 }
 REQUESTS = 2 * 2 + 1 * 3
 
@@ -45,12 +47,13 @@ def llama_server_binary():
 
 
 def test_peer_bench_serves_one_workload_on_both_sides(
-    tiny_model, llama_server_binary, tmp_path
+    tiny_model, tiny_projector, llama_server_binary, tmp_path
 ) -> None:
     flags = [arg for name, value in FLAGS.items() for arg in (f"--{name}", str(value))]
     command = [
         *(sys.executable, "-m", "baton_serve.deploy.cli", "bench", "peer"),
         *("--model", str(tiny_model("qwen35")), "--threads", "2", "--json"),
+        *("--mmproj", str(tiny_projector("qwen35"))),
         "--no-exact-reuse",  # the flag reaches Baton's engines (the default: every other test)
         "--flash-attn",  # and this one both sides
         *("--out", str(tmp_path), *flags),
@@ -68,14 +71,19 @@ def test_peer_bench_serves_one_workload_on_both_sides(
         assert 0 < summary["itl_s"]["p50"] <= summary["itl_s"]["p99"], side
         assert summary["requests_per_s"] > 0, side
     setup = {"threads": 2, "slots": 2, "replicas": 2, "n_ctx": 1024}
-    assert result["setup"] == setup | {"exact_reuse": False, "flash_attn": True}
+    mmproj = str(tiny_projector("qwen35"))
+    assert result["setup"] == setup | {"exact_reuse": False, "flash_attn": True, "mmproj": mmproj}
     engine = {"n_ctx": 1024, "n_slots": 1, "n_threads": 1, "node_cores": 2}
     assert result["engine"] == engine | {"exact_reuse": False, "flash_attn": True}
     assert "-fa on" in format_report(result) and "flash attention on" in format_report(result)
     rows = {row["figure"]: row for row in result["rows"]}
     assert set(rows) == {f"{m} p{q}" for m in ("ttft", "itl") for q in (50, 95, 99)} | {
-        "requests/s"
+        "requests/s",
+        "follow-up ttft p50",
     }
+    for side in ("llama-server", "baton"):  # the images' follow-ups come from cache
+        assert result[side]["follow_up_cached"] > 0.5, side
+    assert "cold first turns vs follow-up turns" in format_report(result)
     assert all(row["ratio"] > 0 and row["met"] in (True, False) for row in rows.values())
 
     breakdown = result["breakdown"]

@@ -62,13 +62,13 @@ def resolve_media(
         if not isinstance(message.content, list):
             resolved.append(message)
             continue
-        texts = []
+        texts: list[tuple[str, bool]] = []  # (text, whether it is a marker)
         for j, part in enumerate(message.content):
             param = f"messages[{k}].content[{j}]"
             if isinstance(part, TextPart):
                 if MARKER_PREFIX in part.text:
                     raise MediaError(_marker_refused(), param)
-                texts.append(part.text)
+                texts.append((part.text, False))
             elif isinstance(part, AudioPart):
                 raise MediaError("this server takes no audio (input_audio parts)", param)
             else:
@@ -79,9 +79,22 @@ def resolve_media(
                     )
                 data = data_url_bytes(part.image_url.url, bounds.max_image_bytes, param)
                 images.append(decode_image(data, bounds.max_image_pixels, param))
-                texts.append(media_marker(len(images) - 1))
-        resolved.append(message.model_copy(update={"content": "\n".join(texts)}))
+                texts.append((media_marker(len(images) - 1), True))
+        resolved.append(message.model_copy(update={"content": _joined(texts)}))
     return ChatMedia(resolved, tuple(images))
+
+
+def _joined(parts: list[tuple[str, bool]]) -> str:
+    """The parts' text: text parts joined with newlines, none before or after a marker (as
+    llama.cpp's chat code joins them, so both count a message's tokens alike)."""
+    text = ""
+    after_marker = False
+    for part, is_marker in parts:
+        if not is_marker and text and not after_marker:
+            text += "\n"
+        text += part
+        after_marker = is_marker
+    return text
 
 
 def _marker_refused() -> str:
