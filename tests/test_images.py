@@ -135,7 +135,7 @@ def test_ids_that_are_not_their_image_are_refused(
     red, blue = chat_prompt(builder, [asking(1)]), chat_prompt(builder, [asking(2)])
     with pytest.raises(PromptError, match="not its image's"):
         engine.generate(red.model_copy(update={"media": blue.media}), GREEDY)
-    with pytest.raises(PromptError, match="images' ids"):
+    with pytest.raises(PromptError, match="1 image spans; it carries 0"):
         engine.generate(red.model_copy(update={"media": ()}), GREEDY)
     text_only = make_engine(tiny_model("qwen35"))
     with pytest.raises(PromptError, match="takes no images"):

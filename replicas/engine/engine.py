@@ -31,7 +31,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from baton_serve.cache_store.media_tokens import media_spans
 from baton_serve.replicas.engine import device_memory
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE, prefill_pieces
 from baton_serve.replicas.engine.emulated_compute import load_model, open_context
@@ -156,9 +155,7 @@ class Engine(EngineFace):
         self.check(request)
         chain = self.carried_chain(request.prompt.tokens, prefix_hashes)
         handle = RequestHandle(request, request_deadline_s(request, self.n_ctx, self.config), chain)
-        if request.prompt.media:
-            spans = media_spans(request.prompt.tokens)
-            handle.images = prepare_images(request.prompt, spans, self._projector)
+        handle.images = prepare_images(request.prompt, self._projector)
         with self._wakeup:
             if self._closed:
                 raise EngineClosed("the engine is shut down")
@@ -323,7 +320,7 @@ class Engine(EngineFace):
         saved, restored, rewound = stats.saved_bytes, stats.restored_bytes, stats.rewound_bytes
         slot, cached = self._cache.place(prompt.tokens, free, handle.prefix_hashes)
         full, partial = self._cache.checkpoints_for(prompt, cached)
-        spans = tuple(media_spans(prompt.tokens)) if prompt.media else ()
+        spans = handle.images.spans if handle.images is not None else ()
         chunk = self.config.prefill_chunk
         pieces = prefill_pieces(cached, len(prompt), full + partial, chunk, spans)
         run = start_request(

@@ -27,39 +27,35 @@ from baton_serve.replicas.wire.prompt_types import Prompt
 MAX_PIXELS = 1 << 26
 
 
-def checked_spans(
-    prompt: Prompt, n_vocab: int, projector: MediaProjector | None
-) -> list[tuple[int, int]]:
-    """The prompt's media spans, each one the placeholders of the image it carries there;
-    `PromptError` for any other id outside the vocabulary, or images where the model takes
-    none."""
+def check_prompt_ids(prompt: Prompt, n_vocab: int, projector: MediaProjector | None) -> None:
+    """`PromptError` unless each id of `prompt` is in the vocabulary or one of the
+    placeholders of the image it carries there (and the model takes images)."""
     tokens = prompt.tokens
     if all(0 <= t < n_vocab for t in tokens) and not prompt.media:
-        return []
+        return
     if any(t < 0 or n_vocab <= t < MEDIA_TOKEN_BASE for t in tokens):
         raise PromptError(f"token ids must be in [0, {n_vocab})")
     if projector is None or not projector.takes_images:
         raise PromptError("this model takes no images: it is served without a projector (--mmproj)")
     spans = media_spans(tokens)
     if len(spans) != len(prompt.media):
-        raise PromptError(f"the prompt holds {len(spans)} images' ids for {len(prompt.media)}")
+        raise PromptError(
+            f"the prompt's ids hold {len(spans)} image spans; it carries {len(prompt.media)} images"
+        )
     for (start, end), item in zip(spans, prompt.media, strict=True):
         ids = tokens[start:end]
         n_pos = positions_after(ids)
         if n_pos == 0 or ids != media_tokens(projector.identity(item.digest), end - start, n_pos):
             raise PromptError(f"the ids at [{start}, {end}) are not its image's")
-    return spans
 
 
 @dataclass
 class PromptImages:
     """A request's images, by the start of their span in its prompt."""
 
+    spans: tuple[tuple[int, int], ...]
     prepared: dict[int, PreparedImage]
     _embeddings: dict[int, np.ndarray] = field(default_factory=dict)
-
-    def span_start(self, start: int) -> bool:
-        return start in self.prepared
 
     def close(self) -> None:
         for image in self.prepared.values():
@@ -97,13 +93,12 @@ class PromptImages:
         )
 
 
-def prepare_images(
-    prompt: Prompt, spans: list[tuple[int, int]], projector: MediaProjector | None
-) -> PromptImages | None:
-    """Each image of `prompt` (at `spans`, from `checked_spans`) read and prepared;
-    `PromptError` where an image is not the one its ids name."""
-    if not spans or projector is None:
+def prepare_images(prompt: Prompt, projector: MediaProjector | None) -> PromptImages | None:
+    """Each image of `prompt` (checked by `check_prompt_ids`) read and prepared; `PromptError`
+    where an image is not the one its ids name. None for a prompt without images."""
+    if not prompt.media or projector is None:
         return None
+    spans = media_spans(prompt.tokens)
     prepared: dict[int, PreparedImage] = {}
     try:
         for (start, end), item in zip(spans, prompt.media, strict=True):
@@ -126,4 +121,4 @@ def prepare_images(
         for image in prepared.values():
             image.close()
         raise
-    return PromptImages(prepared)
+    return PromptImages(tuple(spans), prepared)

@@ -7,7 +7,7 @@ from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.engine.media_projector import MediaProjector
 from baton_serve.replicas.engine.prompt import PromptError
-from baton_serve.replicas.engine.prompt_media import checked_spans
+from baton_serve.replicas.engine.prompt_media import check_prompt_ids
 from baton_serve.replicas.engine.sampling import sampling_problem
 from baton_serve.replicas.wire.protocol import GenerationRequest, InvalidGeneration, PromptTooLong
 
@@ -28,7 +28,7 @@ def check_request(
         raise PromptError("the prompt is empty")
     if n_prompt >= n_ctx:
         raise PromptTooLong(n_prompt, n_ctx)
-    checked_spans(request.prompt, model.n_vocab, projector)
+    check_prompt_ids(request.prompt, model.n_vocab, projector)
     if problem := sampling_problem(request.sampling, model, config):
         raise InvalidGeneration(problem)
     if request.n > n_slots:

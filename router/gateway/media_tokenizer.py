@@ -39,7 +39,8 @@ class MediaTokenizer:
             if index >= len(self._images):
                 continue  # text, not one of this request's markers
             if match.start() > at:
-                tokens += self._text(text[at : match.start()], add_special and not tokens)
+                before = text[at : match.start()]
+                tokens += self._text(before, add_special and not tokens, parse_special)
             tokens += self._image_tokens[index]
             self.used.append(self._images[index])
             at = match.end()
@@ -47,7 +48,7 @@ class MediaTokenizer:
             tokens += self._text(text[at:], add_special and not tokens, parse_special)
         return tokens
 
-    def _text(self, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
+    def _text(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         return self._tokenizer.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def token_text(self, token: int) -> str:
