@@ -257,6 +257,8 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
             max_images=config.max_images,
             max_image_bytes=config.max_image_bytes,
             max_image_pixels=config.max_image_pixels,
+            url_hosts=tuple(config.image_url_hosts),
+            fetch_timeout_s=config.image_fetch_timeout_s,
         ),
         n_ctx=config.engine.n_ctx,
         block_tokens=config.engine.block_tokens,

@@ -131,6 +131,19 @@ class RequestBounds(BaseModel):
         description="most pixels of one image (8K by default), read from its header before "
         "its pixels are decoded; more gets a 400 naming the part",
     )
+    image_url_hosts: list[str] = Field(
+        default=[],
+        description="hosts (NAME or NAME:PORT) whose http(s) image URLs the gateway fetches, "
+        "within max_image_bytes and image_fetch_timeout_s, following no redirects; empty: "
+        "none (a URL gets a 400 naming the setting). Fetching on a client's behalf reaches "
+        "what the server can reach: list only hosts that serve images to anyone",
+    )
+    image_fetch_timeout_s: float = Field(
+        default=MediaBounds.fetch_timeout_s,
+        gt=0,
+        allow_inf_nan=False,
+        description="seconds an image fetch may wait to connect, and for each read",
+    )
     max_grammar_chars: int = Field(
         default=MAX_GRAMMAR_CHARS,
         ge=1,

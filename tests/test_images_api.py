@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import openai
@@ -21,14 +23,49 @@ from baton_serve.router.gateway.gateway import GatewaySettings
 MODEL = "baton-vision"
 
 
+class ImageHost(BaseHTTPRequestHandler):
+    """A real HTTP server an operator lists in `image_url_hosts`: an image, one too large,
+    a redirect (to an image), a missing path."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        body = {
+            "/cat.png": base64.b64decode(image_url(5).partition(",")[2]),
+            "/huge.png": b"\0" * (65 << 10),
+        }.get(self.path)
+        if self.path == "/moved":
+            self.send_response(302)
+            self.send_header("Location", "/cat.png")
+            self.end_headers()
+            return
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
 @pytest.fixture(scope="module")
-def served(tiny_model, tiny_projector):
+def image_host():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ImageHost)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model, tiny_projector, image_host):
+    bounds = MediaBounds(
+        max_images=2, max_image_bytes=64 << 10, max_image_pixels=1 << 16, url_hosts=(image_host,)
+    )
     settings = GatewaySettings(
         MODEL,
         str(tiny_model("qwen35")),
         n_ctx=1024,
         mmproj=str(tiny_projector("qwen35")),
-        media_bounds=MediaBounds(max_images=2, max_image_bytes=64 << 10, max_image_pixels=1 << 16),
+        media_bounds=bounds,
     )
     with serving(settings, EngineConfig(n_ctx=1024, n_slots=2, n_threads=2)) as served:
         yield served
@@ -80,10 +117,25 @@ def _blank_png(side: int) -> bytes:
 BAD_PARTS = [
     pytest.param(_png_url(b"not a png at all"), "cannot be read", id="undecodable"),
     pytest.param("data:image/png;base64,@@@@", "does not decode", id="bad base64"),
-    pytest.param("https://example.com/cat.png", "does not fetch", id="remote URL"),
+    pytest.param("https://example.com/cat.png", "image_url_hosts", id="an unlisted host"),
+    pytest.param("file:///etc/passwd", "data: URL or an http(s) URL", id="a file URL"),
     pytest.param(_png_url(b"\0" * (65 << 10)), "max_image_bytes", id="too many bytes"),
     pytest.param(_png_url(_blank_png(300)), "max_image_pixels", id="too many pixels"),
 ]
+
+
+def _chat(served, url: str) -> httpx.Response:
+    content = [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": url}}]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    return httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=30)
+
+
+def test_an_image_url_on_a_listed_host_is_fetched(served, image_host) -> None:
+    response = _chat(served, f"http://{image_host}/cat.png")
+    assert response.status_code == 200, response.text
+    for path, says in (("huge.png", "max_image_bytes"), ("moved", "HTTP 302"), ("x", "HTTP 404")):
+        response = _chat(served, f"http://{image_host}/{path}")
+        assert response.status_code == 400 and says in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(("url", "says"), BAD_PARTS)

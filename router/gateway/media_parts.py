@@ -8,12 +8,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from baton_serve.replicas.engine.media_input import (
+    DATA_URL_PREFIX,
     DecodedImage,
     MediaBounds,
     MediaError,
     data_url_bytes,
     decode_image,
 )
+from baton_serve.router.gateway.image_fetch import fetch_image
 from baton_serve.router.gateway.openai_inputs import AudioPart, ImagePart, InputMessage, TextPart
 
 MARKER_PREFIX = "<__baton_media_"
@@ -77,11 +79,17 @@ def resolve_media(
                         "this model takes no images: it is served without a projector (--mmproj)",
                         param,
                     )
-                data = data_url_bytes(part.image_url.url, bounds.max_image_bytes, param)
+                data = _image_bytes(part.image_url.url, bounds, param)
                 images.append(decode_image(data, bounds.max_image_pixels, param))
                 texts.append((media_marker(len(images) - 1), True))
         resolved.append(message.model_copy(update={"content": _joined(texts)}))
     return ChatMedia(resolved, tuple(images))
+
+
+def _image_bytes(url: str, bounds: MediaBounds, param: str) -> bytes:
+    if url.startswith(DATA_URL_PREFIX):
+        return data_url_bytes(url, bounds.max_image_bytes, param)
+    return fetch_image(url, bounds, param)
 
 
 def _joined(parts: list[tuple[str, bool]]) -> str:
