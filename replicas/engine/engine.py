@@ -155,7 +155,7 @@ class Engine(EngineFace):
         self.check(request)
         chain = self.carried_chain(request.prompt.tokens, prefix_hashes)
         handle = RequestHandle(request, request_deadline_s(request, self.n_ctx, self.config), chain)
-        handle.images = prepare_images(request.prompt, self._projector)
+        handle.images = prepare_images(request.prompt, self._projector, self.config.n_batch)
         with self._wakeup:
             if self._closed:
                 raise EngineClosed("the engine is shut down")

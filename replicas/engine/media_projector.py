@@ -52,10 +52,13 @@ class PreparedImage:
     """An image tokenised by the projector, ready to encode. It owns llama.cpp memory, freed
     by `close` or when it is dropped."""
 
-    def __init__(self, mtmd: Any, chunks: int, layout: MediaLayout, image_chunk: int) -> None:
+    def __init__(
+        self, mtmd: Any, chunks: int, layout: MediaLayout, image_chunk: int, whole: bool
+    ) -> None:
         self._free = weakref.finalize(self, mtmd.mtmd_input_chunks_free, chunks)
         self.layout = layout
         self.chunk = image_chunk
+        self.whole = whole  # its embeddings attend to each other: one llama_decode for all
 
     def close(self) -> None:
         self._free()
@@ -134,7 +137,8 @@ class MediaProjector:
             mtmd.mtmd_input_chunk_get_n_pos(image_chunk),
             tuple(after),
         )
-        return PreparedImage(mtmd, chunks, layout, image_chunk)
+        whole = bool(mtmd.mtmd_decode_use_non_causal(self._pointer, image_chunk))
+        return PreparedImage(mtmd, chunks, layout, image_chunk, whole)
 
     def layout(self, image: DecodedImage) -> MediaLayout:
         """The tokens and positions `image` takes: any thread."""

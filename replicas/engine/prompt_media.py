@@ -93,9 +93,12 @@ class PromptImages:
         )
 
 
-def prepare_images(prompt: Prompt, projector: MediaProjector | None) -> PromptImages | None:
+def prepare_images(
+    prompt: Prompt, projector: MediaProjector | None, n_batch: int
+) -> PromptImages | None:
     """Each image of `prompt` (checked by `check_prompt_ids`) read and prepared; `PromptError`
-    where an image is not the one its ids name. None for a prompt without images."""
+    where an image is not the one its ids name, or cannot be fed in calls of `n_batch`
+    tokens. None for a prompt without images."""
     if not prompt.media or projector is None:
         return None
     spans = media_spans(prompt.tokens)
@@ -116,6 +119,11 @@ def prepare_images(prompt: Prompt, projector: MediaProjector | None) -> PromptIm
                     f"the image at [{start}, {end}) takes {layout.n_tokens} tokens and "
                     f"{layout.n_pos} positions here, not {end - start} and {n_pos} "
                     "(the gateway's projector is not this replica's)"
+                )
+            if prepared[start].whole and layout.n_tokens > n_batch:
+                raise PromptError(
+                    f"the image at [{start}, {end}) takes {layout.n_tokens} tokens, fed in one "
+                    f"call; this engine's calls take at most {n_batch} (engine.n_batch)"
                 )
     except BaseException:
         for image in prepared.values():
