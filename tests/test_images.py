@@ -19,7 +19,7 @@ from baton_serve.replicas.engine.media_input import MediaBounds
 from baton_serve.replicas.engine.prompt import PromptError
 from baton_serve.replicas.wire.prompt_types import ChatMessage, Prompt
 from baton_serve.replicas.wire.sampling_params import SamplingParams
-from baton_serve.router.gateway.media_parts import resolve_media
+from baton_serve.router.gateway.media_parts import mark_media, read_image
 from baton_serve.router.gateway.openai_inputs import InputMessage
 from baton_serve.router.gateway.prompt_builder import PromptBuilder
 
@@ -55,9 +55,11 @@ def builder(request, tiny_model, tiny_projector):
 
 def chat_prompt(builder: PromptBuilder, messages: list[dict]) -> Prompt:
     """What the gateway builds: images read and marked, the chat rendered and tokenised."""
-    media = resolve_media([InputMessage(**m) for m in messages], MediaBounds(), True)
-    chat = [ChatMessage(role=m.role, content=m.text) for m in media.messages]
-    return builder.from_messages(chat, images=media.images)
+    bounds = MediaBounds()
+    marked = mark_media([InputMessage(**m) for m in messages], bounds, True)
+    chat = [ChatMessage(role=m.role, content=m.text) for m in marked.messages]
+    images = [read_image(source, bounds) for source in marked.sources]
+    return builder.from_messages(chat, images=images)
 
 
 @pytest.mark.parametrize("builder", VISION_ARCHS, indirect=True)

@@ -68,7 +68,7 @@ from baton_serve.router.gateway.list_bounds import (
     ListBounds,
 )
 from baton_serve.router.gateway.logprobs import LogprobFormat
-from baton_serve.router.gateway.media_parts import ChatMedia, has_media, resolve_media
+from baton_serve.router.gateway.media_parts import has_media, read_media
 from baton_serve.router.gateway.middleware import APIKeyAuth, BodySizeLimit
 from baton_serve.router.gateway.prompt_builder import ChatEnding, PromptBuilder
 from baton_serve.router.gateway.reply_budget import ReplyBudget
@@ -208,8 +208,14 @@ class _Gateway:
         self._budget.check_asked(body, prompts=1)
         images: tuple[DecodedImage, ...] = ()
         if has_media(body.messages):
-            media = await self._read_media(body.messages)
-            body, images = body.model_copy(update={"messages": media.messages}), media.images
+            bounds, takes = self._settings.media_bounds, self._builder.takes_images
+            try:
+                marked, images = await read_media(
+                    body.messages, bounds, takes, self._prompt_threads
+                )
+            except MediaError as exc:
+                raise invalid_request(str(exc), param=exc.param) from None
+            body = body.model_copy(update={"messages": marked})
         tools = self._builder.template_tools
         plan = await self._grammars.plan(body, tools)
         grammar = await self._grammars.chat(body, plan)
@@ -247,14 +253,6 @@ class _Gateway:
         return _json(
             api.ChatCompletion(**asdict(reply), choices=choices, usage=usage_of([done])), [done]
         )
-
-    async def _read_media(self, messages: list[api.InputMessage]) -> ChatMedia:
-        """The images of a chat, read in a prompt thread; a 400 naming a part that cannot be."""
-        bounds, takes = self._settings.media_bounds, self._builder.takes_images
-        try:
-            return await self._prompt_threads.run(resolve_media, messages, bounds, takes)
-        except MediaError as exc:
-            raise invalid_request(str(exc), param=exc.param) from None
 
     async def complete(self, body: api.CompletionRequest) -> Response:
         self._check_model(body.model)

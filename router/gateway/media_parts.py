@@ -1,6 +1,7 @@
-"""Images in a chat's messages: counted and bounded, read (in a prompt thread, off the event
-loop), and each replaced in its message's text by a marker that `media_tokenizer` turns
-into the image's tokens once the chat template has rendered the text around it."""
+"""Images in a chat's messages: counted and bounded, each replaced in its message's text by
+a marker that `media_tokenizer` turns into the image's tokens once the chat template has
+rendered the text around it, and read — its bytes from a data: URL or a listed host, its
+pixels decoded — each in a prompt thread of its own, off the event loop."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from baton_serve.replicas.engine.media_input import (
     data_url_bytes,
     decode_image,
 )
+from baton_serve.router.gateway.gateway_work import PromptThreads, all_or_none
 from baton_serve.router.gateway.image_fetch import fetch_image
 from baton_serve.router.gateway.openai_inputs import AudioPart, ImagePart, InputMessage, TextPart
 
@@ -27,23 +29,32 @@ def media_marker(index: int) -> str:
 
 
 @dataclass(frozen=True)
-class ChatMedia:
-    """A chat's messages with their content as text (a marker in place of each image), and
-    the images, in marker order."""
+class ImageSource:
+    """Where an image part's bytes are, and the part's place in the request."""
+
+    url: str
+    param: str
+
+
+@dataclass(frozen=True)
+class MarkedChat:
+    """A chat's messages with their content as text, a marker in place of each image, and
+    the images' sources in marker order."""
 
     messages: list[InputMessage]
-    images: tuple[DecodedImage, ...]
+    sources: tuple[ImageSource, ...]
 
 
 def has_media(messages: Sequence[InputMessage]) -> bool:
     return any(isinstance(m.content, list) for m in messages)
 
 
-def resolve_media(
+def mark_media(
     messages: Sequence[InputMessage], bounds: MediaBounds, takes_images: bool
-) -> ChatMedia:
-    """Read every image of `messages`; `MediaError` (its `param` naming the part) for a part
-    this server cannot take, an image over a bound, or one that does not decode."""
+) -> MarkedChat:
+    """`messages` with a marker in place of each image; `MediaError` (its `param` naming the
+    part) for more images than `max_images`, a part this server cannot take, or text that
+    holds a marker."""
     count = sum(
         isinstance(part, ImagePart)
         for m in messages
@@ -56,13 +67,13 @@ def resolve_media(
             "a request (max_images)",
             "messages",
         )
-    images: list[DecodedImage] = []
-    resolved = []
+    sources: list[ImageSource] = []
+    marked = []
     for k, message in enumerate(messages):
         if isinstance(message.content, str) and MARKER_PREFIX in message.content:
             raise MediaError(_marker_refused(), f"messages[{k}].content")
         if not isinstance(message.content, list):
-            resolved.append(message)
+            marked.append(message)
             continue
         texts: list[tuple[str, bool]] = []  # (text, whether it is a marker)
         for j, part in enumerate(message.content):
@@ -79,17 +90,32 @@ def resolve_media(
                         "this model takes no images: it is served without a projector (--mmproj)",
                         param,
                     )
-                data = _image_bytes(part.image_url.url, bounds, param)
-                images.append(decode_image(data, bounds.max_image_pixels, param))
-                texts.append((media_marker(len(images) - 1), True))
-        resolved.append(message.model_copy(update={"content": _joined(texts)}))
-    return ChatMedia(resolved, tuple(images))
+                texts.append((media_marker(len(sources)), True))
+                sources.append(ImageSource(part.image_url.url, param))
+        marked.append(message.model_copy(update={"content": _joined(texts)}))
+    return MarkedChat(marked, tuple(sources))
 
 
-def _image_bytes(url: str, bounds: MediaBounds, param: str) -> bytes:
-    if url.startswith(DATA_URL_PREFIX):
-        return data_url_bytes(url, bounds.max_image_bytes, param)
-    return fetch_image(url, bounds, param)
+def read_image(source: ImageSource, bounds: MediaBounds) -> DecodedImage:
+    """The image at `source`, within `bounds`; `MediaError` naming its part."""
+    if source.url.startswith(DATA_URL_PREFIX):
+        data = data_url_bytes(source.url, bounds.max_image_bytes, source.param)
+    else:
+        data = fetch_image(source.url, bounds, source.param)
+    return decode_image(data, bounds.max_image_pixels, source.param)
+
+
+async def read_media(
+    messages: Sequence[InputMessage],
+    bounds: MediaBounds,
+    takes_images: bool,
+    threads: PromptThreads,
+) -> tuple[list[InputMessage], tuple[DecodedImage, ...]]:
+    """`mark_media`'s messages and every image read (`read_image`), each in a prompt thread
+    of its own; the first `MediaError` stops the others."""
+    marked = await threads.run(mark_media, messages, bounds, takes_images)
+    reads = [threads.run(read_image, source, bounds) for source in marked.sources]
+    return marked.messages, tuple(await all_or_none(reads))
 
 
 def _joined(parts: list[tuple[str, bool]]) -> str:
