@@ -83,6 +83,7 @@ def test_a_follow_up_turn_is_served_from_cache_without_the_encoder(
     fresh = scratch.generate(second, GREEDY, return_logits=True)
 
     assert engine.stats.images_encoded == 1  # the image's state came from the cache
+    assert engine.stats.images_read == 1  # and the follow-up did not even read the image
     assert resumed.usage.cached_tokens > span[1]
     assert resumed.tokens == fresh.tokens
     assert float(np.abs(resumed.logits - fresh.logits).max()) == 0.0

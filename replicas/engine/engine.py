@@ -106,7 +106,7 @@ class Engine(EngineFace):
         self._peer_asks = deque()
         self._guard = StepGuard(self._context, self.stats)
         self._executor = StepExecutor(
-            self.config, self._guard, self._cache, self.stats, self._sampled, self._projector
+            self.config, self._guard, self._cache, self.stats, self._sampled
         )
         self._heartbeat = Heartbeat(self.config.stall_timeout_s)
         self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
@@ -155,7 +155,12 @@ class Engine(EngineFace):
         self.check(request)
         chain = self.carried_chain(request.prompt.tokens, prefix_hashes)
         handle = RequestHandle(request, request_deadline_s(request, self.n_ctx, self.config), chain)
-        handle.images = prepare_images(request.prompt, self._projector, self.config.n_batch)
+        if request.prompt.media:  # an image in the prefix the engine likely holds is not read
+            likely, _ = self.local_reuse(request.prompt.tokens, chain)
+            n_batch = self.config.n_batch
+            handle.images = prepare_images(
+                request.prompt, self._projector, n_batch, likely, self.stats
+            )
         with self._wakeup:
             if self._closed:
                 raise EngineClosed("the engine is shut down")

@@ -1,7 +1,7 @@
 """A prompt's images on the engine: its placeholder ids checked against the images it
-carries, each image read and prepared where the request is submitted (off the engine
-loop), and encoded and fed on the loop only when its piece is computed — never for an
-image whose state a cached prefix already holds."""
+carries, each image not in the prefix the engine likely holds read and prepared where the
+request is submitted (off the engine loop), and encoded and fed on the loop only when its
+piece is computed — never for an image whose state a cached prefix already holds."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from baton_serve.replicas.engine.media_input import MediaError, decode_image
 from baton_serve.replicas.engine.media_projector import MediaProjector, PreparedImage
 from baton_serve.replicas.engine.prompt import PromptError
 from baton_serve.replicas.engine.stats import EngineStats
-from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.wire.prompt_types import MediaInput, Prompt
 
 # The gateway has bounded each image's pixels; a replica reads what it is sent, no more.
 MAX_PIXELS = 1 << 26
@@ -51,11 +51,26 @@ def check_prompt_ids(prompt: Prompt, n_vocab: int, projector: MediaProjector | N
 
 @dataclass
 class PromptImages:
-    """A request's images, by the start of their span in its prompt."""
+    """A request's images, by the start of their span in its prompt: those its cached
+    prefix likely holds are not read at all, the others are prepared at submission; one
+    the estimate missed is prepared when its piece comes (`feed`)."""
 
+    prompt: Prompt
+    projector: MediaProjector
+    n_batch: int
     spans: tuple[tuple[int, int], ...]
-    prepared: dict[int, PreparedImage]
+    prepared: dict[int, PreparedImage] = field(default_factory=dict)
     _embeddings: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def prepare(self, from_token: int, stats: EngineStats) -> None:
+        """Read and prepare each image at or after `from_token`."""
+        for index, (start, end) in enumerate(self.spans):
+            if start >= from_token and start not in self.prepared:
+                item = self.prompt.media[index]
+                self.prepared[start] = _prepared(
+                    self.prompt, self.projector, self.n_batch, start, end, item
+                )
+                stats.images_read += 1
 
     def close(self) -> None:
         for image in self.prepared.values():
@@ -65,7 +80,6 @@ class PromptImages:
 
     def feed(
         self,
-        projector: MediaProjector,
         context: LlamaContext,
         start: int,
         *,
@@ -75,15 +89,17 @@ class PromptImages:
     ) -> None:
         """Encode the image at `start` (once a request: a replay may feed it again) and
         decode its embeddings into `seq_id` from `position` on."""
+        if start not in self.prepared:
+            self.prepare(start, stats)
         image = self.prepared[start]
         embeddings = self._embeddings.get(start)
         if embeddings is None:
             started = time.perf_counter()
-            embeddings = projector.encode(image, context.model.n_embd_input)
+            embeddings = self.projector.encode(image, context.model.n_embd_input)
             self._embeddings[start] = embeddings
             stats.images_encoded += 1
             stats.encode_seconds += time.perf_counter() - started
-        projector.feed(
+        self.projector.feed(
             context.pointer,
             image,
             embeddings,
@@ -94,39 +110,53 @@ class PromptImages:
 
 
 def prepare_images(
-    prompt: Prompt, projector: MediaProjector | None, n_batch: int
+    prompt: Prompt,
+    projector: MediaProjector | None,
+    n_batch: int,
+    likely_cached: int,
+    stats: EngineStats,
 ) -> PromptImages | None:
-    """Each image of `prompt` (checked by `check_prompt_ids`) read and prepared; `PromptError`
-    where an image is not the one its ids name, or cannot be fed in calls of `n_batch`
-    tokens. None for a prompt without images."""
+    """`prompt`'s images (checked by `check_prompt_ids`), those after the `likely_cached`
+    tokens read and prepared now; `PromptError` where an image is not the one its ids name,
+    or cannot be fed in calls of `n_batch` tokens. None for a prompt without images."""
     if not prompt.media or projector is None:
         return None
-    spans = media_spans(prompt.tokens)
-    prepared: dict[int, PreparedImage] = {}
+    images = PromptImages(prompt, projector, n_batch, tuple(media_spans(prompt.tokens)))
     try:
-        for (start, end), item in zip(spans, prompt.media, strict=True):
-            try:
-                image = decode_image(item.data, MAX_PIXELS)
-            except MediaError as exc:
-                raise PromptError(f"the image at [{start}, {end}): {exc}") from None
-            if image.digest != item.digest:
-                raise PromptError(f"the image at [{start}, {end}) is not the one its ids name")
-            prepared[start] = projector.prepare(image)
-            layout = prepared[start].layout
-            n_pos = positions_after(prompt.tokens[start:end])
-            if (layout.n_tokens, layout.n_pos) != (end - start, n_pos):
-                raise PromptError(
-                    f"the image at [{start}, {end}) takes {layout.n_tokens} tokens and "
-                    f"{layout.n_pos} positions here, not {end - start} and {n_pos} "
-                    "(the gateway's projector is not this replica's)"
-                )
-            if prepared[start].whole and layout.n_tokens > n_batch:
-                raise PromptError(
-                    f"the image at [{start}, {end}) takes {layout.n_tokens} tokens, fed in one "
-                    f"call; this engine's calls take at most {n_batch} (engine.n_batch)"
-                )
+        images.prepare(likely_cached, stats)
     except BaseException:
-        for image in prepared.values():
-            image.close()
+        images.close()
         raise
-    return PromptImages(tuple(spans), prepared)
+    return images
+
+
+def _prepared(
+    prompt: Prompt,
+    projector: MediaProjector,
+    n_batch: int,
+    start: int,
+    end: int,
+    item: MediaInput,
+) -> PreparedImage:
+    try:
+        image = decode_image(item.data, MAX_PIXELS)
+    except MediaError as exc:
+        raise PromptError(f"the image at [{start}, {end}): {exc}") from None
+    if image.digest != item.digest:
+        raise PromptError(f"the image at [{start}, {end}) is not the one its ids name")
+    prepared = projector.prepare(image)
+    layout, n_pos = prepared.layout, positions_after(prompt.tokens[start:end])
+    if (layout.n_tokens, layout.n_pos) != (end - start, n_pos):
+        prepared.close()
+        raise PromptError(
+            f"the image at [{start}, {end}) takes {layout.n_tokens} tokens and "
+            f"{layout.n_pos} positions here, not {end - start} and {n_pos} "
+            "(the gateway's projector is not this replica's)"
+        )
+    if prepared.whole and layout.n_tokens > n_batch:
+        prepared.close()
+        raise PromptError(
+            f"the image at [{start}, {end}) takes {layout.n_tokens} tokens, fed in one "
+            f"call; this engine's calls take at most {n_batch} (engine.n_batch)"
+        )
+    return prepared

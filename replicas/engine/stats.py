@@ -26,6 +26,7 @@ class EngineStats:
     prefill_steps: int = 0
     prompt_tokens_computed: int = 0
     replayed_tokens: int = 0
+    images_read: int = 0  # images decoded and tokenised by the projector
     images_encoded: int = 0  # projector runs: a cached image's prefix needs none
     encode_seconds: float = 0.0
     checkpoints_saved: int = 0

@@ -18,7 +18,6 @@ import numpy as np
 from baton_serve.cache_store.media_tokens import is_media
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_context import BatchEntry
-from baton_serve.replicas.engine.media_projector import MediaProjector
 from baton_serve.replicas.engine.prefix_cache import PrefixCache
 from baton_serve.replicas.engine.slots import Phase, Running
 from baton_serve.replicas.engine.stats import EngineStats
@@ -36,12 +35,9 @@ class StepExecutor:
         cache: PrefixCache,
         stats: EngineStats,
         sample: Callable[[Running, np.ndarray], None],
-        projector: MediaProjector | None = None,
     ) -> None:
-        """`sample` takes a stream's next token from its logits row (and may finish it);
-        `projector` encodes the images of prompts that hold some."""
+        """`sample` takes a stream's next token from its logits row (and may finish it)."""
         self._config = config
-        self._projector = projector
         self._context = cache.states.context
         self._stats = stats
         self._sample = sample
@@ -105,11 +101,10 @@ class StepExecutor:
 
     def _feed_image(self, piece: Piece[Running]) -> None:
         run = piece.key
-        if self._projector is None or run.handle.images is None:
+        if run.handle.images is None:
             raise RuntimeError("an image's piece without its image")
         slot = run.slot
         run.handle.images.feed(
-            self._projector,
             self._context,
             piece.start,
             seq_id=slot.seq_id,
