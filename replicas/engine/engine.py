@@ -121,10 +121,6 @@ class Engine(EngineFace):
             mmproj, self.model, use_gpu=bool(self.model.devices), threads=self.config.n_threads
         )
 
-    @property
-    def takes_images(self) -> bool:
-        return self._projector is not None and self._projector.takes_images
-
     # ---- prompts -------------------------------------------------------------------------
 
     def text_prompt(self, text: str) -> Prompt:

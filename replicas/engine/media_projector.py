@@ -4,8 +4,8 @@ into a sequence at the positions its model family needs (M-RoPE's 2-D grid for Q
 one position a token otherwise), as llama-server does with `--mmproj`.
 
 The gateway asks for layouts only (its prompt threads, in parallel); the engine prepares
-a request's images where it is submitted (off its loop) and encodes and feeds them on its
-loop, where the device is.
+a request's images where it is submitted (off its loop; only those its cache likely lacks)
+and encodes and feeds them on its loop, where the device is.
 """
 
 from __future__ import annotations
