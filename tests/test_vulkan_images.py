@@ -2,8 +2,10 @@
 here, as in `test_vulkan_device.py`): the same greedy replies and cached counts as on CPU,
 the image encoded once. The projector runs where the model's layers are (`use_gpu`).
 
-Both position schemes: qwen35 with Qwen2-VL's merger (M-RoPE), llama with LLaVA's MLP. The
-device rounds differently from CPU's kernels, so only greedy token ids are compared."""
+qwen35 with Qwen2-VL's merger: M-RoPE's 2-D positions are the device path images add
+(llama's one position a token is the text path `test_vulkan_device.py` runs, and its LLaVA
+projector is checked on CPU in `test_images.py`). The device rounds differently from CPU's
+kernels, so only greedy token ids are compared."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.wire.sampling_params import SamplingParams
 from baton_serve.router.gateway.prompt_builder import PromptBuilder
 
-ARCHS = ("qwen35", "llama")
+ARCHS = ("qwen35",)
 GREEDY = SamplingParams(max_tokens=12)
 SETTINGS = {"n_ctx": 1024, "n_slots": 2, "n_threads": 2, "block_tokens": 16}
 
