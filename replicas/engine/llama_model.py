@@ -6,6 +6,7 @@ It owns the `llama_model` pointer; contexts are created by the engine.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import enum
 import functools
@@ -43,11 +44,18 @@ def forward_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> N
             logger.warning("%s", text.decode("utf-8", errors="replace").rstrip())
 
 
+def _stop_forwarding() -> None:
+    """At exit: llama.cpp logs to stderr again. A daemon thread still in llama.cpp would
+    otherwise call `forward_llama_log` once Python has freed it (seen: a segfault at exit)."""
+    llama_cpp.llama_log_set(llama_cpp.llama_log_callback(), ctypes.c_void_p(0))
+
+
 def _init_backend() -> ggml_backends.CpuChoice:
     global _backend_ready
     with _backend_lock:
         if not _backend_ready:
             llama_cpp.llama_log_set(forward_llama_log, ctypes.c_void_p(0))
+            atexit.register(_stop_forwarding)
             ggml_backends.ensure_loaded()
             llama_cpp.llama_backend_init()
             _backend_ready = True

@@ -10,6 +10,7 @@ and encodes and feeds them on its loop, where the device is.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import threading
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import llama_cpp
 import numpy as np
 
 from baton_serve.cache_store.fingerprint import file_fingerprint
@@ -26,6 +28,20 @@ from baton_serve.replicas.engine.llama_model import LlamaModel, forward_llama_lo
 from baton_serve.replicas.engine.media_input import DecodedImage
 
 _MARKER = b"<__media__>"
+
+
+def _forward_mtmd_logs(mtmd_cpp: Any) -> None:
+    """mtmd's chatter dropped and its warnings logged, as llama.cpp's; at exit it logs to
+    stderr again (a daemon thread must not call back into a Python that is shutting down)."""
+    mtmd_cpp.mtmd_log_set(forward_llama_log, None)
+    mtmd_cpp.mtmd_helper_log_set(forward_llama_log, None)
+
+    def stop() -> None:
+        default = llama_cpp.llama_log_callback()  # a null pointer: its own stderr logger
+        mtmd_cpp.mtmd_log_set(default, None)
+        mtmd_cpp.mtmd_helper_log_set(default, None)
+
+    atexit.register(stop)
 
 
 class ProjectorError(RuntimeError):
@@ -71,8 +87,7 @@ class MediaProjector:
         from llama_cpp import mtmd_cpp  # libmtmd loads only where a projector is served
 
         self._mtmd = mtmd_cpp
-        mtmd_cpp.mtmd_log_set(forward_llama_log, None)  # its chatter dropped, as llama.cpp's
-        mtmd_cpp.mtmd_helper_log_set(forward_llama_log, None)
+        _forward_mtmd_logs(mtmd_cpp)
         params = mtmd_cpp.mtmd_context_params_default()
         params.use_gpu = use_gpu
         params.n_threads = threads
