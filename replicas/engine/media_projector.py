@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import hashlib
 import threading
 import weakref
@@ -30,6 +31,7 @@ from baton_serve.replicas.engine.media_input import DecodedImage
 _MARKER = b"<__media__>"
 
 
+@functools.cache  # once a process
 def _forward_mtmd_logs(mtmd_cpp: Any) -> None:
     """mtmd's chatter dropped and its warnings logged, as llama.cpp's; at exit it logs to
     stderr again (a daemon thread must not call back into a Python that is shutting down)."""
