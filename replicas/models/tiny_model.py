@@ -101,6 +101,15 @@ class _Tensors:
         self.weights = weights
         self.items: list[tuple[str, np.ndarray, gguf.GGMLQuantizationType | None]] = []
 
+    def write(self, writer: gguf.GGUFWriter) -> None:
+        """Add every tensor to `writer`, write the file and close it."""
+        for name, data, raw_dtype in self.items:
+            writer.add_tensor(name, data, raw_dtype=raw_dtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
     def matrix(
         self, name: str, n_in: int, n_out: int, std: float | None = None, *, experts: int = 0
     ) -> None:
@@ -353,10 +362,5 @@ def write_tiny_model(
     writer.add_vocab_size(n_vocab)
     for key, value, vtype, sub_type in tokenizer:
         writer.add_key_value(key, value, vtype, sub_type)
-    for name, data, raw_dtype in t.items:
-        writer.add_tensor(name, data, raw_dtype=raw_dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    t.write(writer)
     return out

@@ -145,10 +145,5 @@ def write_tiny_projector(path: Path, *, arch: str, n_embd_text: int, seed: int =
     w.add_vision_image_std(list(IMAGE_STD))
     if arch == "qwen35":
         w.add_vision_spatial_merge_size(SPATIAL_MERGE)
-    for name, data, raw_dtype in t.items:
-        w.add_tensor(name, data, raw_dtype=raw_dtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    t.write(w)
     return path
