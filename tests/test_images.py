@@ -16,8 +16,10 @@ from PIL import Image
 
 from baton_serve.cache_store.media_tokens import media_spans
 from baton_serve.replicas.engine.media_input import MediaBounds
+from baton_serve.replicas.engine.media_projector import MediaProjector, ProjectorError
 from baton_serve.replicas.engine.prompt import PromptError
 from baton_serve.replicas.wire.prompt_types import ChatMessage, Prompt
+from baton_serve.replicas.wire.protocol import EngineError, GenerationRequest
 from baton_serve.replicas.wire.sampling_params import SamplingParams
 from baton_serve.router.gateway.media_parts import mark_media, read_image
 from baton_serve.router.gateway.openai_inputs import InputMessage
@@ -143,3 +145,26 @@ def test_ids_that_are_not_their_image_are_refused(
     text_only = make_engine(tiny_model("qwen35"))
     with pytest.raises(PromptError, match="takes no images"):
         text_only.generate(red, GREEDY)
+
+
+@pytest.mark.parametrize("builder", ["qwen35"], indirect=True)
+def test_an_image_that_fails_to_encode_ends_only_its_request(
+    builder, tiny_model, tiny_projector, make_engine, monkeypatch
+) -> None:
+    """A fake fault (llama.cpp refusing an image cannot be caused with a valid file): the
+    request fails with an engine error, a text request beside it and the next one are served."""
+    engine = make_engine(tiny_model("qwen35"), tiny_projector("qwen35"))
+
+    def refuse(*_args: object) -> None:
+        raise ProjectorError("llama.cpp could not encode the image (code 1) [injected]")
+
+    monkeypatch.setattr(MediaProjector, "encode", refuse)
+    text = Prompt(tokens=tuple(engine.model.tokenize("Hello there, how are you?")))
+    failing = engine.submit(
+        GenerationRequest(prompt=chat_prompt(builder, [asking(4)]), sampling=GREEDY)
+    )
+    beside = engine.submit(GenerationRequest(prompt=text, sampling=GREEDY))
+    with pytest.raises(EngineError):
+        failing.result()
+    assert len(beside.result().tokens) == GREEDY.max_tokens
+    assert len(engine.generate(text, GREEDY).tokens) == GREEDY.max_tokens
