@@ -26,6 +26,7 @@ import random
 from collections import Counter
 from collections.abc import Callable
 
+from baton_serve.cache_store.index.index_entries import index_entries
 from baton_serve.cache_store.index.memory_index import ModelIndex
 from baton_serve.loadtests.sim_replica import Job, SimReplica
 from baton_serve.router.routing.route_cost import CostSettings
@@ -116,7 +117,8 @@ class BatonPolicy(Policy):
         self.reasons[reason] += 1
         chosen = estimates[0]
         # what RoutingLedger.entries_for gives an attention model: every block of the prompt
-        held = [(h, (i + 1) * self.block_tokens) for i, h in enumerate(job.chain)]
+        size = self.block_tokens
+        held = index_entries(job.chain, len(job.chain) * size, size, every_block=True)
         record_sent(self.ledger, chosen, job.key, job.n_prompt, held, now)
         job.plan = plan_of(chosen)  # the replica executes it, as a real one does
         return chosen.replica_id

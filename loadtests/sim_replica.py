@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from baton_serve.cache_store.index.index import IndexEntry, IndexMatch
+from baton_serve.cache_store.index.index_entries import index_entries
 from baton_serve.cache_store.index.memory_index import ModelIndex
 from baton_serve.cache_store.pull_cost import pull_pays, pull_seconds
 from baton_serve.loadtests.sim_cache import SimCheckpoint, SimPrefixCache
@@ -285,11 +286,10 @@ class SimReplica:
         self._prefilling.append(job)
         ahead = sum(j.end - j.done for j in self._prefilling if self._rank(j) <= self._rank(job))
         ends = self._loop.now + ahead / self.profile.prefill_speed(len(self._decoding))
-        size = self.profile.block_tokens
         coming = [
-            IndexEntry(h, (i + 1) * size, (i + 1) * size * self.profile.bytes_per_token, ends)
-            for i, h in enumerate(job.chain)
-            if (i + 1) * size > job.reused
+            IndexEntry(h, n, n * self.profile.bytes_per_token, ends)
+            for h, n in self._entries(job.chain)
+            if n > job.reused
         ]
         if self._baton:
             self._index.publish(self.rid, coming, FOREVER)
@@ -366,13 +366,15 @@ class SimReplica:
         cid, gone = self.cache.add(checkpoint)
         self._forget(gone)
         if cid is not None and self._baton:
-            size = self.profile.block_tokens
-            held = [
-                IndexEntry(h, (i + 1) * size, checkpoint.nbytes)
-                for i, h in enumerate(checkpoint.chain)
-            ]
+            held = [IndexEntry(h, n, checkpoint.nbytes) for h, n in self._entries(checkpoint.chain)]
             self._index.publish(self.rid, held, FOREVER)
         return cid
+
+    def _entries(self, chain: list[bytes]) -> list[tuple[bytes, int]]:
+        """Where a state of `chain`'s whole blocks is published, as a replica publishes an
+        attention state (the simulated model)."""
+        size = self.profile.block_tokens
+        return index_entries(chain, len(chain) * size, size, every_block=True)
 
     def _forget(self, hashes: list[bytes]) -> None:
         if hashes and self._baton:

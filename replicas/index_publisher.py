@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from baton_serve.cache_store.checkpoints.checkpoint_store import Checkpoint
 from baton_serve.cache_store.index.index import CheckpointIndex, IndexEntry, IndexUnavailable
+from baton_serve.cache_store.index.index_entries import index_entries
 from baton_serve.cache_store.supervised import supervised
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.wire.protocol import ReplicaRequest
@@ -105,12 +106,7 @@ class IndexPublisher:
         self._mark_dirty(h for h, _ in entries)
 
     def _entries_of(self, checkpoint: Checkpoint) -> list[tuple[bytes, int]]:
-        """(index hash, tokens) a checkpoint is published under: lookups send block hashes.
-
-        An attention state serves every prefix of itself (it is cut back), so each of its
-        blocks is findable; a hybrid or recurrent state serves only its exact length,
-        published under the hash of its last whole block.
-        """
+        """(index hash, tokens) a checkpoint is published under (`index_entries`)."""
         with self._lock:
             entries = self._published.get(checkpoint.prefix_hash)
         return entries or self._block_entries(checkpoint.tokens, checkpoint.n_tokens)
@@ -124,9 +120,8 @@ class IndexPublisher:
         if not covered:
             return []
         chain = self.engine.hash_chain(tokens[:covered], known)
-        if self.engine.kind.needs_checkpoints:
-            return [(chain[-1], n_tokens)]
-        return [(h, (i + 1) * block) for i, h in enumerate(chain[:-1])] + [(chain[-1], n_tokens)]
+        every_block = not self.engine.kind.needs_checkpoints
+        return index_entries(chain, n_tokens, block, every_block=every_block)
 
     # ---- prefixes being computed ---------------------------------------------------------
 

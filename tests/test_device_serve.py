@@ -6,16 +6,16 @@ variable (the replicas through `replica_env`, their Ray runtime_env); this proce
 so its llama.cpp stays CPU-only and shows the fallback.
 
 What the app test compares, for generated hybrids (qwen35, granite-hybrid: Mamba2 layers
-between attention layers) and an attention model (llama): two replicas offload every layer
-to the device and serve a two-turn conversation of token-id prompts. The second turn
-usually reaches the peer while the first replica still replays the reply, and the peer pulls
-the first turn's checkpoint saved from device memory; the router may instead pick the first
-replica, whose slot still holds the turn: the test accepts both paths and checks the pull
-(in the replicas' own counters) where the cached count shows it. Its greedy text must equal
-the device computing the whole prompt from scratch (a child process, prefix cache off), and
-its cached token count what the same engine settings cache on CPU on the same path. Device
-and CPU multiply with other rounding: their logits are not compared;
-tests/test_vulkan_device.py shows their greedy tokens agree on these models.
+between attention layers; attention alone on the device is tests/test_vulkan_device.py's):
+two replicas offload every layer to the device and serve a two-turn conversation of token-id
+prompts. The second turn usually reaches the peer while the first replica still replays the
+reply, and the peer pulls the first turn's checkpoint saved from device memory; the router
+may instead pick the first replica, whose slot still holds the turn: the test accepts both
+paths and checks the pull (in the replicas' own counters) where the cached count shows it.
+Its greedy text must equal the device computing the whole prompt from scratch (a child
+process, prefix cache off), and its cached token count what the same engine settings cache
+on CPU on the same path. Device and CPU multiply with other rounding: their logits are not
+compared; tests/test_vulkan_device.py shows their greedy tokens agree on these models.
 """
 
 from __future__ import annotations
@@ -50,14 +50,13 @@ from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.models.model_check import ModelCheckFailed, check_model
-from baton_serve.replicas.models.tiny_model import HYBRID_ARCHITECTURES
 from baton_serve.replicas.wire.prompt_types import Prompt
 from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 MAX_TOKENS = 8
 SETTINGS = {"n_ctx": 512, "n_slots": 1, "n_threads": 1, "block_tokens": 16}
 SETTINGS |= {"checkpoint_interval": 64, "prefill_chunk": 64}
-APP_ARCHS = ("qwen35", "granitehybrid", "llama")
+APP_ARCHS = ("qwen35", "granitehybrid")
 
 
 def test_a_model_asked_on_a_gpu_without_one_runs_on_the_cpu_and_says_so(tiny_model, caplog) -> None:
@@ -194,10 +193,8 @@ def test_two_device_replicas_serve_a_conversation_from_device_checkpoints(
     fork = cpu.generate(Prompt(tokens=tuple(first + added)), SamplingParams(max_tokens=1))
     cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached in (whole.usage.cached_tokens, fork.usage.cached_tokens)
-    # A hybrid restores the checkpoint two tokens before the first prompt's end; attention
-    # layers cut the slot's KV cache at the first prompt's end.
-    forked = len(first) - 2 if arch in HYBRID_ARCHITECTURES else len(first)
-    assert fork.usage.cached_tokens == forked < whole.usage.cached_tokens
+    # A hybrid restores the checkpoint two tokens before the first prompt's end.
+    assert fork.usage.cached_tokens == len(first) - 2 < whole.usage.cached_tokens
 
     device = from_scratch["device"]
     assert _poll(lambda: _scrape("ray_baton_device", "device") == {device: 2})

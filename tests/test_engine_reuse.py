@@ -151,7 +151,8 @@ def test_an_evicted_slot_is_saved_when_that_beats_recomputing_its_tail(
 ) -> None:
     """A slot holding a stored state plus a few tokens (a pulled prefix and the request's
     own) is saved again when it is given away only if saving its state takes less time than
-    recomputing those tokens would, at the engine's measured speeds."""
+    recomputing those tokens would, at the engine's measured speeds; when the engine stops,
+    always."""
     path = tiny_model("llama")
     engine = make_engine(path, n_slots=1)
     one_token = SamplingParams(max_tokens=1)
@@ -184,3 +185,9 @@ def test_an_evicted_slot_is_saved_when_that_beats_recomputing_its_tail(
     assert engine.generate(again, one_token).usage.cached_tokens == stored
     evict("Some third unrelated prompt.")
     assert long_states() == [stored, len(follow_up)]
+
+    # A stopping engine (a replica leaving, its hottest states handed to peers) keeps what
+    # its idle slots hold at any cost: no request waits for the copy.
+    engine.generate(again, one_token)
+    engine.stop()
+    assert long_states() == [stored, len(again), len(follow_up)]

@@ -43,10 +43,10 @@ from baton_serve.router.gateway.tool_calls import (
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 MODEL = "forced"
-# Forced requests per temperature on SmolLM2, every one checked: 48 send each of the six
-# mixes of forcing mode (required, named, one call) and streamed or not 8 times, each of
-# the five questions 9 or 10 times.
-DEFAULT_MODEL_REQUESTS = 48
+# Forced requests per temperature on SmolLM2, every one checked: 24 send each of the six
+# mixes of forcing mode (required, named, one call) and streamed or not 4 times, each of
+# the five questions 4 or 5 times.
+DEFAULT_MODEL_REQUESTS = 24
 
 
 def _tool(name: str, description: str, properties: dict[str, Any]) -> dict[str, Any]:

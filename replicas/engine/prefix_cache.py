@@ -241,10 +241,11 @@ class PrefixCache:
 
     def keep_slots(self, slots: list[Slot]) -> None:
         """Save what idle slots hold to the store (attention models: a slot's KV is saved
-        only when the slot is given away). Only once the engine loop has ended."""
+        only when the slot is given away). Only once the engine loop has ended: no request
+        waits for the copies, so each is saved whatever recomputing it would cost."""
         for slot in sorted(slots, key=lambda s: s.last_used):  # the most recent stored last
             if slot.running is None:
-                self._keep(slot)
+                self._keep(slot, someone_waits=False)
 
     def _evict(self, slot: Slot) -> None:
         """Empty a slot; an attention model's KV is saved to the store first where worth it."""
@@ -266,23 +267,26 @@ class PrefixCache:
                 logger.exception("storing an idle slot's conversation failed")
                 slot.stored()  # not tried again
 
-    def _keep(self, slot: Slot) -> None:
+    def _keep(self, slot: Slot, *, someone_waits: bool = True) -> None:
         """Save a slot's state before it is given away, where that is worth it: an attention
         slot's KV, a hybrid slot's finished conversation not stored yet (its other states
-        were anchored or stored as they were computed)."""
+        were anchored or stored as they were computed). While `someone_waits` (the request
+        taking the slot pays for the copy) only a copy faster than recomputing is made."""
         if not slot.tokens or not self.config.prefix_cache:
             return
         if self.kind.needs_checkpoints and not slot.unsaved:
             return
         tokens = slot.tokens
         stored = self.states.prefixing(tokens, len(tokens), touch=False, chain=slot.chain)
-        if stored is None or worth_saving(
-            len(tokens) - stored.n_tokens,
-            self.states.state_bytes(len(tokens)),
-            self.stats.prefill_speed,
-            self.stats.save_bytes_per_s,
-        ):
-            self.states.save(slot)
+        stored_tokens = stored.n_tokens if stored is not None else 0
+        if stored_tokens >= len(tokens):
+            return
+        if stored_tokens and someone_waits:
+            extra, nbytes = len(tokens) - stored_tokens, self.states.state_bytes(len(tokens))
+            speeds = self.stats.prefill_speed, self.stats.save_bytes_per_s
+            if not worth_saving(extra, nbytes, *speeds):
+                return  # the request taking the slot would wait longer for the copy
+        self.states.save(slot)
 
     def rewind_to_prompt(self, run: Running) -> None:
         """Bring the slot back to an exact state within its prompt, dropping decode-time state."""

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from baton_serve.cache_store.index.index import IndexMatch
+from baton_serve.cache_store.index.index_entries import index_entries
 from baton_serve.cache_store.index.memory_index import HeldPrefix, ModelIndex
 from baton_serve.replicas.engine.checkpoint_policy import prefill_checkpoints
 from baton_serve.replicas.wire.prompt_types import Prompt
@@ -113,15 +114,20 @@ class RoutingLedger:
         return tuple(sorted((s.state_at, s.tokens) for s in gated)) if gated else ()
 
     def entries_for(self, prompt: Prompt, chain: Sequence[bytes]) -> list[tuple[bytes, int]]:
-        """(block hash, tokens) the replica serving `prompt` will hold: every block for
-        attention; else the positions the engine checkpoints (`prefill_checkpoints`, less
-        the periodic ones, whose interval is the replica's setting), each anchored at its
-        last whole block."""
+        """(block hash, tokens) the replica serving `prompt` will hold, as it publishes them
+        (`index_entries`): for attention the prompt's whole blocks; else the positions the
+        engine checkpoints (`prefill_checkpoints`, less the periodic ones, whose interval is
+        the replica's setting)."""
         size = self.block_tokens
         if self.every_block:
-            return [(h, (i + 1) * size) for i, h in enumerate(chain)]
+            return index_entries(chain, len(chain) * size, size, every_block=True)
         positions = prefill_checkpoints(prompt, cached=0, interval=0, max_interval=0)
-        return [(chain[p // size - 1], p) for p in positions if 1 <= p // size <= len(chain)]
+        return [
+            entry
+            for p in positions
+            if p // size <= len(chain)
+            for entry in index_entries(chain, p, size, every_block=False)
+        ]
 
     def sent(
         self,
