@@ -62,7 +62,7 @@ _ROUTERS = {
         "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"
         "PrefixCacheAffinityRouter"
     ),
-    RouterPolicy.ROUND_ROBIN: "baton_serve.router.routing.request_router:RoundRobinRouter",
+    RouterPolicy.ROUND_ROBIN: "baton_serve.router.routing.safe_router:RoundRobinRouter",
 }
 
 
@@ -77,7 +77,7 @@ def router_config(config: BatonConfig, model_path: Path) -> RequestRouterConfig:
             "block_tokens": config.engine.block_tokens,
             # Attention states serve every prefix of themselves; hybrid ones only their own.
             "every_block": not kind.needs_checkpoints,
-            "pull_bandwidth_bytes_per_s": config.pull_bandwidth_gb_s * 1e9,
+            **config.routing.router_kwargs(config.pull_bandwidth_bytes_per_s),
         }
     return RequestRouterConfig(
         request_router_class=_ROUTERS[config.router],
@@ -235,7 +235,8 @@ def build_app(config: BatonConfig, *, startup_dir: str | None = None) -> Applica
             index=config.index,
             ship=config.router is RouterPolicy.BATON,
             routed_by_baton=config.router is RouterPolicy.BATON,
-            pull_bandwidth_bytes_per_s=config.pull_bandwidth_gb_s * 1e9,
+            ship_cost=config.routing.ship_cost(config.pull_bandwidth_bytes_per_s),
+            pull_deadline_s=config.routing.pull_deadline_s,
             heartbeat_s=config.heartbeat_s,
             liveness_ttl_s=config.liveness_ttl_s,
             handoff_s=config.handoff_seconds,

@@ -10,13 +10,13 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
 
+from baton_serve.cache_store.telemetry.logs import FORMATS, configure_logging
 from baton_serve.deploy.config import load_config
 from baton_serve.deploy.serve_flags import add_serve_flags, overrides_from
 from baton_serve.replicas.engine.ggml_backends import BackendUnavailable
 from baton_serve.replicas.models.default_model import DefaultModelMissing
 from baton_serve.replicas.models.model_check import ModelCheckFailed
 from baton_serve.replicas.models.model_source import resolve_model
-from baton_serve.replicas.telemetry.logs import FORMATS, configure_logging
 
 COMMANDS_ENTRY_POINTS = "baton_serve.commands"
 DISTRIBUTION = "baton-serve"

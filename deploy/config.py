@@ -40,6 +40,7 @@ from baton_serve.deploy.config_sources import (
 )
 from baton_serve.deploy.credentials import Credentials
 from baton_serve.deploy.request_bounds import RequestBounds
+from baton_serve.deploy.routing_settings import RoutingSettings
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.models.default_model import DEFAULT_MODEL_FILE
 from baton_serve.replicas.models.hf_hub import HF_PREFIX, parse_hf_ref
@@ -227,6 +228,11 @@ class BatonConfig(Credentials, RequestBounds):
         "measured (Ray's object managers between nodes); on a fast fabric set the link's, or "
         "a large model's long prefixes may never look worth pulling; router baton only",
     )
+    routing: RoutingSettings = Field(
+        default_factory=RoutingSettings,
+        description="how Baton's router weighs replicas and when a replica pulls a prefix "
+        "state (routing.* below); router baton only",
+    )
     stream_ping_s: float = Field(
         default=15.0,
         ge=0,
@@ -310,11 +316,15 @@ class BatonConfig(Credentials, RequestBounds):
                 f"handoff_s ({self.handoff_s:g}) needs router 'baton': only Baton's router "
                 f"sends a state to a chosen replica (set handoff_s to 0 for {router.value})"
             )
-        if router is not RouterPolicy.BATON and "pull_bandwidth_gb_s" in given:
-            raise ValueError(
-                f"pull_bandwidth_gb_s needs router 'baton': {router.value} never pulls"
-            )
+        for name in ("pull_bandwidth_gb_s", "routing"):
+            if router is not RouterPolicy.BATON and name in given:
+                raise ValueError(f"{name} needs router 'baton': {router.value} never reads it")
         return self
+
+    @property
+    def pull_bandwidth_bytes_per_s(self) -> float:
+        """`pull_bandwidth_gb_s` in bytes a second."""
+        return self.pull_bandwidth_gb_s * 1e9
 
     @property
     def handoff_seconds(self) -> float:

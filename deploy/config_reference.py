@@ -1,6 +1,6 @@
 """The configuration reference of docs/configuration.md, made from the fields of `BatonConfig`
-(those it inherits from `Credentials` and `RequestBounds` in tables of their own) and
-`EngineConfig` (their defaults and `description`s) and the `baton serve` flags, so that the
+(those it inherits from `Credentials` and `RequestBounds` in tables of their own),
+`EngineConfig` and `RoutingSettings` (their defaults and `description`s) and the `baton serve` flags, so that the
 docs, `baton serve --help` and the code cannot disagree.
 
 `python -m baton_serve.deploy.config_reference [FILE]` rewrites the part of FILE (default
@@ -18,6 +18,7 @@ from pydantic.fields import FieldInfo
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.credentials import Credentials
 from baton_serve.deploy.request_bounds import RequestBounds
+from baton_serve.deploy.routing_settings import RoutingSettings
 from baton_serve.deploy.serve_flags import default_text, env_variable, flag_of
 from baton_serve.replicas.engine.engine_config import EngineConfig
 
@@ -35,6 +36,7 @@ def reference() -> str:
     lines += ["", *_table("BatonConfig: credentials (`Credentials`)", Credentials, prefix="")]
     lines += ["", *_table("BatonConfig: request bounds (`RequestBounds`)", RequestBounds, "")]
     lines += ["", *_table("EngineConfig", EngineConfig, prefix="engine.")]
+    lines += ["", *_table("RoutingSettings", RoutingSettings, prefix="routing.")]
     return "\n".join([*lines, "", END])
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from ray import serve
 from ray.serve.deployment import Application
 
-from baton_serve.replicas.telemetry.startup import read_stages
+from baton_serve.cache_store.telemetry.startup import read_stages
 
 POLL_S = 0.5
 # The last line of a Python traceback: `SomeError: message`, maybe with a dotted module.

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
+from baton_serve.cache_store.wire.protocol import GenerationRequest
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.loadtests.synthetic_text import filler_text
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.wire.protocol import GenerationRequest
-from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.replicas.engine.engine_face import EngineFace
 
 DECODING_STREAMS = 2
 PROMPTS = 3  # long prompts computed one after another beside the decoding streams
@@ -113,7 +114,7 @@ def _gaps(
     }
 
 
-def _copies(engine: Engine) -> tuple[int, int, float, int]:
+def _copies(engine: EngineFace) -> tuple[int, int, float, int]:
     """The engine's state copies so far: full and partial bytes, their seconds, full states."""
     stats = engine.stats
     seconds = stats.save_seconds + stats.anchor_seconds

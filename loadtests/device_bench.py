@@ -26,6 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import Completion, GenerationRequest
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.loadtests.engine_bench import ALL_CORES, BENCH_HMAC_KEY
 from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.replicas.engine import ggml_backends
@@ -33,9 +36,7 @@ from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 from baton_serve.replicas.engine.device_memory import device_memory as engine_device_memory
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import Completion, GenerationRequest
-from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.replicas.engine.engine_face import EngineFace
 
 NEW_TOKENS = 64  # what a follow-up adds to the cold prompt
 CONTINUATION_TOKENS = 16  # greedy tokens compared after the ship
@@ -111,7 +112,7 @@ def decode_speeds(model: Path, config: EngineConfig, tokens: int = DECODE_TOKENS
         return _decode_speeds(engine, tokens)
 
 
-def _decode_speeds(engine: Engine, tokens: int) -> dict:
+def _decode_speeds(engine: EngineFace, tokens: int) -> dict:
     """One stream and `STREAMS` at once timed alike: the tokens decoded after each first
     token, over the time from the first stream's first token to the last stream's end (no
     prompt, save or restore in it), medians of `DECODE_RUNS` after a warm-up run."""
@@ -146,7 +147,7 @@ def _decode_rate(results: list[Completion]) -> float:
 
 
 def context_figures(
-    a: Engine, b: Engine, context: int, repeats: int, progress: Progress = SILENT
+    a: EngineFace, b: EngineFace, context: int, repeats: int, progress: Progress = SILENT
 ) -> dict:
     """Cold vs cached TTFT (resident, and restored from host memory), prefill tok/s, save
     and restore GB/s of full states on A, then A → B ship."""
@@ -200,7 +201,7 @@ def context_figures(
     }
 
 
-def _stored_once_idle(engine: Engine) -> float | None:
+def _stored_once_idle(engine: EngineFace) -> float | None:
     """GB/s of the full state A stores of a finished conversation once it is idle (None if
     it stored another number of them)."""
     stats = engine.stats
@@ -211,7 +212,7 @@ def _stored_once_idle(engine: Engine) -> float | None:
     return _rate(stats.saved_bytes - saved, stats.save_seconds - seconds)
 
 
-def ship(a: Engine, b: Engine, tokens: tuple[int, ...]) -> dict:
+def ship(a: EngineFace, b: EngineFace, tokens: tuple[int, ...]) -> dict:
     """A's checkpoint of `tokens` as the signed wire blob into B, and B continuing from it;
     B's greedy continuation must equal A's."""
     started = time.perf_counter()

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.synthetic_text import filler_text
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_model import LlamaModel
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 PREFILL_ONLY = SamplingParams(max_tokens=0)
 RATIO_TARGET = 0.1  # restore from disk over recompute, at 2,048 tokens

@@ -14,15 +14,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from baton_serve.cache_store.prefix_hash import common_prefix_length
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import Completion, GenerationRequest
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.loadtests.decode_beside_prompts import decode_beside_prompts, format_beside
 from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.loadtests.synthetic_text import filler_text
 from baton_serve.replicas.engine import ggml_backends
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import Completion, GenerationRequest
-from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.replicas.engine.engine_face import EngineFace
 
 BENCH_HMAC_KEY = b"baton-bench-only"
 
@@ -155,7 +156,7 @@ def run_chat(
     return rows
 
 
-def _partial_bytes(engine: Engine) -> int:
+def _partial_bytes(engine: EngineFace) -> int:
     return engine.stats.anchor_bytes + engine.stats.rewound_bytes
 
 

@@ -34,6 +34,9 @@ from ray.serve.request_router import PendingRequest
 
 from baton_serve.cache_store.index.index import CheckpointIndex, IndexEntry
 from baton_serve.cache_store.index.index_connect import connect_index
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.deploy.app import REPLICA_DEPLOYMENT
 from baton_serve.deploy.local_ray import local_ray
 from baton_serve.loadtests.index_bench import (
@@ -43,9 +46,6 @@ from baton_serve.loadtests.index_bench import (
     redis_url_or_private_server,
 )
 from baton_serve.loadtests.progress import SILENT, Progress
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 from baton_serve.router.routing.request_router import BatonRouter
 from baton_serve.router.routing.route_decision import REASONS
 from baton_serve.router.routing.routing_metrics import decision_counts

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from baton_serve.cache_store.wire.prompt_types import ChatMessage
 from baton_serve.loadtests.routing_workload import (
     BLOCKERS,
     Conversation,
@@ -29,7 +30,6 @@ from baton_serve.loadtests.routing_workload import (
 from baton_serve.loadtests.sse import StreamError, aresponse_events
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.engine.prompt import chat_prompt, model_chat_template
-from baton_serve.replicas.wire.prompt_types import ChatMessage
 
 PUBLISH_WAIT_S = 1.0  # a finished turn's checkpoint reaches the index (heartbeat below)
 STATS_WAIT_S = 1.0  # routing stats (every 0.5 s) show the busy replica's load

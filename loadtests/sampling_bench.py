@@ -18,12 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.engine_face import EngineFace
 from baton_serve.replicas.engine.sampling import TokenSampler
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 from baton_serve.router.gateway.structured_output import schema_grammar
 
 BENCH_HMAC_KEY = b"baton-bench-only"
@@ -153,7 +154,7 @@ class _ChainRun:
         return token
 
 
-def _logits_rows(engine: Engine) -> list[np.ndarray]:
+def _logits_rows(engine: EngineFace) -> list[np.ndarray]:
     """The model's own next-token logits along a greedy reply to a chat prompt: the rows a
     sampler meets while decoding text (rows after random tokens are far flatter)."""
     prompt = engine.chat_prompt(
@@ -186,7 +187,7 @@ def _per_token_us(
 
 
 def _decode_rates(
-    engine: Engine, prompt: Prompt, sampling: SamplingParams, runs: int, progress: Progress
+    engine: EngineFace, prompt: Prompt, sampling: SamplingParams, runs: int, progress: Progress
 ) -> dict:
     rates, lengths = [], []
     for _ in range(runs):

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from baton_serve.cache_store.wire.protocol import GenerationRequest
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.local_ray import local_ray
 from baton_serve.loadtests.progress import SILENT, Progress
@@ -27,8 +29,6 @@ from baton_serve.loadtests.serve_app import replica_stats, serve_app, wait_idle
 from baton_serve.loadtests.sse import response_events
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.wire.protocol import GenerationRequest
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 # ---- HTTP decode ---------------------------------------------------------------------------
 

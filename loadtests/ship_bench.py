@@ -27,6 +27,9 @@ from pathlib import Path
 
 import ray
 
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import GenerationRequest
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.deploy.local_ray import local_ray
 from baton_serve.loadtests.local_cluster import local_cluster, node_resource
 from baton_serve.loadtests.object_store_floor import object_store_floor
@@ -35,9 +38,6 @@ from baton_serve.loadtests.synthetic_text import filler_text
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.replica_actor import spawn_replica
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import GenerationRequest
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 PREFILL_ONLY = SamplingParams(max_tokens=0)
 STAGES = ("export", "transfer", "validate", "restore", "rest")

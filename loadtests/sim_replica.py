@@ -33,14 +33,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from baton_serve.cache_store.index.index import IndexEntry, IndexMatch
-from baton_serve.cache_store.index.index_entries import index_entries
+from baton_serve.cache_store.index.index_entries import index_entries, prefix_ready_at
 from baton_serve.cache_store.index.memory_index import ModelIndex
 from baton_serve.cache_store.pull_cost import pull_pays, pull_seconds
+from baton_serve.cache_store.wire.route_plan import CACHED, IN_FLIGHT, PULL, RoutePlan
 from baton_serve.loadtests.sim_cache import SimCheckpoint, SimPrefixCache
 from baton_serve.loadtests.sim_profile import Profile, ship_cost
 from baton_serve.replicas.engine import step_plan as steps
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
-from baton_serve.replicas.wire.route_plan import CACHED, IN_FLIGHT, PULL, RoutePlan
 
 FOREVER = float("inf")
 
@@ -267,13 +267,16 @@ class SimReplica:
         return steps.prefill_priority(self._view(job), speed, now)
 
     def _must_wait(self, job: Job) -> bool:
-        """Another slot is prefilling more of `job`'s prompt than is held here, or (for a
-        job planned to join a prefix in flight here) a pull under way here brings it."""
+        """Another slot is prefilling more of `job`'s prompt than is held here (a block at
+        least: `worth_waiting`, the engine's rule), or (for a job planned to join a prefix in
+        flight here) a pull under way here brings it."""
         local, _ = self.cache.match(job.keys, job.lengths)
         pending = [c] if (c := self.computing(job)) is not None else []
         if job.plan is not None and job.plan.kind == IN_FLIGHT:
             pending += self._pulling
-        return any(shared_tokens(p, job.keys, job.lengths) > local for p in pending)
+        block = self.profile.block_tokens
+        shared = (shared_tokens(p, job.keys, job.lengths) for p in pending)
+        return any(steps.worth_waiting(local, tokens, block) for tokens in shared)
 
     def _start(self, job: Job) -> None:
         local, cid = self.cache.match(job.keys, job.lengths)
@@ -285,9 +288,15 @@ class SimReplica:
         job.done, job.end = job.reused, job.n_prompt
         self._prefilling.append(job)
         ahead = sum(j.end - j.done for j in self._prefilling if self._rank(j) <= self._rank(job))
-        ends = self._loop.now + ahead / self.profile.prefill_speed(len(self._decoding))
+        speed = self.profile.prefill_speed(len(self._decoding))
+        ends = self._loop.now + ahead / speed
         coming = [
-            IndexEntry(h, n, n * self.profile.bytes_per_token, ends)
+            IndexEntry(
+                h,
+                n,
+                n * self.profile.bytes_per_token,
+                prefix_ready_at(ends, job.end, n, speed, computed_from=job.reused),
+            )
             for h, n in self._entries(job.chain)
             if n > job.reused
         ]

@@ -1,7 +1,7 @@
 """Where a Baton request's time goes, from its own trace spans.
 
 Baton traces a request when its processes are started with OTLP tracing on (the standard
-`OTEL_*` variables, `replicas.telemetry.tracing`). `SpanReceiver` is a minimal OTLP/HTTP
+`OTEL_*` variables, `cache_store.telemetry.tracing`). `SpanReceiver` is a minimal OTLP/HTTP
 collector in the benchmark's process; the client sends each request with its own W3C
 `traceparent`, so every span of a request is found by the trace id the client chose.
 `breakdown` then cuts the client's TTFT into the spans that cover it:

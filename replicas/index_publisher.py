@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 from baton_serve.cache_store.checkpoints.checkpoint_store import Checkpoint
 from baton_serve.cache_store.index.index import CheckpointIndex, IndexEntry, IndexUnavailable
-from baton_serve.cache_store.index.index_entries import index_entries
+from baton_serve.cache_store.index.index_entries import index_entries, prefix_ready_at
 from baton_serve.cache_store.supervised import supervised
-from baton_serve.replicas.engine.engine import Engine
-from baton_serve.replicas.wire.protocol import ReplicaRequest
+from baton_serve.cache_store.wire.protocol import ReplicaRequest
+from baton_serve.replicas.engine.engine_face import EngineFace
 
 # Entries per index write: a whole backlog (thousands of entries after a restart or a burst)
 # packed in one write stalls the replica's event loop for tens of milliseconds.
@@ -38,7 +38,7 @@ class IndexPublisher:
     def __init__(
         self,
         replica_id: str,
-        engine: Engine,
+        engine: EngineFace,
         index: CheckpointIndex | None,
         *,
         heartbeat_s: float,
@@ -138,11 +138,13 @@ class IndexPublisher:
         speed = self.engine.stats.prefill_tokens_per_s or self._default_speed
         backlog = self.engine.load().backlog_tokens  # this prompt's tokens included
         request_id = request.generation.request_id
+        now = time.time()
+        end_at = now + backlog / speed
         with self._lock:
             marked = []
             for position in positions:
-                ahead = max(backlog - (len(prompt) - position), position)
-                ready_at = time.time() + ahead / speed
+                # not before now: what this engine holds of the prompt is not in its backlog
+                ready_at = max(now, prefix_ready_at(end_at, len(prompt), position, speed))
                 size = self.engine.state_bytes(position)
                 for prefix_hash, n_tokens in self._block_entries(prompt.tokens, position, known):
                     held = self._held.get(prefix_hash, {})

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
+from baton_serve.cache_store.wire.protocol import ReplicaRequest
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
-from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.engine_face import EngineFace
 from baton_serve.replicas.engine.request_handle import RequestHandle
 from baton_serve.replicas.index_publisher import IndexPublisher
-from baton_serve.replicas.wire.protocol import ReplicaRequest
 
 T = TypeVar("T")
 THREADS = 2
@@ -62,7 +62,7 @@ def _undo(on_abandoned: Callable[[T], None], future: Future[T]) -> None:
 
 
 async def submit(
-    off_loop: OffLoop, engine: Engine, publisher: IndexPublisher, request: ReplicaRequest
+    off_loop: OffLoop, engine: EngineFace, publisher: IndexPublisher, request: ReplicaRequest
 ) -> RequestHandle:
     """Queue `request` on `engine` and announce it to the index, in `off_loop`'s threads
     (checking it scans its token ids and parses its grammar; announcing it may hash it).
@@ -86,7 +86,7 @@ async def submit(
 
 
 def lookup_chain(
-    engine: Engine, tokens: tuple[int, ...], carried: tuple[bytes, ...]
+    engine: EngineFace, tokens: tuple[int, ...], carried: tuple[bytes, ...]
 ) -> list[bytes]:
     """The block hashes to ask the index about for `tokens` (all but the piece the engine
     always computes itself): the gateway's chain (`carried`, computed once per request) cut

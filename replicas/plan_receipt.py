@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 import time
 
-from baton_serve.replicas.telemetry import metrics
-from baton_serve.replicas.telemetry.logs import request_fields
-from baton_serve.replicas.wire.protocol import ReplicaRequest
-from baton_serve.replicas.wire.route_plan import RoutePlan
+from baton_serve.cache_store.telemetry import metrics
+from baton_serve.cache_store.telemetry.logs import request_fields
+from baton_serve.cache_store.wire.protocol import ReplicaRequest
+from baton_serve.cache_store.wire.route_plan import RoutePlan
 
 logger = logging.getLogger("baton.replica")
 

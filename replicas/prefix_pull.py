@@ -29,8 +29,12 @@ from opentelemetry.trace import Span
 
 from baton_serve.cache_store.checkpoints.state_blob import BlobError
 from baton_serve.cache_store.index.index import CheckpointIndex, IndexUnavailable
+from baton_serve.cache_store.telemetry import metrics, tracing
+from baton_serve.cache_store.telemetry.logs import request_fields
+from baton_serve.cache_store.wire.protocol import EngineError, ReplicaRequest
+from baton_serve.cache_store.wire.route_plan import CACHED, IN_FLIGHT, PULL
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
-from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.engine_face import EngineFace
 from baton_serve.replicas.off_loop import OffLoop, lookup_chain
 from baton_serve.replicas.plan_receipt import PlanReceipt
 from baton_serve.replicas.request_telemetry import RequestTelemetry
@@ -41,10 +45,6 @@ from baton_serve.replicas.shipping import (
     StillComputing,
     shipped_nbytes,
 )
-from baton_serve.replicas.telemetry import metrics, tracing
-from baton_serve.replicas.telemetry.logs import request_fields
-from baton_serve.replicas.wire.protocol import EngineError, ReplicaRequest
-from baton_serve.replicas.wire.route_plan import CACHED, IN_FLIGHT, PULL
 
 logger = logging.getLogger("baton.replica")
 
@@ -94,7 +94,7 @@ class PrefixPuller:
     def __init__(
         self,
         replica_id: str,
-        engine: Engine,
+        engine: EngineFace,
         index: CheckpointIndex | None,
         peers: PeerDirectory | None,
         policy: ShipPolicy,

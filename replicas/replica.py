@@ -20,7 +20,15 @@ from baton_serve.cache_store.checkpoints.checkpoint import Checkpoint
 from baton_serve.cache_store.checkpoints.state_blob import BlobError
 from baton_serve.cache_store.index.index import CheckpointIndex, IndexUnavailable
 from baton_serve.cache_store.supervised import supervised
-from baton_serve.replicas.engine.engine import Engine
+from baton_serve.cache_store.telemetry import metrics
+from baton_serve.cache_store.wire.protocol import (
+    Admitted,
+    Completion,
+    EngineError,
+    ReplicaRequest,
+    TokenEvent,
+)
+from baton_serve.replicas.engine.engine_face import EngineFace
 from baton_serve.replicas.handoff import HandoffReport, hand_off, handoff_order
 from baton_serve.replicas.index_publisher import IndexPublisher
 from baton_serve.replicas.loop_lag import LoopLagMonitor
@@ -37,14 +45,6 @@ from baton_serve.replicas.shipping import (
     shipped_nbytes,
 )
 from baton_serve.replicas.state_stream import STREAMED, StreamOffer, StreamSender
-from baton_serve.replicas.telemetry import metrics
-from baton_serve.replicas.wire.protocol import (
-    Admitted,
-    Completion,
-    EngineError,
-    ReplicaRequest,
-    TokenEvent,
-)
 
 logger = logging.getLogger("baton.replica")
 CLOSE_TIMEOUT_S = 5.0
@@ -60,7 +60,7 @@ class Replica:
     def __init__(
         self,
         replica_id: str,
-        engine: Engine,
+        engine: EngineFace,
         *,
         index: CheckpointIndex | None = None,
         peers: PeerDirectory | None = None,

@@ -14,6 +14,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from baton_serve.cache_store.index.index_connect import connect_index
+from baton_serve.cache_store.wire.protocol import Completion, GenerationRequest, ReplicaRequest
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.loop_lag import LoopLag
@@ -28,7 +29,6 @@ from baton_serve.replicas.shipping import (
 )
 from baton_serve.replicas.state_stream import StateReceiver, StreamOffer
 from baton_serve.replicas.stream_limits import StreamLimits
-from baton_serve.replicas.wire.protocol import Completion, GenerationRequest, ReplicaRequest
 
 NAMESPACE = "baton"
 

@@ -14,9 +14,9 @@ from types import TracebackType
 
 from opentelemetry.trace import SpanKind
 
-from baton_serve.replicas.telemetry import metrics, tracing
-from baton_serve.replicas.telemetry.logs import request_fields, span_fields
-from baton_serve.replicas.wire.protocol import Completion, ReplicaRequest
+from baton_serve.cache_store.telemetry import metrics, tracing
+from baton_serve.cache_store.telemetry.logs import request_fields, span_fields
+from baton_serve.cache_store.wire.protocol import Completion, ReplicaRequest
 
 logger = logging.getLogger("baton.replica")
 

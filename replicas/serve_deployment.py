@@ -19,6 +19,16 @@ from baton_serve.cache_store.checkpoints.cluster_key import read_cluster_key
 from baton_serve.cache_store.index.index import IndexUnavailable
 from baton_serve.cache_store.index.index_connect import connect_cluster_index
 from baton_serve.cache_store.pull_cost import ShipCost
+from baton_serve.cache_store.telemetry.setup import configure_process
+from baton_serve.cache_store.telemetry.startup import report_stage
+from baton_serve.cache_store.wire.protocol import (
+    TARGET_REPLICA_KWARG,
+    Admitted,
+    Completion,
+    ReplicaRequest,
+    TokenEvent,
+)
+from baton_serve.cache_store.wire.stream_batches import batches
 from baton_serve.replicas.device_assignment import assign_ray_devices
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
@@ -33,16 +43,6 @@ from baton_serve.replicas.shipping import (
 )
 from baton_serve.replicas.state_stream import StateReceiver, StreamOffer
 from baton_serve.replicas.stream_limits import StreamLimits
-from baton_serve.replicas.telemetry.setup import configure_process
-from baton_serve.replicas.telemetry.startup import report_stage
-from baton_serve.replicas.wire.protocol import (
-    TARGET_REPLICA_KWARG,
-    Admitted,
-    Completion,
-    ReplicaRequest,
-    TokenEvent,
-)
-from baton_serve.replicas.wire.stream_batches import batches
 
 
 class ReplicaSettings(BaseModel):
@@ -59,8 +59,9 @@ class ReplicaSettings(BaseModel):
     index: str | None = "embedded"
     ship: bool = True  # pull from peers (needs Baton's router to reach a given replica)
     routed_by_baton: bool = True  # each request should carry a plan: one without is counted
-    # what a pull is assumed to move per second until this replica has measured its own
-    pull_bandwidth_bytes_per_s: float = ShipCost.bandwidth_bytes_per_s
+    # the pull rule's costs (its bandwidth: until this replica has measured its own)
+    ship_cost: ShipCost = ShipCost()
+    pull_deadline_s: float = ShipPolicy.deadline_s
     heartbeat_s: float = 5.0
     liveness_ttl_s: float = 15.0  # written with each heartbeat: the index's readers follow it
     handoff_s: float = 10.0  # leaving, hand the hottest checkpoints to peers for this long
@@ -124,13 +125,12 @@ class ReplicaDeployment:
             limits = StreamLimits.for_model(engine.n_ctx, engine.largest_state_bytes)
             peers = ServePeers(handle, limits)
             engine.share_states(share_in_object_store)  # peers may pull its states
-        cost = ShipCost(bandwidth_bytes_per_s=settings.pull_bandwidth_bytes_per_s)
         self.replica = Replica(
             self.replica_id,
             engine,
             index=index,
             peers=peers,
-            policy=ShipPolicy(cost=cost),
+            policy=ShipPolicy(cost=settings.ship_cost, deadline_s=settings.pull_deadline_s),
             heartbeat_s=settings.heartbeat_s,
             expects_plans=settings.routed_by_baton,
         )

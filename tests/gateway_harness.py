@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI
 
+from baton_serve.cache_store.wire.protocol import Completion, ReplicaRequest, TokenEvent
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.replica import Replica
-from baton_serve.replicas.wire.protocol import Completion, ReplicaRequest, TokenEvent
 from baton_serve.router.gateway.gateway import GatewaySettings, create_app
 
 

@@ -21,11 +21,11 @@ from baton_serve.cache_store.index.redis_follow import read_snapshot
 from baton_serve.cache_store.index.redis_index import key_prefix
 from baton_serve.cache_store.prefix_hash import PrefixHasher
 from baton_serve.cache_store.supervised import Backoff, supervised
+from baton_serve.cache_store.telemetry import metrics
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.replica import Replica
-from baton_serve.replicas.telemetry import metrics
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 from baton_serve.router.routing.request_router import BatonRouter
 from baton_serve.router.routing.routing_metrics import decision_counts, view_figures
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from baton_serve.cache_store.wire.prompt_types import ChatMessage, Prompt
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.engine.prompt import (
     ChatTemplate,
@@ -18,7 +19,6 @@ from baton_serve.replicas.engine.prompt import (
     model_chat_template,
 )
 from baton_serve.replicas.models.default_model import default_model_path
-from baton_serve.replicas.wire.prompt_types import ChatMessage, Prompt
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 CALL = {"id": "call_123456789", "type": "function", "function": {"name": "f", "arguments": {}}}

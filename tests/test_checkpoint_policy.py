@@ -6,13 +6,13 @@ import random
 
 import pytest
 
+from baton_serve.cache_store.wire.prompt_types import Prompt
 from baton_serve.replicas.engine.checkpoint_policy import (
     MIN_PIECE,
     prefill_checkpoints,
     prefill_pieces,
     worth_saving,
 )
-from baton_serve.replicas.wire.prompt_types import Prompt
 
 
 def chat(n_tokens: int, starts: list[int], roles: list[str]) -> Prompt:

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from gateway_harness import serving
 
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.engine.sampling import TokenSampler
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 from baton_serve.router.gateway import api_fields, refused_fields
 from baton_serve.router.gateway.gateway import GatewaySettings
 

@@ -190,9 +190,15 @@ def test_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"handoff_s": -1}, "handoff_s: Input should be greater than or equal to 0"),
         (
             {"router": "round-robin", "pull_bandwidth_gb_s": 25},
-            "config: pull_bandwidth_gb_s needs router 'baton': round-robin never pulls",
+            "config: pull_bandwidth_gb_s needs router 'baton': round-robin never reads it",
         ),
         ({"pull_bandwidth_gb_s": 0}, "pull_bandwidth_gb_s: Input should be greater than 0"),
+        (
+            {"router": "pow2", "routing": {"load_slack": 1}},
+            "config: routing needs router 'baton': pow2 never reads it",
+        ),
+        ({"routing": {"pull_safety": 2}}, "routing.pull_safety: Input should be less than or"),
+        ({"routing": {"slack": 1}}, "routing.slack: unknown setting"),
         ({"replica_resources": {"CPU": 1}}, "replica_resources: 'CPU' is not a custom resource"),
         ({"gateway_resources": {"node:__internal_head__": 1}}, "is not a custom resource"),
         ({"replica_resources": {"gpu_node": 0}}, "'gpu_node': the amount must be positive, got 0"),

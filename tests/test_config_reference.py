@@ -13,6 +13,7 @@ import pytest
 
 from baton_serve.deploy import cli, config_reference
 from baton_serve.deploy.config import BatonConfig, load_config
+from baton_serve.deploy.routing_settings import RoutingSettings
 from baton_serve.deploy.serve_flags import SERVE_FLAGS, overrides_from, setting_field
 from baton_serve.replicas.engine.engine_config import EngineConfig
 
@@ -20,7 +21,7 @@ DOC = Path(__file__).parent.parent / "docs" / "configuration.md"
 
 
 def test_every_field_is_described() -> None:
-    for model in (BatonConfig, EngineConfig):
+    for model in (BatonConfig, EngineConfig, RoutingSettings):
         for name, field in model.model_fields.items():
             assert field.description and len(field.description) > 10, f"{model.__name__}.{name}"
 
@@ -29,7 +30,9 @@ def test_the_reference_in_the_docs_is_current() -> None:
     """Regenerate with `python -m baton_serve.deploy.config_reference`."""
     text = DOC.read_text(encoding="utf-8")
     assert text == config_reference.with_reference(text)
-    for path in [*BatonConfig.model_fields, *(f"engine.{n}" for n in EngineConfig.model_fields)]:
+    nested = [f"engine.{n}" for n in EngineConfig.model_fields]
+    nested += [f"routing.{n}" for n in RoutingSettings.model_fields]
+    for path in [*BatonConfig.model_fields, *nested]:
         assert f"| `{path}` |" in text
 
 

@@ -20,14 +20,14 @@ import llama_cpp
 import pytest
 from lavapipe import DEVICE_ENV, child_report, require_vulkan_module, skip_unless_device
 
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine import device_memory
 from baton_serve.replicas.engine.device_memory import MIB, budget_bytes
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.models.model_check import ModelCheckFailed, check_model
 from baton_serve.replicas.models.tiny_model import write_tiny_model
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 ESTIMATE_FACTOR = 1.25  # measured before / allocated after, either way
 FITS = {"n_ctx": 1024, "n_slots": 2, "n_threads": 2, "n_gpu_layers": -1}

@@ -42,6 +42,8 @@ from lavapipe import (
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.deploy.app import APP_NAME, build_app
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.deploy.local_ray import metrics_export_port
@@ -50,8 +52,6 @@ from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.models.model_check import ModelCheckFailed, check_model
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 MAX_TOKENS = 8
 SETTINGS = {"n_ctx": 512, "n_slots": 1, "n_threads": 1, "block_tokens": 16}

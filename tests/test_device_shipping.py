@@ -24,13 +24,13 @@ from lavapipe import CHILD_TIMEOUT_S, DEVICE_ENV, require_vulkan_module, skip_un
 
 from baton_serve.cache_store.index.index_connect import connect_index
 from baton_serve.cache_store.pull_cost import ShipCost
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import GenerationRequest
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.replica_actor import spawn_replica
 from baton_serve.replicas.shipping import ShipPolicy
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import GenerationRequest
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 KEY = secrets.token_bytes(32)
 CPU = EngineConfig(n_ctx=2048, n_slots=1, n_threads=1)

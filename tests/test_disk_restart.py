@@ -24,12 +24,12 @@ from fixtures_ray import wait_healthy
 
 from baton_serve.cache_store.checkpoints.state_blob import encode_blob
 from baton_serve.cache_store.index.index_connect import connect_index
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.deploy.ports import free_port
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.replica import Replica
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 KEY = b"disk-restart-test-key"
 GREEDY = SamplingParams(max_tokens=8)

@@ -21,6 +21,10 @@ from plot_files import assert_png
 from ray import serve
 
 from baton_serve.cache_store.checkpoints.state_blob import BlobError
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.cache_store.wire.route_plan import RoutePlan
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.deploy.app import build_app
 from baton_serve.deploy.config import BatonConfig, RouterPolicy
 from baton_serve.loadtests.emulated_routing import Measured, figures, format_report
@@ -33,10 +37,6 @@ from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_context import BatchEntry, ContextParams, StateRestoreError
 from baton_serve.replicas.replica import Replica
 from baton_serve.replicas.shipping import ShipPolicy
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
-from baton_serve.replicas.wire.route_plan import RoutePlan
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 HMAC_KEY = b"test-cluster-key"
 FAST = EmulatedTiming(

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from baton_serve.replicas.wire.protocol import GenerationRequest, InvalidGeneration
-from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.cache_store.wire.protocol import GenerationRequest, InvalidGeneration
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 
 ARCHS = ("llama", "qwen35")
 

@@ -1,17 +1,21 @@
-"""The engine's narrow face, checked on the source: nothing outside `replicas/engine/`
-touches its prefix cache (store, codec, hasher: `Engine`'s own methods stand for them), and
-one module writes a slot's tokens. And a request's hash chain, carried, is not computed
+"""The engine's narrow face, checked on the source: outside code holds an engine as an
+`EngineFace` (which `Engine` implements), nothing outside `replicas/engine/` touches its
+prefix cache (store, codec, hasher: `Engine`'s own methods stand for them), and one module
+writes a slot's tokens. And a request's hash chain, carried, is not computed
 again (real llama.cpp on generated models)."""
 
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
 import pytest
 
-from baton_serve.replicas.wire.protocol import GenerationRequest
-from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.cache_store.wire.protocol import GenerationRequest
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.engine_face import EngineFace
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_ROOM = ROOT / "replicas" / "engine"
@@ -66,6 +70,38 @@ def test_nothing_outside_the_engine_touches_its_cache() -> None:
             elif isinstance(node, ast.ImportFrom) and node.module:
                 if node.module.rsplit(".", 1)[-1] in INTERNAL:
                     found.append(f"{_where(path, node)}: imports {node.module}")
+    assert not found, "\n".join(found)
+
+
+def test_the_engine_is_its_face(tiny_model, make_engine) -> None:
+    """`Engine` has every member `EngineFace` names, with the same signature."""
+    for name, member in vars(EngineFace).items():
+        if name.startswith("_") or not callable(member):
+            continue
+        assert inspect.signature(getattr(Engine, name)) == inspect.signature(member), name
+    assert {"config", "model", "kind", "fingerprint", "stats", "n_ctx"} <= set(
+        EngineFace.__annotations__
+    )
+    assert isinstance(make_engine(tiny_model("llama")), EngineFace)
+
+
+def test_outside_code_names_the_engine_class_only_to_build_one() -> None:
+    """Every annotation outside `replicas/engine/` says `EngineFace`, never `Engine`."""
+    found = []
+    for path, tree in _sources(("replicas", "router", "deploy", "loadtests")).items():
+        if path.is_relative_to(ENGINE_ROOM):
+            continue
+        for node in ast.walk(tree):
+            annotations: list[ast.expr | None] = []
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                arguments = node.args
+                every = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
+                annotations += [a.annotation for a in every] + [node.returns]
+            elif isinstance(node, ast.AnnAssign):
+                annotations.append(node.annotation)
+            for annotation in filter(None, annotations):
+                if "Engine" in {n.id for n in ast.walk(annotation) if isinstance(n, ast.Name)}:
+                    found.append(f"{_where(path, annotation)}: {ast.unparse(annotation)}")
     assert not found, "\n".join(found)
 
 

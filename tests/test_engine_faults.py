@@ -16,18 +16,18 @@ from collections.abc import Callable
 
 import pytest
 
-from baton_serve.replicas.engine import slots
-from baton_serve.replicas.engine.liveness import request_deadline_s
-from baton_serve.replicas.replica import Replica
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import (
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import (
     EngineError,
     EngineStalled,
     EngineTimeout,
     GenerationRequest,
     ReplicaRequest,
 )
-from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
+from baton_serve.replicas.engine import slots
+from baton_serve.replicas.engine.liveness import request_deadline_s
+from baton_serve.replicas.replica import Replica
 from baton_serve.router.gateway.errors import from_exception
 
 MODEL = "llama"

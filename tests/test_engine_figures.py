@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.loadtests.decode_beside_prompts import decode_beside_prompts, format_beside
 from baton_serve.loadtests.engine_bench import chat_figures, format_report, run_chat
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 FIRST_TOKEN_ONLY = SamplingParams(max_tokens=1, ignore_eos=True)  # no rewind, no replay after
 SHORT_REPLY = SamplingParams(max_tokens=6, ignore_eos=True)

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from baton_serve.cache_store.checkpoints.state_blob import HEADER_SIZE, BlobError, seal_payload
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 HMAC_KEY = b"test-cluster-key"
 

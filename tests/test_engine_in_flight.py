@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from baton_serve.cache_store.prefix_hash import common_prefix_length
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import GenerationRequest
-from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import GenerationRequest
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6)
 # One token: its logits come from the prompt's own prefill, not from a decode step batched

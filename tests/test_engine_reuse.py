@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.llama_model import ModelKind
 from baton_serve.replicas.models.tiny_model import ARCHITECTURES
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 KINDS = {
     "llama": ModelKind.ATTENTION,

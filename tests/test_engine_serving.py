@@ -9,10 +9,10 @@ import threading
 
 import pytest
 
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import EngineClosed, GenerationRequest, PromptTooLong
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine.prompt import PromptError
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import EngineClosed, GenerationRequest, PromptTooLong
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 ARCHS = ("llama", "qwen35")
 LONG = SamplingParams(max_tokens=24, ignore_eos=True)

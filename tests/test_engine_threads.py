@@ -24,7 +24,7 @@ import json, os, sys
 from baton_serve.replicas.engine import ggml_backends
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 
 def threads():
     return len(os.listdir("/proc/self/task"))

@@ -24,11 +24,11 @@ import openai
 import pytest
 from gateway_harness import Served, serving
 
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.engine.sampling import TokenSampler
 from baton_serve.replicas.models.default_model import default_model_path
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 from baton_serve.router.gateway.gateway import GatewaySettings
 from baton_serve.router.gateway.openai_tools import Tool
 from baton_serve.router.gateway.structured_output import schema_grammar

@@ -17,17 +17,17 @@ from gateway_harness import Served, serving
 from openai.types.chat import ChatCompletionMessageParam
 from ray.serve.exceptions import BackPressureError
 
-from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.models.tiny_model import ModelVariant, write_tiny_model
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import (
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import (
     Completion,
     EngineClosed,
     PromptTooLong,
     ReplicaRequest,
     TokenEvent,
 )
-from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.models.tiny_model import ModelVariant, write_tiny_model
 from baton_serve.router.gateway.gateway import GatewaySettings, create_app
 
 MODEL = "baton-tiny"

@@ -15,9 +15,9 @@ import pytest
 from fastapi import FastAPI
 from gateway_harness import BOUNDED_MODEL, Served, bounded_gateway, serving
 
+from baton_serve.cache_store.wire.protocol import Completion, ReplicaRequest
 from baton_serve.loadtests.abuse_bench import abuse_benchmark, abusive_bodies, format_report
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.wire.protocol import Completion, ReplicaRequest
 from baton_serve.router.gateway.gateway import GatewaySettings, create_app
 from baton_serve.router.gateway.openai_types import ChatCompletionRequest
 

@@ -18,11 +18,7 @@ import pytest
 from gateway_harness import BOUNDED_MODEL, Served, bounded_gateway, serve_app, serving
 from llama_cpp.llama_grammar import JSON_GBNF
 
-from baton_serve.replicas.engine.engine import Engine
-from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.engine.grammar_nesting import grammar_nesting
-from baton_serve.replicas.engine.sampling import TokenSampler
-from baton_serve.replicas.wire.protocol import (
+from baton_serve.cache_store.wire.protocol import (
     Admitted,
     Completion,
     GenerationRequest,
@@ -31,7 +27,11 @@ from baton_serve.replicas.wire.protocol import (
     TokenEvent,
     Usage,
 )
-from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
+from baton_serve.replicas.engine.engine import Engine
+from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.grammar_nesting import grammar_nesting
+from baton_serve.replicas.engine.sampling import TokenSampler
 from baton_serve.router.gateway.gateway import GatewaySettings, create_app
 from baton_serve.router.gateway.grammar_cost import GrammarCostly, check_grammar_cost
 from baton_serve.router.gateway.grammar_limits import MAX_GRAMMAR_CHOICES, GrammarLimits

@@ -39,6 +39,8 @@ from baton_serve.deploy.config import (
     load_config,
 )
 from baton_serve.deploy.helm_binary import HELM_SHA256, HELM_VERSION, HelmBinaryError, extract_helm
+from baton_serve.deploy.request_bounds import RequestBounds
+from baton_serve.deploy.routing_settings import RoutingSettings
 from baton_serve.deploy.serve_config import CHART_SERVE_CONFIG, chart_serve_config_text
 from baton_serve.replicas.engine.engine_config import EngineConfig
 
@@ -267,6 +269,45 @@ def test_engine_values_match_engine_config() -> None:
     assert {
         name: {k: v for k, v in spec.items() if k in bounds} for name, spec in schema.items()
     } == {name: {k: v for k, v in spec.items() if k in bounds} for name, spec in model.items()}
+
+
+BOUNDS_KEYS = ("type", "minimum", "maximum", "exclusiveMinimum", "anyOf", "items")
+
+
+@pytest.mark.parametrize(
+    ("values", "model", "chart_keys"),
+    [
+        ("routing", RoutingSettings, set()),
+        ("requestBounds", RequestBounds, {"max_body_bytes", "body_read_timeout_s"}),
+    ],
+)
+def test_routing_and_request_bounds_values_match_the_config(
+    values: str, model: type, chart_keys: set[str]
+) -> None:
+    """The schema's `routing` and `requestBounds` are the models' fields with their bounds
+    (less the two bounds the chart sets from values of its own)."""
+    schema = json_schema()["properties"][values]["properties"]
+    fields = model.model_json_schema()["properties"]
+    assert {n: {k: v for k, v in s.items() if k in BOUNDS_KEYS} for n, s in schema.items()} == {
+        n: {k: v for k, v in s.items() if k in BOUNDS_KEYS}
+        for n, s in fields.items()
+        if n not in chart_keys
+    }
+
+
+def test_routing_and_request_bounds_reach_the_app(
+    render_with: Callable[[dict[str, Any]], Docs],
+) -> None:
+    routing = {"load_slack": 0.5, "pull_deadline_s": 4.0}
+    bounds = {"max_images": 4, "image_url_hosts": ["images.example.com"], "max_tools": 16}
+    args = serve_config_v2(render_with({"routing": routing, "requestBounds": bounds}))[
+        "applications"
+    ][0]["args"]
+    assert args["routing"] == routing and RoutingSettings(**args["routing"]).load_slack == 0.5
+    assert {name: args[name] for name in bounds} == bounds
+    assert RequestBounds(**{name: args[name] for name in bounds}).max_images == 4
+    defaults = serve_config_v2(render_with({}))["applications"][0]["args"]
+    assert "routing" not in defaults and "max_images" not in defaults
 
 
 def test_autoscaling_values_are_serve_settings() -> None:
@@ -1088,7 +1129,7 @@ def test_the_ingress_keeps_streams_open(render_with: Callable[[dict[str, Any]], 
 def baton_metric_series() -> set[str]:
     """The Prometheus series of Baton's metrics, as Ray exports them: `ray_` first, counters
     with `_total`, histograms as `_bucket`, `_sum` and `_count`."""
-    from baton_serve.replicas.telemetry import metrics
+    from baton_serve.cache_store.telemetry import metrics
     from baton_serve.router.gateway import http_telemetry
     from baton_serve.router.routing import routing_metrics
 

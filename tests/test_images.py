@@ -15,12 +15,12 @@ import pytest
 from PIL import Image
 
 from baton_serve.cache_store.media_tokens import media_spans
+from baton_serve.cache_store.wire.prompt_types import ChatMessage, Prompt
+from baton_serve.cache_store.wire.protocol import EngineError, GenerationRequest
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine.media_input import MediaBounds
 from baton_serve.replicas.engine.media_projector import MediaProjector, ProjectorError
 from baton_serve.replicas.engine.prompt import PromptError
-from baton_serve.replicas.wire.prompt_types import ChatMessage, Prompt
-from baton_serve.replicas.wire.protocol import EngineError, GenerationRequest
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 from baton_serve.router.gateway.media_parts import mark_media, read_image
 from baton_serve.router.gateway.openai_inputs import InputMessage
 from baton_serve.router.gateway.prompt_builder import PromptBuilder

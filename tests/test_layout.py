@@ -1,5 +1,6 @@
-"""The project's rooms: imports run one way, no cycles, no module much over 400 lines, and
-the `baton_serve` namespace installs beside other distributions' `router` and `deploy`.
+"""The project's rooms: imports run one way, no cycles, no module over 600 lines (those over
+400 named in the run's warnings), and the `baton_serve` namespace installs beside other
+distributions' `router` and `deploy`.
 
 The rooms and what each may import are the rooms table of `docs/architecture.md`, read here.
 """
@@ -11,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -44,7 +46,10 @@ def read_rooms(text: str) -> dict[str, set[str] | None]:
 
 
 ALLOWED = read_rooms(ARCHITECTURE.read_text())
-MAX_LINES = 420
+# Past SPLIT_SIGNAL_LINES a module is named in the run's warnings (a reviewer's cue to split
+# it by job, never to compact it); past MAX_LINES the test fails.
+SPLIT_SIGNAL_LINES = 400
+MAX_LINES = 600
 
 
 def _room(module: str) -> str:
@@ -128,12 +133,15 @@ def test_no_import_cycles() -> None:
 
 
 def test_modules_stay_small() -> None:
-    long = {
-        str(path.relative_to(ROOT)): n
+    lines = {
+        str(path.relative_to(ROOT)): len(path.read_text().splitlines())
         for path in _modules().values()
-        if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
-    assert not long, long
+    long = {path: n for path, n in sorted(lines.items()) if n > SPLIT_SIGNAL_LINES}
+    if long:
+        listed = ", ".join(f"{path} ({n})" for path, n in long.items())
+        warnings.warn(f"modules over {SPLIT_SIGNAL_LINES} lines: {listed}", stacklevel=1)
+    assert max(lines.values()) <= MAX_LINES, {p: n for p, n in long.items() if n > MAX_LINES}
 
 
 @pytest.mark.slow

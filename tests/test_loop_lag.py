@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 
 from baton_serve.cache_store.index.index_connect import connect_index
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.loop_lag import LoopLagMonitor
 from baton_serve.replicas.off_loop import OffLoop
 from baton_serve.replicas.replica import Replica
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 from baton_serve.router.gateway.structured_output import schema_grammar
 
 INJECTED_S = 0.25

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.engine.prompt import PromptError
 from baton_serve.replicas.models.tiny_model import ARCHITECTURES, ModelVariant, write_tiny_model
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 METADATA_VARIANTS = [
     ModelVariant(),

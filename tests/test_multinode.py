@@ -30,13 +30,13 @@ from ray.cluster_utils import Cluster
 from baton_serve.cache_store.fingerprint import file_fingerprint
 from baton_serve.cache_store.index.embedded_index import ACTOR_NAME
 from baton_serve.cache_store.index.index_connect import connect_index
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.deploy.app import APP_NAME, GATEWAY_DEPLOYMENT, REPLICA_DEPLOYMENT
 from baton_serve.deploy.local_ray import NAMESPACE
 from baton_serve.deploy.ports import free_port
 from baton_serve.loadtests.serve_app import replica_stats, wait_idle
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 REPLICA_RESOURCE = "baton_replica"  # only workers have it: replicas run there
 ROOM_PER_WORKER = 2  # room for two replicas: only max_replicas_per_node keeps them apart

@@ -23,15 +23,15 @@ from opentelemetry.trace import SpanKind
 
 from baton_serve.cache_store.index.index_connect import connect_index
 from baton_serve.cache_store.pull_cost import ShipCost
+from baton_serve.cache_store.telemetry import tracing
+from baton_serve.cache_store.telemetry.logs import configure_logging
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.replica import Replica
 from baton_serve.replicas.shipping import ShippedBlob, ShipPolicy
-from baton_serve.replicas.telemetry import tracing
-from baton_serve.replicas.telemetry.logs import configure_logging
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 from baton_serve.router.gateway.gateway import GatewaySettings, create_app
 
 MODEL = "baton-tiny"

@@ -15,14 +15,14 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Requ
 from ray.serve.request_router import PendingRequest, ReplicaID
 
 from baton_serve.cache_store.prefix_hash import PrefixHasher
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.cache_store.wire.route_plan import COMPUTE, RoutePlan
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.plan_receipt import NO_PLAN, OTHER_REPLICA, PlanReceipt
 from baton_serve.replicas.replica import Replica
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
-from baton_serve.replicas.wire.route_plan import COMPUTE, RoutePlan
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 from baton_serve.router.routing import plan_delivery
 from baton_serve.router.routing.plan_delivery import (
     ARGS_NOT_A_LIST,

@@ -9,9 +9,9 @@ import time
 import pytest
 from ray.exceptions import ActorUnavailableError
 
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import GenerationRequest
-from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import GenerationRequest
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.router.gateway.errors import APIError
 from baton_serve.router.gateway.poison_requests import (
     PoisonQuarantine,

@@ -7,10 +7,10 @@ from collections.abc import Iterator
 import pytest
 from pydantic import ValidationError
 
+from baton_serve.cache_store.wire.prompt_types import ChatMessage
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.engine.prompt import ChatTemplate, PromptError, chat_prompt, text_prompt
 from baton_serve.replicas.models.default_model import default_model_path
-from baton_serve.replicas.wire.prompt_types import ChatMessage
 
 GENERATION_PROMPT = "<|im_start|>assistant\n"
 

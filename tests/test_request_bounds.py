@@ -19,10 +19,10 @@ import pytest
 from gateway_harness import Served, serving
 from ray.serve._private.build_app import build_app as serve_build_app
 
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.deploy.app import GATEWAY_DEPLOYMENT, build_app
 from baton_serve.deploy.config import load_config
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 from baton_serve.router.gateway.gateway import GatewaySettings
 
 MODEL = "baton-tiny"

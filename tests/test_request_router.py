@@ -16,12 +16,12 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import GenerationRequest, ReplicaRequest
 from baton_serve.deploy.app import build_app
 from baton_serve.deploy.config import BatonConfig, RouterPolicy
 from baton_serve.loadtests.serve_app import replica_stats
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
 from baton_serve.router.routing.routing_metrics import decision_counts
 
 # Serve's workers cannot import this test module: ship its deployment classes by value.

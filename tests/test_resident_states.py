@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import GenerationRequest
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine.llama_context import BatchEntry, ContextParams, LlamaContext
 from baton_serve.replicas.engine.llama_model import LlamaModel
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import GenerationRequest
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 PARTIAL_KINDS = ["qwen35", "granitehybrid", "lfm2", "mamba2"]
 GREEDY = SamplingParams(max_tokens=6)

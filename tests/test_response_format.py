@@ -15,9 +15,9 @@ import pytest
 from gateway_harness import Served, serving
 from json_schemas import SUPPORTED
 
+from baton_serve.cache_store.wire.protocol import GenerationRequest
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.wire.protocol import GenerationRequest
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 from baton_serve.router.gateway.gateway import GatewaySettings
 from baton_serve.router.gateway.structured_output import schema_grammar
 

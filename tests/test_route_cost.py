@@ -20,11 +20,12 @@ from ray.serve.request_router import PendingRequest
 
 from baton_serve.cache_store.prefix_hash import PrefixHasher
 from baton_serve.cache_store.pull_cost import ShipCost, pull_pays
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.deploy.config import BatonConfig
 from baton_serve.loadtests import sim_replica
 from baton_serve.replicas import shipping
 from baton_serve.replicas.shipping import ShipPolicy
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
 from baton_serve.router.routing import route_cost
 from baton_serve.router.routing.request_router import BatonRouter
 from baton_serve.router.routing.route_cost import (
@@ -161,7 +162,8 @@ def test_a_replica_is_planned_to_pull_at_the_bandwidth_its_own_pulls_measured() 
     """A GPU replica computes 10,000 tokens a second; a 2,000-token state of an 8B fp16
     model is 262 MB. At the configured 0.5 GB/s a pull looks slower than computing; a
     replica whose pulls measured 25 GB/s (its report's `pull_bytes_per_s`) is planned to
-    pull, and the router's own figure comes from `pull_bandwidth_gb_s`."""
+    pull, and the router's own figure comes from `pull_bandwidth_gb_s` (its other pull costs
+    from `routing.*`, as the replicas' do)."""
     held = Holding(2000, 2000 * 131_072, holder="r0")
     configured = ReplicaState("r1", 0, 0, 10_000.0, None)
     measured = ReplicaState("r1", 0, 0, 10_000.0, None, pull_bytes_per_s=25e9)
@@ -169,9 +171,12 @@ def test_a_replica_is_planned_to_pull_at_the_bandwidth_its_own_pulls_measured() 
     assert estimate(measured, 2100, [held], NOW, SETTINGS).plan == PULL
     fast_fabric = CostSettings(ship=ShipCost(bandwidth_bytes_per_s=25e9))
     assert estimate(configured, 2100, [held], NOW, fast_fabric).plan == PULL
-    router, deployment = _router("bandwidth", pull_bandwidth_bytes_per_s=25e9)
+    config = BatonConfig(pull_bandwidth_gb_s=25, routing={"pull_min_gain_tokens": 32})
+    kwargs = config.routing.router_kwargs(config.pull_bandwidth_bytes_per_s)
+    router, deployment = _router("bandwidth", **kwargs)
     replica = _Replica("r1", deployment)
-    assert router._settings.ship.bandwidth_bytes_per_s == 25e9
+    assert router._settings.ship == config.routing.ship_cost(25e9)
+    assert router._settings.ship == ShipCost(min_gain_tokens=32, bandwidth_bytes_per_s=25e9)
     replica.routing_stats = {"prefill_tokens_per_s": 10_000.0, "pull_bytes_per_s": 3e9}
     assert router._state(replica, None, 10_000.0).pull_bytes_per_s == 3e9
 

@@ -10,8 +10,8 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Requ
 from ray.serve.request_router import PendingRequest, ReplicaID
 
 from baton_serve.cache_store.prefix_hash import PrefixHasher
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import GenerationRequest, ReplicaRequest
 from baton_serve.router.routing.by_identity import ByIdentity
 from baton_serve.router.routing.request_router import BatonRouter
 

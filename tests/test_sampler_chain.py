@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from baton_serve.cache_store.wire.protocol import GenerationRequest, InvalidGeneration
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.engine.sampling import TokenSampler, token_logprob
-from baton_serve.replicas.wire.protocol import GenerationRequest, InvalidGeneration
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 VOCAB = 8
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine.sampling import TokenSampler
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 # Known softmax probabilities, placed at scattered ids of a 10-token vocabulary; the
 # other ids are impossible (-inf) or practically impossible (very negative).

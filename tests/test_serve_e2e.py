@@ -19,14 +19,14 @@ from ray import serve
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 from ray.serve.handle import DeploymentHandle
 
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.deploy.app import APP_NAME, REPLICA_DEPLOYMENT, build_app
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.loadtests.serve_app import replica_stats
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 from baton_serve.router.gateway.serve_gateway import own_handle
 
 ENGINE = EngineConfig(n_ctx=2048, n_slots=1, n_threads=1, prefill_chunk=128)

@@ -17,13 +17,13 @@ import pytest
 from fixtures_ray import wait_healthy
 from ray import serve
 
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.deploy.app import APP_NAME, build_app
 from baton_serve.deploy.config import BatonConfig
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.models.tiny_model import ModelVariant, write_tiny_model
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 MAX_TOKENS = 6
 VARIANTS = {

@@ -20,6 +20,10 @@ from baton_serve.cache_store.checkpoints.checkpoint import Checkpoint
 from baton_serve.cache_store.checkpoints.state_blob import encode_parts
 from baton_serve.cache_store.index.index_connect import connect_index
 from baton_serve.cache_store.pull_cost import ShipCost
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import GenerationRequest, ReplicaRequest
+from baton_serve.cache_store.wire.route_plan import RoutePlan
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.replica import Replica
@@ -30,10 +34,6 @@ from baton_serve.replicas.shipping import (
     share_in_object_store,
     shipped_blob,
 )
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import GenerationRequest, ReplicaRequest
-from baton_serve.replicas.wire.route_plan import RoutePlan
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 KEY = secrets.token_bytes(32)
 CONFIG = EngineConfig(n_ctx=2048, n_slots=2, n_threads=1)

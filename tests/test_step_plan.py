@@ -10,6 +10,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from baton_serve.cache_store.wire.protocol import GenerationRequest
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.loadtests.sim_bench import PROFILES
 from baton_serve.loadtests.sim_cluster import Cluster
 from baton_serve.loadtests.sim_policies import ROUND_ROBIN
@@ -25,8 +27,6 @@ from baton_serve.replicas.engine.step_plan import (
     StepView,
     plan_step,
 )
-from baton_serve.replicas.wire.protocol import GenerationRequest
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 
 def view(
@@ -309,3 +309,15 @@ def test_a_prompt_computed_beside_a_decoding_stream_is_bit_exact(tiny_model, mak
     assert len(stream.result(120).tokens) == 400
     assert alone.logits is not None and beside.logits is not None
     assert np.array_equal(alone.logits, beside.logits)
+
+
+def test_a_request_waits_for_a_prefix_in_flight_by_one_rule() -> None:
+    """A queued request waits for another prefill's prefix only where it shares a block at
+    least, more than it holds; the engine's cache and the simulator ask the same function."""
+    from baton_serve.loadtests import sim_replica
+    from baton_serve.replicas.engine import prefix_cache
+
+    assert step_plan.worth_waiting(held=0, in_flight=64, min_tokens=64)
+    assert not step_plan.worth_waiting(held=0, in_flight=63, min_tokens=64)
+    assert not step_plan.worth_waiting(held=200, in_flight=200, min_tokens=64)
+    assert prefix_cache.worth_waiting is sim_replica.steps.worth_waiting is step_plan.worth_waiting

@@ -1,4 +1,4 @@
-"""A replica's stream to the gateway in batches (`replicas/wire/stream_batches.py`): items
+"""A replica's stream to the gateway in batches (`cache_store/wire/stream_batches.py`): items
 ready at once travel as one Ray message, nothing waits for an item not yet made, an error
 comes after the items before it, and a caller that stops early stops the stream (its clean-up,
 which cancels the generation, runs). Driven by plain async generators: what the batching
@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator
 
 import pytest
 
-from baton_serve.replicas.wire.stream_batches import batches
+from baton_serve.cache_store.wire.stream_batches import batches
 
 pytestmark = pytest.mark.anyio
 

@@ -17,6 +17,10 @@ import numpy as np
 import pytest
 
 from baton_serve.cache_store.pull_cost import ShipCost
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import Completion, GenerationRequest, ReplicaRequest
+from baton_serve.cache_store.wire.route_plan import RoutePlan
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.models.tiny_model import ModelVariant, write_tiny_model
 from baton_serve.replicas.replica import Replica
@@ -30,10 +34,6 @@ from baton_serve.replicas.state_stream import (
     StreamSender,
 )
 from baton_serve.replicas.stream_limits import StreamLimits
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import Completion, GenerationRequest, ReplicaRequest
-from baton_serve.replicas.wire.route_plan import RoutePlan
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
 # The tiny model prefills thousands of tokens a second: any gain is worth a pull.

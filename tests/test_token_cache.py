@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
+from baton_serve.cache_store.wire.prompt_types import ChatMessage
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.engine.prompt import PromptError
-from baton_serve.replicas.wire.prompt_types import ChatMessage
 from baton_serve.router.gateway.prompt_builder import PromptBuilder
 from baton_serve.router.gateway.token_cache import MIN_CHARS, TokenCache
 

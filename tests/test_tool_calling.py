@@ -15,9 +15,9 @@ import openai
 import pytest
 from gateway_harness import Served, serving
 
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.prompt import ChatTemplate
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 from baton_serve.router.gateway.chat_plan import TemplateTools
 from baton_serve.router.gateway.gateway import GatewaySettings
 from baton_serve.router.gateway.openai_tools import Tool

@@ -25,11 +25,11 @@ import sys
 import pytest
 from lavapipe import child_report, skip_unless_device
 
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine import ggml_backends
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 ARCHS = ("llama", "qwen35")
 GREEDY = SamplingParams(max_tokens=16)

@@ -17,9 +17,9 @@ from lavapipe import child_report, skip_unless_device
 from test_images import asking, chat_prompt
 from test_vulkan_device import gpu_devices
 
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 from baton_serve.router.gateway.prompt_builder import PromptBuilder
 
 ARCHS = ("qwen35",)

@@ -1,5 +1,6 @@
-"""Which index entries a prefix state is found under: one rule for the replica that
-publishes it, the router that records what it sent where, and the simulator."""
+"""Which index entries a prefix state is found under, and when one a prefill is computing
+will be ready: one rule each for the replica that publishes it, the router that records
+what it sent where, and the simulator."""
 
 from __future__ import annotations
 
@@ -24,3 +25,21 @@ def index_entries(
     if not every_block:
         return [last]
     return [(h, (i + 1) * block_tokens) for i, h in enumerate(chain[: blocks - 1])] + [last]
+
+
+def prefix_ready_at(
+    end_at: float,
+    prompt_end: int,
+    position: int,
+    prefill_tokens_per_s: float,
+    *,
+    computed_from: int = 0,
+) -> float:
+    """When a prefill that computes a prompt's tokens from `computed_from` to `prompt_end`
+    and is due to end at `end_at` passes `position`: the end less the time of the tokens
+    after it (a shared system prompt is ready long before its first prompt's end). Without
+    a speed, the end."""
+    if prefill_tokens_per_s <= 0:
+        return end_at
+    after = prompt_end - max(position, computed_from)
+    return end_at - after / prefill_tokens_per_s

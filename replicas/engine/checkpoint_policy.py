@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.prompt_types import Prompt
 
 MIN_PIECE = 2
 

@@ -31,11 +31,20 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from baton_serve.cache_store.wire.prompt_types import ChatMessage, Prompt
+from baton_serve.cache_store.wire.protocol import (
+    Completion,
+    EngineClosed,
+    EngineError,
+    EngineStalled,
+    GenerationRequest,
+)
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
 from baton_serve.replicas.engine import device_memory
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE, prefill_pieces
 from baton_serve.replicas.engine.emulated_compute import load_model, open_context
+from baton_serve.replicas.engine.engine_checkpoints import EngineCheckpoints
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.engine.engine_face import EngineFace
 from baton_serve.replicas.engine.liveness import IDLE_BEAT_S, Heartbeat, request_deadline_s
 from baton_serve.replicas.engine.media_projector import MediaProjector
 from baton_serve.replicas.engine.prefix_cache import PrefixCache
@@ -55,20 +64,11 @@ from baton_serve.replicas.engine.stats import EngineLoad, EngineStats
 from baton_serve.replicas.engine.step_executor import StepExecutor
 from baton_serve.replicas.engine.step_guard import StepGuard
 from baton_serve.replicas.engine.step_plan import Queued, StepPlan, StepView, plan_step
-from baton_serve.replicas.wire.prompt_types import ChatMessage, Prompt
-from baton_serve.replicas.wire.protocol import (
-    Completion,
-    EngineClosed,
-    EngineError,
-    EngineStalled,
-    GenerationRequest,
-)
-from baton_serve.replicas.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger("baton.engine")
 
 
-class Engine(EngineFace):
+class Engine(EngineCheckpoints):
     """Serves generation requests for one model from one llama.cpp context."""
 
     def __init__(
@@ -94,7 +94,7 @@ class Engine(EngineFace):
         self.n_ctx = self._context.n_ctx_per_seq
         self._projector = self._load_projector(mmproj)
         states = PrefixStates(self.model, self._context, self.config, self.stats, hmac_key=hmac_key)
-        self._cache = PrefixCache(states, self.config, self.stats)  # `EngineFace` shows it
+        self._cache = PrefixCache(states, self.config, self.stats)  # `EngineCheckpoints` shows it
         if listener is not None:  # others may be added later, before requests arrive
             self.add_checkpoint_listener(listener)
         self._chat_template = model_chat_template(self.model, self.config.chat_template)
@@ -272,8 +272,10 @@ class Engine(EngineFace):
             free = [s for s in self._slots if s.running is None]
             with self._wakeup:
                 self._waiting.remove(handle)  # only this thread removes from the queue
+            self._cache.stop_waiting(handle)
             self._guard.start(handle, free, self._start, handle, free)
             plan = self._plan()
+        self._hold_waits(plan.waiting)
         self._executor.run(plan)
 
     def _plan(self) -> StepPlan[RequestHandle, Running]:
@@ -314,6 +316,15 @@ class Engine(EngineFace):
         except Exception as exc:
             self._guard.refuse(handle, "being admitted", exc)  # leaves the queue next step
             return True
+
+    def _hold_waits(self, waiting: Sequence[RequestHandle]) -> None:
+        """Reserve what the requests the plan left waiting wait for (`PrefixCache.hold_wait`)."""
+        running = self._running()
+        for handle in waiting:
+            try:
+                self._cache.hold_wait(handle, handle.request.prompt.tokens, running, self._slots)
+            except Exception as exc:
+                self._guard.refuse(handle, "being admitted", exc)  # leaves the queue next step
 
     def _start(self, handle: RequestHandle, free: list[Slot]) -> None:
         prompt, admitted_at = handle.request.prompt, time.perf_counter()

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import time
 
+from baton_serve.cache_store.wire.protocol import EngineStalled, GenerationRequest
 from baton_serve.replicas.engine.engine_config import EngineConfig
-from baton_serve.replicas.wire.protocol import EngineStalled, GenerationRequest
 
 IDLE_BEAT_S = 1.0  # an idle engine loop wakes this often to beat
 

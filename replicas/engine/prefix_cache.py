@@ -25,6 +25,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from baton_serve.cache_store.prefix_hash import common_prefix_length
+from baton_serve.cache_store.wire.prompt_types import Prompt
 from baton_serve.replicas.engine.checkpoint_policy import (
     MIN_PIECE,
     interval_checkpoints,
@@ -35,7 +36,7 @@ from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.prefix_states import PrefixStates
 from baton_serve.replicas.engine.slots import Phase, Running, Slot
 from baton_serve.replicas.engine.stats import EngineStats
-from baton_serve.replicas.wire.prompt_types import Prompt
+from baton_serve.replicas.engine.step_plan import worth_waiting
 
 logger = logging.getLogger("baton.engine")
 
@@ -126,33 +127,41 @@ class PrefixCache:
     ) -> bool:
         """True while another slot computes what the queued request `key` would reuse: the
         reply of the conversation it continues (a replay), or a long prefix of its prompt.
-        False releases it: `place` then finds whatever there is."""
+        False releases it: `place` then finds whatever there is. Changes nothing (the step
+        plan asks it): `hold_wait` then reserves what a request left waiting waits for."""
         if not self.config.prefix_cache:
             return False
         if self.replay_pending_for(prompt, running):
             return True
         if (waits := self._waits.get(key)) is not None:
             run, position = waits
-            if run.slot.running is run and len(run.slot.tokens) < position:
-                return True
-            del self._waits[key]
-            return False
+            return run.slot.running is run and len(run.slot.tokens) < position
+        return self._in_flight_share(prompt, running, slots) is not None
+
+    def hold_wait(
+        self, key: Hashable, prompt: tuple[int, ...], running: list[Running], slots: list[Slot]
+    ) -> None:
+        """The queued request `key`, which a step plan left waiting (`should_wait`), waits for
+        a prefix another prefill is computing, if not already: a checkpoint is added to that
+        prefill where the prompts part, and the request waits for it."""
+        if key in self._waits or not self.config.prefix_cache:
+            return
+        if self.replay_pending_for(prompt, running):
+            return
         share = self._in_flight_share(prompt, running, slots)
-        if share is None:
-            return False
-        self._waits[key] = share
-        self.stats.prefix_waits += 1
-        return True
+        if share is not None and share[0].checkpoint_at(share[1], self.config.prefill_chunk):
+            self._waits[key] = share
+            self.stats.prefix_waits += 1
 
     def stop_waiting(self, key: Hashable) -> None:
-        """The queued request `key` is gone (cancelled)."""
+        """The queued request `key` is admitted, or gone (cancelled)."""
         self._waits.pop(key, None)
 
     def _in_flight_share(
         self, prompt: tuple[int, ...], running: list[Running], slots: list[Slot]
     ) -> tuple[Running, int] | None:
         """A prefill in progress that will compute a long prefix of `prompt` this engine
-        does not hold yet: that run and the shared length, with a checkpoint added there.
+        does not hold yet and can checkpoint there: that run and the shared length.
 
         That run is computing the prefix already, so a request waiting for its
         checkpoint waits no longer than computing it would take, and it is computed once.
@@ -163,15 +172,18 @@ class PrefixCache:
             if run.phase is not Phase.PREFILL:
                 continue
             shared = common_prefix_length(run.feed, prompt, limit)
-            if shared >= self.config.block_tokens and (best is None or shared > best[1]):
+            if best is None or shared > best[1]:
                 best = (run, shared)
-        if best is None or self.local_reuse(prompt, slots)[0] >= best[1]:
+        if best is None:
             return None
         run, shared = best
-        return best if run.checkpoint_at(shared, self.config.prefill_chunk) else None
+        held = self.local_reuse(prompt, slots)[0]
+        if not worth_waiting(held, shared, self.config.block_tokens):
+            return None
+        return best if run.can_checkpoint_at(shared, self.config.prefill_chunk) else None
 
     def checkpoint_for_peers(self, asks: deque[PeerAsk], running: list[Running]) -> None:
-        """For each live ask (`EngineFace.keep_for_peer`), a checkpoint where the asked
+        """For each live ask (`Engine.keep_for_peer`), a checkpoint where the asked
         prompt parts from each prefill (once per run, also one admitted after the ask) that
         shares more than the tokens asked for and has not passed that point. Engine thread."""
         now = time.monotonic()

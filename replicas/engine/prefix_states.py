@@ -18,14 +18,14 @@ from baton_serve.cache_store.checkpoints.checkpoint_store import Checkpoint, Che
 from baton_serve.cache_store.checkpoints.disk_tier import DiskEntry, DiskTier
 from baton_serve.cache_store.checkpoints.state_blob import BlobError, BlobParts, Buffer
 from baton_serve.cache_store.prefix_hash import PrefixHasher, common_prefix_length
+from baton_serve.cache_store.telemetry import metrics
+from baton_serve.cache_store.wire.protocol import EngineError
 from baton_serve.replicas.engine.checkpoint_codec import CheckpointCodec, frozen
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_context import LlamaContext, StateRestoreError
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.engine.slots import Slot
 from baton_serve.replicas.engine.stats import EngineStats
-from baton_serve.replicas.telemetry import metrics
-from baton_serve.replicas.wire.protocol import EngineError
 
 logger = logging.getLogger("baton.engine")
 

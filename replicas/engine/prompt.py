@@ -17,8 +17,8 @@ from typing import Any, Protocol
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from baton_serve.cache_store.wire.prompt_types import ChatMessage, Prompt
 from baton_serve.replicas.engine.chat_segments import ChatText, segment_chat
-from baton_serve.replicas.wire.prompt_types import ChatMessage, Prompt
 
 
 class PromptError(ValueError):

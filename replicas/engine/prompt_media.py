@@ -16,12 +16,12 @@ from baton_serve.cache_store.media_tokens import (
     media_tokens,
     positions_after,
 )
+from baton_serve.cache_store.wire.prompt_types import MediaInput, Prompt
 from baton_serve.replicas.engine.llama_context import LlamaContext
 from baton_serve.replicas.engine.media_input import MediaError, decode_image
 from baton_serve.replicas.engine.media_projector import MediaProjector, PreparedImage
 from baton_serve.replicas.engine.prompt import PromptError
 from baton_serve.replicas.engine.stats import EngineStats
-from baton_serve.replicas.wire.prompt_types import MediaInput, Prompt
 
 # The gateway has bounded each image's pixels; a replica reads what it is sent, no more.
 MAX_PIXELS = 1 << 26

@@ -3,13 +3,17 @@ mistake answered at once, never an engine fault."""
 
 from __future__ import annotations
 
+from baton_serve.cache_store.wire.protocol import (
+    GenerationRequest,
+    InvalidGeneration,
+    PromptTooLong,
+)
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.engine.media_projector import MediaProjector
 from baton_serve.replicas.engine.prompt import PromptError
 from baton_serve.replicas.engine.prompt_media import check_prompt_ids
 from baton_serve.replicas.engine.sampling import sampling_problem
-from baton_serve.replicas.wire.protocol import GenerationRequest, InvalidGeneration, PromptTooLong
 
 
 def check_request(

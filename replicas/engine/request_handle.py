@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from baton_serve.replicas.engine.prompt_media import PromptImages
-from baton_serve.replicas.wire.protocol import (
+from baton_serve.cache_store.wire.protocol import (
     Completion,
     EngineTimeout,
     GenerationRequest,

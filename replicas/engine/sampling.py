@@ -18,13 +18,13 @@ import weakref
 import llama_cpp
 import numpy as np
 
+from baton_serve.cache_store.wire.sampling_params import SamplingParams, TokenLogprob
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.grammar_nesting import (
     DEFAULT_MAX_GRAMMAR_NESTING,
     check_grammar_nesting,
 )
 from baton_serve.replicas.engine.llama_model import LlamaModel
-from baton_serve.replicas.wire.sampling_params import SamplingParams, TokenLogprob
 
 # Same memory layout as llama.cpp's `llama_token_data`.
 TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])

@@ -12,15 +12,15 @@ from types import MappingProxyType
 import numpy as np
 
 from baton_serve.cache_store.media_tokens import positions_after
+from baton_serve.cache_store.telemetry import metrics
+from baton_serve.cache_store.wire.protocol import Completion, Timings, TokenEvent, Usage
+from baton_serve.cache_store.wire.sampling_params import SamplingParams, TokenLogprob
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE, prefill_pieces
 from baton_serve.replicas.engine.llama_model import LlamaModel
 from baton_serve.replicas.engine.request_handle import RequestHandle
 from baton_serve.replicas.engine.sampling import TokenSampler, token_logprob
 from baton_serve.replicas.engine.step_plan import RunView
 from baton_serve.replicas.engine.text_stream import TextStream
-from baton_serve.replicas.telemetry import metrics
-from baton_serve.replicas.wire.protocol import Completion, Timings, TokenEvent, Usage
-from baton_serve.replicas.wire.sampling_params import SamplingParams, TokenLogprob
 
 
 class Phase(enum.Enum):
@@ -187,16 +187,25 @@ class Running:
     def checkpoint_at(self, position: int, max_piece: int) -> bool:
         """Also save the state after `position` of a prefill still short of it, if a piece
         can end there; False if it cannot."""
-        start = len(self.slot.tokens)
-        if self.phase is not Phase.PREFILL or position - start < MIN_PIECE:
-            return False
-        cuts = [p for p in self.checkpoints | self.anchors if p > start] + [position]
-        pieces = prefill_pieces(start, len(self.feed), cuts, max_piece, self.spans)
-        if position not in pieces:
+        pieces = self._pieces_ending_at(position, max_piece)
+        if pieces is None:
             return False
         self.pieces = pieces
         self.checkpoints.add(position)
         return True
+
+    def can_checkpoint_at(self, position: int, max_piece: int) -> bool:
+        """Whether `checkpoint_at(position, max_piece)` would succeed (it changes nothing)."""
+        return self._pieces_ending_at(position, max_piece) is not None
+
+    def _pieces_ending_at(self, position: int, max_piece: int) -> list[int] | None:
+        """The prefill's pieces with one ending at `position`, if a piece can end there."""
+        start = len(self.slot.tokens)
+        if self.phase is not Phase.PREFILL or position - start < MIN_PIECE:
+            return None
+        cuts = [p for p in self.checkpoints | self.anchors if p > start] + [position]
+        pieces = prefill_pieces(start, len(self.feed), cuts, max_piece, self.spans)
+        return pieces if position in pieces else None
 
     @property
     def prompt(self) -> tuple[int, ...]:

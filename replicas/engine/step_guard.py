@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
+from baton_serve.cache_store.telemetry.logs import request_fields
+from baton_serve.cache_store.wire.protocol import EngineError
 from baton_serve.replicas.engine.llama_context import BatchEntry, DecodeError, LlamaContext
 from baton_serve.replicas.engine.request_handle import RequestHandle
 from baton_serve.replicas.engine.slots import Running, Slot
 from baton_serve.replicas.engine.stats import EngineStats
-from baton_serve.replicas.telemetry.logs import request_fields
-from baton_serve.replicas.wire.protocol import EngineError
 
 logger = logging.getLogger("baton.engine")
 

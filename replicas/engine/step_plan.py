@@ -158,6 +158,13 @@ def _piece_end(run: RunView[R], max_piece: int, left: int, *, first: bool) -> in
     return end
 
 
+def worth_waiting(held: int, in_flight: int, min_tokens: int) -> bool:
+    """Whether a queued request waits for the prefix another prefill here is computing: it
+    shares `in_flight` tokens with that prompt, more than the `held` ones it could reuse now,
+    and at least `min_tokens` (a block; the engine and the simulator both ask this)."""
+    return in_flight >= min_tokens and in_flight > held
+
+
 def prefill_priority(run: RunView[R], tokens_per_s: float, now: float) -> tuple[float, float]:
     """Lowest first: the tokens left to compute, less those computable in the time it has
     waited (so a long prompt is not starved by short ones), then age."""

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from baton_serve.cache_store.wire.prompt_types import ChatMessage
 from baton_serve.replicas.engine.prompt import ChatTemplate, PromptError
-from baton_serve.replicas.wire.prompt_types import ChatMessage
 from baton_serve.router.gateway import openai_types as api
 from baton_serve.router.gateway.errors import invalid_request
 from baton_serve.router.gateway.openai_tools import FunctionCall, Tool, ToolCall

@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass
 
 from pydantic import BaseModel
 
-from baton_serve.replicas.wire.protocol import Completion
-from baton_serve.replicas.wire.sampling_params import TokenLogprob
+from baton_serve.cache_store.wire.protocol import Completion
+from baton_serve.cache_store.wire.sampling_params import TokenLogprob
 from baton_serve.router.gateway import openai_types as api
 from baton_serve.router.gateway.event_stream import finish_reason
 from baton_serve.router.gateway.logprobs import LogprobFormat

@@ -16,14 +16,14 @@ from fastapi.responses import JSONResponse
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException
 
-from baton_serve.replicas.engine.prompt import PromptError
-from baton_serve.replicas.wire.protocol import (
+from baton_serve.cache_store.wire.protocol import (
     EngineClosed,
     EngineError,
     EngineTimeout,
     InvalidGeneration,
     PromptTooLong,
 )
+from baton_serve.replicas.engine.prompt import PromptError
 from baton_serve.router.gateway import refused_fields
 from baton_serve.router.gateway.list_bounds import TOO_MANY_ITEMS
 

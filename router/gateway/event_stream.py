@@ -19,8 +19,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from baton_serve.replicas.wire.protocol import Admitted, Completion, TokenEvent
-from baton_serve.replicas.wire.sampling_params import TokenLogprob
+from baton_serve.cache_store.wire.protocol import Admitted, Completion, TokenEvent
+from baton_serve.cache_store.wire.sampling_params import TokenLogprob
 from baton_serve.router.gateway import openai_types as api
 from baton_serve.router.gateway.errors import from_exception
 

@@ -24,16 +24,16 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from baton_serve.replicas.engine.media_input import DecodedImage, MediaBounds, MediaError
-from baton_serve.replicas.telemetry import tracing
-from baton_serve.replicas.telemetry.logs import bound_request
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.protocol import (
+from baton_serve.cache_store.telemetry import tracing
+from baton_serve.cache_store.telemetry.logs import bound_request
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.protocol import (
     Completion,
     GenerationRequest,
     ReplicaRequest,
 )
-from baton_serve.replicas.wire.sampling_params import SamplingParams
+from baton_serve.cache_store.wire.sampling_params import SamplingParams
+from baton_serve.replicas.engine.media_input import DecodedImage, MediaBounds, MediaError
 from baton_serve.router.gateway import openai_types as api
 from baton_serve.router.gateway.chunks import (
     ChatChunks,

@@ -15,8 +15,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from baton_serve.replicas.telemetry import metrics, tracing
-from baton_serve.replicas.telemetry.logs import bind_request
+from baton_serve.cache_store.telemetry import metrics, tracing
+from baton_serve.cache_store.telemetry.logs import bind_request
 from baton_serve.router.gateway.asgi_path import app_path
 
 logger = logging.getLogger("baton.gateway")

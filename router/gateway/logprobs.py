@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from baton_serve.replicas.wire.sampling_params import TokenLogprob
+from baton_serve.cache_store.wire.sampling_params import TokenLogprob
 from baton_serve.router.gateway import openai_types as api
 
 LOWEST_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports this floor too

@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from baton_serve.cache_store.wire.prompt_types import MediaInput
 from baton_serve.replicas.engine.prompt import Tokenizer
-from baton_serve.replicas.wire.prompt_types import MediaInput
 from baton_serve.router.gateway.media_parts import MARKER_PREFIX
 
 _MARKER = re.compile(re.escape(MARKER_PREFIX) + r"(\d+)__>")

@@ -10,7 +10,7 @@ from collections.abc import Collection, Sequence
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from baton_serve.replicas.telemetry import tracing
+from baton_serve.cache_store.telemetry import tracing
 from baton_serve.router.gateway.asgi_path import app_path
 from baton_serve.router.gateway.errors import (
     APIError,

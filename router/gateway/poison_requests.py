@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 from cachetools import TTLCache
 
-from baton_serve.replicas.telemetry import metrics
-from baton_serve.replicas.wire.protocol import GenerationRequest
+from baton_serve.cache_store.telemetry import metrics
+from baton_serve.cache_store.wire.protocol import GenerationRequest
 from baton_serve.router.gateway.errors import APIError, replica_died, request_quarantined
 
 logger = logging.getLogger("baton.gateway")

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from baton_serve.cache_store.prefix_hash import PrefixHasher
+from baton_serve.cache_store.wire.prompt_types import ChatMessage, MediaInput, Prompt
 from baton_serve.replicas.engine.chat_segments import ChatText
 from baton_serve.replicas.engine.engine_config import context_size
 from baton_serve.replicas.engine.llama_model import LlamaModel
@@ -23,7 +24,6 @@ from baton_serve.replicas.engine.prompt import (
     text_prompt,
     tokenize_chat,
 )
-from baton_serve.replicas.wire.prompt_types import ChatMessage, MediaInput, Prompt
 from baton_serve.router.gateway.chat_plan import TemplateTools
 from baton_serve.router.gateway.errors import (
     context_length_exceeded,

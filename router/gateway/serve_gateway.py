@@ -12,8 +12,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from baton_serve.replicas.telemetry.setup import configure_process
-from baton_serve.replicas.wire.protocol import Admitted, Completion, ReplicaRequest, TokenEvent
+from baton_serve.cache_store.telemetry.setup import configure_process
+from baton_serve.cache_store.wire.protocol import Admitted, Completion, ReplicaRequest, TokenEvent
 from baton_serve.router.gateway.api_key_source import APIKeySource
 from baton_serve.router.gateway.errors import too_busy
 from baton_serve.router.gateway.gateway import GatewaySettings, create_app

@@ -24,9 +24,9 @@ import logging
 
 from ray.serve.request_router import PendingRequest
 
-from baton_serve.replicas.telemetry.logs import request_fields
-from baton_serve.replicas.wire.protocol import ReplicaRequest
-from baton_serve.replicas.wire.route_plan import RoutePlan
+from baton_serve.cache_store.telemetry.logs import request_fields
+from baton_serve.cache_store.wire.protocol import ReplicaRequest
+from baton_serve.cache_store.wire.route_plan import RoutePlan
 from baton_serve.router.routing.routing_metrics import record_unattached_plan
 
 logger = logging.getLogger("baton.router")

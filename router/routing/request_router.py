@@ -1,4 +1,4 @@
-"""Ray Serve request routers for the replica deployment.
+"""Baton's Ray Serve request router for the replica deployment.
 
 `BatonRouter` sends a request where its first token is expected soonest (`route_cost`):
 to the replica holding — or computing right now — the longest prefix of its prompt, or
@@ -14,33 +14,31 @@ replica executes instead of deciding again. It honours `target_replica=` on a ca
 (`TARGET_REPLICA_KWARG`), which is how a replica reaches a specific peer to pull its state.
 
 Routers run in the caller's process, on the router's event loop: nothing here blocks it;
-their background tasks (the index follower, the copy's age) are `supervised`.
-`SafeRequestRouter` holds the guards against what measured Ray 2.60 routers get wrong; the
-private Ray methods it overrides or calls are checked when it is made (`ray_contract`).
+their background tasks (the index follower, the copy's age) are `supervised`. Its base,
+`SafeRequestRouter` (`safe_router`), holds the guards against what measured Ray 2.60 routers
+get wrong.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from opentelemetry.context import Context
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
 from baton_serve.cache_store.index.index import CheckpointIndex, IndexMatch, IndexUnavailable
 from baton_serve.cache_store.index.index_connect import connect_cluster_index
 from baton_serve.cache_store.index.index_view import IndexView
 from baton_serve.cache_store.pull_cost import ASSUMED_PREFILL_TOKENS_PER_S, ShipCost
 from baton_serve.cache_store.supervised import supervised
-from baton_serve.replicas.telemetry import tracing
-from baton_serve.replicas.telemetry.logs import request_fields
-from baton_serve.replicas.wire.protocol import TARGET_REPLICA_KWARG, ReplicaRequest
+from baton_serve.cache_store.telemetry import tracing
+from baton_serve.cache_store.wire.protocol import TARGET_REPLICA_KWARG, ReplicaRequest
 from baton_serve.router.routing.by_identity import ByIdentity
 from baton_serve.router.routing.plan_delivery import attach_plan
-from baton_serve.router.routing.ray_contract import check_ray_contract
 from baton_serve.router.routing.route_cost import CostSettings, Estimate, ReplicaState
 from baton_serve.router.routing.route_decision import (
     decide,
@@ -56,75 +54,18 @@ from baton_serve.router.routing.routing_metrics import (
     record_stale_view,
     record_view_age,
 )
+from baton_serve.router.routing.safe_router import (
+    SafeRequestRouter,
+    by_load,
+    replica_load,
+    replica_request,
+)
 
 logger = logging.getLogger("baton.router")
 
 MAX_VIEW_AGE_S = 10.0  # default bound on the copy's age (healthy streams answer every 1-2 s)
+LOOKUP_TIMEOUT_S = 0.02  # a direct index lookup's longest wait in a routing decision
 VIEW_AGE_REPORT_S = 1.0
-
-
-class SafeRequestRouter(RequestRouter):
-    """A RequestRouter hardened against Ray 2.60's pitfalls; subclasses implement `rank`.
-
-    - It fulfils the pending request a routing task owns, not the first one sharing its
-      internal request id (Ray leaves the second of two sibling calls unrouted).
-    - It always asks for backoff, so a full deployment is not polled without pause.
-    - An exception in `rank` falls back to load-only ranks (escaping, it hangs the request).
-    """
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        check_ray_contract()
-        super().__init__(*args, **kwargs)
-        self._pending_by_metadata: ByIdentity[object, PendingRequest] = ByIdentity()
-
-    def _add_pending_request_to_indices(self, pending_request: PendingRequest) -> None:
-        self._pending_by_metadata.put(pending_request.metadata, pending_request)
-        super()._add_pending_request_to_indices(pending_request)
-
-    def _remove_pending_request_from_indices(self, pending_request: PendingRequest) -> None:
-        self._pending_by_metadata.pop(pending_request.metadata)
-        super()._remove_pending_request_from_indices(pending_request)
-
-    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
-        pending = self._pending_by_metadata.get(request_metadata)
-        if pending is None or pending.future.done():
-            return
-        self._cancel_routing_task_for_pending_request(pending)
-        self._record_queue_wait_time(pending)
-        pending.future.set_result(replica)
-        self.request_routed(pending, replica)
-        self._remove_pending_request_from_indices(pending)
-
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
-    ) -> list[list[RunningReplica]]:
-        if pending_request is not None:
-            pending_request.routing_context.should_backoff = True
-        try:
-            return await self.rank(candidate_replicas, pending_request)
-        except Exception:
-            request = _replica_request(pending_request)
-            extra = request_fields(request.generation.request_id) if request else None
-            logger.exception("routing failed; falling back to load-only ranks", extra=extra)
-            record_decision("error_fallback")
-            return _by_load(candidate_replicas)
-
-    async def rank(
-        self, candidates: list[RunningReplica], pending_request: PendingRequest | None
-    ) -> list[list[RunningReplica]]:
-        """Replicas in ranks, best first."""
-        raise NotImplementedError
-
-    def request_routed(self, pending_request: PendingRequest, replica: RunningReplica) -> None:
-        """`pending_request` goes to `replica` (whichever rank it came from)."""
-
-
-def _load(replica: RunningReplica) -> int:
-    """Requests waiting or running on a replica, from its routing stats (slightly stale)."""
-    stats = replica.routing_stats or {}
-    return int(stats.get("queued", 0)) + int(stats.get("running", 0))
 
 
 def _prefill_speed(replica: RunningReplica) -> float:
@@ -138,12 +79,6 @@ def _target_of(pending_request: PendingRequest | None) -> str | None:
     return pending_request.kwargs.get(TARGET_REPLICA_KWARG)
 
 
-def _replica_request(pending_request: PendingRequest | None) -> ReplicaRequest | None:
-    """The gateway's request a call carries (None for other calls, e.g. a peer's export)."""
-    request = pending_request.args[0] if pending_request and pending_request.args else None
-    return request if isinstance(request, ReplicaRequest) else None
-
-
 class BatonRouter(SafeRequestRouter):
     """Prefix- and state-aware routing with bounded load (see `route_cost`)."""
 
@@ -154,14 +89,16 @@ class BatonRouter(SafeRequestRouter):
         fingerprint_hex: str = "",
         block_tokens: int = 64,
         every_block: bool = True,
-        lookup_timeout_s: float = 0.02,
+        lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
         load_slack: float = CostSettings.load_slack,
         tokens_per_queued_request: int = CostSettings.tokens_per_request,
         prefill_tokens_per_s: float = ASSUMED_PREFILL_TOKENS_PER_S,
-        pull_bandwidth_bytes_per_s: float = ShipCost.bandwidth_bytes_per_s,
+        ship_cost: Mapping[str, float] | None = None,
         follow_index: bool = True,
         max_view_age_s: float = MAX_VIEW_AGE_S,
     ) -> None:
+        """Serve's `request_router_kwargs` (`deploy.routing_settings.RoutingSettings`);
+        `ship_cost`: `ShipCost`'s fields, the replicas' pull rule."""
         if max_view_age_s <= 0:
             raise ValueError(f"max_view_age_s must be > 0, got {max_view_age_s}")
         self._index_spec = index
@@ -170,7 +107,7 @@ class BatonRouter(SafeRequestRouter):
         self._settings = CostSettings(
             load_slack=load_slack,
             tokens_per_request=tokens_per_queued_request,
-            ship=ShipCost(bandwidth_bytes_per_s=pull_bandwidth_bytes_per_s),
+            ship=ShipCost(**ship_cost) if ship_cost else ShipCost(),
         )
         self._default_prefill_speed = prefill_tokens_per_s
         self._index: CheckpointIndex | None = None
@@ -196,10 +133,10 @@ class BatonRouter(SafeRequestRouter):
         if target is not None:
             record_decision("targeted")
             return [[r for r in candidates if r.replica_id.unique_id == target]]
-        request = _replica_request(pending_request)
+        request = replica_request(pending_request)
         if request is None:
             record_decision("no_prefix")
-            return _by_load(candidates)
+            return by_load(candidates)
         assert pending_request is not None
         attributes = {
             "baton.request_id": request.generation.request_id,
@@ -255,7 +192,7 @@ class BatonRouter(SafeRequestRouter):
         return replica_state(
             replica.replica_id.unique_id,
             self._ledger,
-            _load(replica),
+            replica_load(replica),
             speed,
             match,
             reported_at=float(sampled_at) if sampled_at is not None else None,
@@ -394,23 +331,3 @@ class _Decision:
     def replica_id(self) -> str:
         """Where the ledger counts it (the first rank)."""
         return self.estimates[0].replica_id
-
-
-class RoundRobinRouter(SafeRequestRouter):
-    """Each request to the next replica in turn (a baseline for the routing benchmark)."""
-
-    def initialize_state(self, **_: object) -> None:
-        self._turn = itertools.count()
-
-    async def rank(
-        self, candidates: list[RunningReplica], pending_request: PendingRequest | None
-    ) -> list[list[RunningReplica]]:
-        if not candidates:
-            return []
-        ordered = sorted(candidates, key=lambda r: r.replica_id.unique_id)
-        start = next(self._turn) % len(ordered)
-        return [[r] for r in ordered[start:] + ordered[:start]]
-
-
-def _by_load(candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
-    return [sorted(candidates, key=_load)] if candidates else []

@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from baton_serve.cache_store.pull_cost import ShipCost, pull_pays, pull_seconds
-from baton_serve.replicas.wire.route_plan import CACHED, COMPUTE, IN_FLIGHT, PULL
+from baton_serve.cache_store.wire.route_plan import CACHED, COMPUTE, IN_FLIGHT, PULL
 
 
 @dataclass(frozen=True)

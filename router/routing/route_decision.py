@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from baton_serve.cache_store.index.index import IndexMatch, better_match
-from baton_serve.replicas.wire.route_plan import RoutePlan
+from baton_serve.cache_store.wire.route_plan import RoutePlan
 from baton_serve.router.routing.route_cost import (
     CACHED,
     IN_FLIGHT,

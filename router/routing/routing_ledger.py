@@ -25,10 +25,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from baton_serve.cache_store.index.index import IndexMatch
-from baton_serve.cache_store.index.index_entries import index_entries
+from baton_serve.cache_store.index.index_entries import index_entries, prefix_ready_at
 from baton_serve.cache_store.index.memory_index import HeldPrefix, ModelIndex
+from baton_serve.cache_store.wire.prompt_types import Prompt
 from baton_serve.replicas.engine.checkpoint_policy import prefill_checkpoints
-from baton_serve.replicas.wire.prompt_types import Prompt
 
 LOAD_HISTORY_S = 5.0  # how far back this router can tell its own in-flight count
 LOAD_HISTORY_CHANGES = 4096  # per replica, whichever bound comes first
@@ -148,13 +148,11 @@ class RoutingLedger:
         prompt long before the request's end)."""
         now = self._now()
 
-        def ready(n_tokens: int) -> float:
-            if prefill_tokens_per_s <= 0:
-                return ready_at
-            after = reused + tokens - max(n_tokens, reused)  # prompt tokens computed after it
-            return ready_at - after / prefill_tokens_per_s  # never before the prefill starts
-
-        entries = [(h, n, 0, ready(n)) for h, n in held]
+        speed, end = prefill_tokens_per_s, reused + tokens
+        entries = [
+            (h, n, 0, prefix_ready_at(ready_at, end, n, speed, computed_from=reused))
+            for h, n in held
+        ]
         sent = _Sent(replica_id, entries, tokens, state_at)
         self._sent.setdefault((replica_id, request_key), []).append(sent)
         if state_at > 0:

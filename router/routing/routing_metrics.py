@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from baton_serve.replicas.telemetry import metrics
+from baton_serve.cache_store.telemetry import metrics
 
 ROUTING_DECISIONS = metrics.Counter(
     "baton_routing_decisions",

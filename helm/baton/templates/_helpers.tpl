@@ -169,6 +169,9 @@ podSelector:
 {{- if and .Values.model.mmproj (not (has .Values.model.source (list "pvc" "hostPath"))) }}
 {{- fail (printf "model.mmproj is read from the model volume: model.source %s has none it can be in (use pvc or hostPath)" .Values.model.source) }}
 {{- end }}
+{{- if and .Values.routing (ne .Values.router "baton") }}
+{{- fail (printf "routing is Baton's router's: router %s never reads it (leave routing empty)" .Values.router) }}
+{{- end }}
 {{- $disk := .Values.diskTier }}
 {{- if and $disk.enabled (eq $disk.volume "hostPath") (not ($disk.hostPath | default dict).path) }}
 {{- fail "diskTier.volume is hostPath: set diskTier.hostPath.path (a directory on every GPU node)" }}

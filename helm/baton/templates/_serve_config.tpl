@@ -1,7 +1,7 @@
 {{/*
 The RayService's serveConfigV2: files/serve_config.yaml, which deploy/serve_config.py writes
 (the same Serve config `serve run` deploys), with the application's `args` and the HTTP port
-set from the values (the disk tier's `baton` directory in its mount as the engine's
+set from the values (`requestBounds` merged in as they are; the disk tier's `baton` directory in its mount as the engine's
 checkpoint_dir: the mount point of an emptyDir is world-writable, which the tier refuses), and the
 Replica deployment's size or Ray Serve autoscaling in the file's one `deployments` entry: not
 in `args`, which are part of Serve's code version, so that a new size scales the deployment
@@ -29,7 +29,11 @@ baton_gateway, which the head or the gateway group's pods declare (rayservice.ya
 {{- with .Values.replicas.pullBandwidthGBs }}
 {{- $_ := set $args "pull_bandwidth_gb_s" . }}
 {{- end }}
+{{- with .Values.routing }}
+{{- $_ := set $args "routing" (deepCopy .) }}
 {{- end }}
+{{- end }}
+{{- $args = mergeOverwrite $args (deepCopy .Values.requestBounds) }}
 {{- if .Values.diskTier.enabled }}
 {{- $_ := set $args.engine "checkpoint_dir" (printf "%s/baton" (trimSuffix "/" .Values.diskTier.path)) }}
 {{- end }}

@@ -7,9 +7,9 @@ import uuid
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from baton_serve.replicas.wire.prompt_types import Prompt
-from baton_serve.replicas.wire.route_plan import RoutePlan
-from baton_serve.replicas.wire.sampling_params import SamplingParams, TokenLogprob
+from baton_serve.cache_store.wire.prompt_types import Prompt
+from baton_serve.cache_store.wire.route_plan import RoutePlan
+from baton_serve.cache_store.wire.sampling_params import SamplingParams, TokenLogprob
 
 TARGET_REPLICA_KWARG = "target_replica"  # a replica call carrying it goes to that replica only
 

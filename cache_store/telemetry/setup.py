@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from baton_serve.replicas.telemetry import metrics
-from baton_serve.replicas.telemetry.logs import configure_logging
-from baton_serve.replicas.telemetry.tracing import configure_tracing
+from baton_serve.cache_store.telemetry import metrics
+from baton_serve.cache_store.telemetry.logs import configure_logging
+from baton_serve.cache_store.telemetry.tracing import configure_tracing
 
 
 def configure_process(component: str) -> None:
