@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from baton_serve.cache_store.index.index import IndexEntry, IndexMatch
+from baton_serve.cache_store.index.index import IndexEntry
 from baton_serve.cache_store.index.index_entries import index_entries, prefix_ready_at
 from baton_serve.cache_store.index.memory_index import ModelIndex
 from baton_serve.cache_store.pull_cost import pull_pays, pull_seconds
@@ -41,6 +41,13 @@ from baton_serve.loadtests.sim_cache import SimCheckpoint, SimPrefixCache
 from baton_serve.loadtests.sim_profile import Profile, ship_cost
 from baton_serve.replicas.engine import step_plan as steps
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
+from baton_serve.replicas.pull_choice import (
+    HELD_HERE,
+    STATE_GONE,
+    best_donor,
+    pull_gain,
+    stale_plan,
+)
 
 FOREVER = float("inf")
 
@@ -151,26 +158,22 @@ class SimReplica:
         usable = job.n_prompt - MIN_PIECE
         least, plan, not_from = self.ship.min_gain_tokens, job.plan, None
         if plan is not None and plan.kind == PULL and plan.donor_id:
-            if min(plan.donor_tokens, usable) - local < least:
-                return False  # held here after all
+            if stale_plan(plan, local, usable, least) == HELD_HERE:
+                return False
             if self._pull_from(self._peers[plan.donor_id], job, plan.ready_at > 0):
                 return True
             not_from = plan.donor_id  # the donor no longer has it: decide again
         elif plan is not None and not (
-            plan.kind == CACHED and min(plan.reused_tokens, usable) - local >= least
+            plan.kind == CACHED and stale_plan(plan, local, usable, least) == STATE_GONE
         ):
             return False  # as planned (the state a cached plan counts on is here)
         if usable - local < least:
             return False  # no peer can hold enough more: no lookup
         now = self._loop.now
-        matches = self._index.lookup(job.chain, now)
-        best: IndexMatch | None = None
-        for rid, match in matches.items():
-            if rid not in (self.rid, not_from) and (best is None or match.n_tokens > best.n_tokens):
-                best = match
+        best = best_donor(self._index.lookup(job.chain, now), exclude=(self.rid, not_from))
         if best is None:
             return False
-        gain = min(best.n_tokens, usable) - local
+        gain = pull_gain(best.n_tokens, usable, local)
         wait_s = max(0.0, best.ready_at - now) if best.in_flight else 0.0
         speed = self.profile.prefill_tokens_per_s
         if not pull_pays(gain, best.nbytes, wait_s, speed, self.ship):

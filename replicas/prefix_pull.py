@@ -37,6 +37,7 @@ from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
 from baton_serve.replicas.engine.engine_face import EngineFace
 from baton_serve.replicas.off_loop import OffLoop, lookup_chain
 from baton_serve.replicas.plan_receipt import PlanReceipt
+from baton_serve.replicas.pull_choice import HELD_HERE, best_donor, pull_gain, stale_plan
 from baton_serve.replicas.request_telemetry import RequestTelemetry
 from baton_serve.replicas.shipping import (
     PeerDirectory,
@@ -141,10 +142,9 @@ class PrefixPuller:
                 local, restore_s = await self.off_loop.run(
                     self.engine.local_reuse, tokens, request.prefix_hashes
                 )
-                gain = min(plan.donor_tokens, usable) - local
-                if gain < least:
-                    reason = "held_here"
-                else:
+                reason = stale_plan(plan, local, usable, least)
+                if reason is None:
+                    gain = pull_gain(plan.donor_tokens, usable, local)
                     outcome = await self._pull_from(
                         plan.donor_id, tokens, local, gain, plan.ready_at, telemetry, underway
                     )
@@ -156,14 +156,13 @@ class PrefixPuller:
             if plan is None:
                 await self._decide(request, local, restore_s, telemetry)
                 return
-            if plan.kind == CACHED and min(plan.reused_tokens, usable) - local >= least:
-                reason = "state_gone"
+            reason = stale_plan(plan, local, usable, least) if plan.kind == CACHED else None
         if reason is None:
             return
         self.stats.replans[reason] = self.stats.replans.get(reason, 0) + 1
         metrics.REPLANS.inc(reason=reason)
         telemetry.span.set_attribute("baton.replan", reason)
-        if reason != "held_here":
+        if reason != HELD_HERE:
             await self._decide(request, local, restore_s, telemetry, not_from=plan.donor_id)
 
     async def _decide(
@@ -191,11 +190,10 @@ class PrefixPuller:
             return
         finally:
             metrics.INDEX_LOOKUP.observe(time.perf_counter() - started, caller="replica")
-        peers = [m for rid, m in matches.items() if rid not in (self.replica_id, not_from)]
-        if not peers:
+        best = best_donor(matches, exclude=(self.replica_id, not_from))
+        if best is None:
             return
-        best = max(peers, key=lambda m: (m.n_tokens, not m.in_flight))
-        gain = min(best.n_tokens, usable) - local
+        gain = pull_gain(best.n_tokens, usable, local)
         wait_s = max(0.0, best.ready_at - time.time()) if best.in_flight else 0.0
         prefill_speed = self.engine.stats.prefill_tokens_per_s
         if self.policy.pays(
