@@ -1,7 +1,8 @@
-"""How Baton's router weighs replicas and when a prefix state is pulled: the `routing`
-settings of `BatonConfig`. Their defaults are the runtime's (`CostSettings`, `ShipCost`,
-`ShipPolicy`, the router's view and lookup bounds), named here, never written again; the
-reasons behind them are docs/routing.md's. Router baton only."""
+"""How Baton's router weighs replicas, when a prefix state is pulled and what a replica's
+state stream takes at once: the `routing` settings of `BatonConfig`. Their defaults are the
+runtime's (`CostSettings`, `ShipCost`, `ShipPolicy`, the router's view and lookup bounds,
+`StateReceiver`'s), named here, never written again; the reasons behind them are
+docs/routing.md's and docs/index-and-shipping.md's. Router baton only."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from baton_serve.cache_store.pull_cost import ShipCost
 from baton_serve.replicas.shipping import ShipPolicy
+from baton_serve.replicas.state_stream import MAX_PENDING, MAX_STREAMS, TICKET_DEADLINE_S
 from baton_serve.router.routing.request_router import LOOKUP_TIMEOUT_S, MAX_VIEW_AGE_S
 from baton_serve.router.routing.route_cost import CostSettings
 
@@ -19,7 +21,7 @@ _COST, _SHIP = CostSettings(), ShipCost()
 
 
 class RoutingSettings(BaseModel):
-    """Baton's router and the replicas' pulls (`routing.*`)."""
+    """Baton's router, the replicas' pulls and their state streams (`routing.*`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -98,6 +100,30 @@ class RoutingSettings(BaseModel):
         allow_inf_nan=False,
         description="a replica never waits longer than this past the time a peer's state was "
         "expected; then it asks again or computes the prefix itself",
+    )
+
+    stream_max_pending: int = Field(
+        default=MAX_PENDING,
+        ge=1,
+        le=4096,
+        description="connections a replica's state stream reads the opening bytes of at once "
+        "(a pull's ticket and the blob's lengths); more are dropped, so stalled peers cannot "
+        "hold its sockets",
+    )
+    stream_max_receivers: int = Field(
+        default=MAX_STREAMS,
+        ge=1,
+        le=256,
+        description="worker threads a replica's state stream receives blobs in at once (each "
+        "blob pulled from a peer on another node)",
+    )
+    stream_ticket_deadline_s: float = Field(
+        default=TICKET_DEADLINE_S,
+        gt=0,
+        le=600,
+        allow_inf_nan=False,
+        description="a stream connection must deliver its opening bytes (ticket and lengths) "
+        "within this long of being accepted, however it trickles",
     )
 
     def ship_cost(self, bandwidth_bytes_per_s: float) -> ShipCost:

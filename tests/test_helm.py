@@ -295,19 +295,19 @@ def test_routing_and_request_bounds_values_match_the_config(
     }
 
 
-def test_routing_and_request_bounds_reach_the_app(
+def test_routing_request_bounds_and_stream_pings_reach_the_app(
     render_with: Callable[[dict[str, Any]], Docs],
 ) -> None:
-    routing = {"load_slack": 0.5, "pull_deadline_s": 4.0}
+    routing = {"load_slack": 0.5, "pull_deadline_s": 4.0, "stream_max_receivers": 4}
     bounds = {"max_images": 4, "image_url_hosts": ["images.example.com"], "max_tools": 16}
-    args = serve_config_v2(render_with({"routing": routing, "requestBounds": bounds}))[
-        "applications"
-    ][0]["args"]
+    values = {"routing": routing, "requestBounds": bounds, "gateway": {"streamPingSeconds": 0}}
+    args = serve_config_v2(render_with(values))["applications"][0]["args"]
     assert args["routing"] == routing and RoutingSettings(**args["routing"]).load_slack == 0.5
     assert {name: args[name] for name in bounds} == bounds
     assert RequestBounds(**{name: args[name] for name in bounds}).max_images == 4
+    assert args["stream_ping_s"] == 0  # 0 turns pings off: set, not dropped as "empty"
     defaults = serve_config_v2(render_with({}))["applications"][0]["args"]
-    assert "routing" not in defaults and "max_images" not in defaults
+    assert not {"routing", "max_images", "stream_ping_s"} & set(defaults)
 
 
 def test_autoscaling_values_are_serve_settings() -> None:

@@ -12,6 +12,7 @@ from baton_serve.deploy.app import REPLICA_DEPLOYMENT, build_app
 from baton_serve.deploy.config import load_config
 from baton_serve.deploy.routing_settings import RoutingSettings
 from baton_serve.replicas.shipping import ShipPolicy
+from baton_serve.replicas.state_stream import MAX_PENDING
 from baton_serve.router.routing.request_router import BatonRouter
 
 
@@ -30,6 +31,7 @@ def test_settings_from_the_environment_reach_the_router_and_the_replicas(tiny_mo
         "BATON_ROUTING__PULL_MIN_GAIN_TOKENS": "32",
         "BATON_ROUTING__PULL_DEADLINE_S": "5",
         "BATON_PULL_BANDWIDTH_GB_S": "25",
+        "BATON_ROUTING__STREAM_MAX_RECEIVERS": "3",
     }
     config = load_config(env=env, overrides={"model": str(tiny_model("llama")), "replicas": 1})
     replica = deployments(build_app(config))[REPLICA_DEPLOYMENT]
@@ -39,3 +41,4 @@ def test_settings_from_the_environment_reach_the_router_and_the_replicas(tiny_mo
     assert router_kwargs["load_slack"] == 0.5 and router_kwargs["ship_cost"] == asdict(cost)
     settings = replica.init_args[0]
     assert (settings.ship_cost, settings.pull_deadline_s) == (cost, 5.0)
+    assert (settings.stream_max_receivers, settings.stream_max_pending) == (3, MAX_PENDING)

@@ -49,6 +49,9 @@ baton_gateway, which the head or the gateway group's pods declare (rayservice.ya
 {{- with .Values.gateway.bodyReadTimeoutSeconds }}
 {{- $_ := set $args "body_read_timeout_s" . }}
 {{- end }}
+{{- if not (kindIs "invalid" .Values.gateway.streamPingSeconds) }}
+{{- $_ := set $args "stream_ping_s" .Values.gateway.streamPingSeconds }}
+{{- end }}
 {{- with include "baton.modelPath" . }}
 {{- $_ := set $args "model" . }}
 {{- end }}
