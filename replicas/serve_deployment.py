@@ -197,6 +197,7 @@ class ReplicaDeployment:
             "plans_missing": dict(self.replica.stats.plans_missing),  # requests without one
             "pulled_bytes": self.replica.stats.pulled_bytes,
             "streamed_exports": self.replica.stats.streamed_exports,
+            "adopted": self.replica.stats.adopted,  # checkpoints leaving peers handed over
             "prefill_tokens_per_s": self.replica.engine.stats.prefill_tokens_per_s or 0.0,
             # the bandwidth it decides pulls by (measured once it has pulled): the router too
             "pull_bytes_per_s": self.replica.policy.cost.bandwidth_bytes_per_s,
