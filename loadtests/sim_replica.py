@@ -36,7 +36,7 @@ from baton_serve.cache_store.index.index import IndexEntry
 from baton_serve.cache_store.index.index_entries import index_entries, prefix_ready_at
 from baton_serve.cache_store.index.memory_index import ModelIndex
 from baton_serve.cache_store.pull_cost import pull_pays, pull_seconds
-from baton_serve.cache_store.wire.route_plan import CACHED, IN_FLIGHT, PULL, RoutePlan
+from baton_serve.cache_store.wire.route_plan import IN_FLIGHT, PULL, RoutePlan
 from baton_serve.loadtests.sim_cache import SimCheckpoint, SimPrefixCache
 from baton_serve.loadtests.sim_profile import Profile, ship_cost
 from baton_serve.replicas.engine import step_plan as steps
@@ -163,9 +163,7 @@ class SimReplica:
             if self._pull_from(self._peers[plan.donor_id], job, plan.ready_at > 0):
                 return True
             not_from = plan.donor_id  # the donor no longer has it: decide again
-        elif plan is not None and not (
-            plan.kind == CACHED and stale_plan(plan, local, usable, least) == STATE_GONE
-        ):
+        elif plan is not None and stale_plan(plan, local, usable, least) != STATE_GONE:
             return False  # as planned (the state a cached plan counts on is here)
         if usable - local < least:
             return False  # no peer can hold enough more: no lookup

@@ -177,8 +177,10 @@ class PrefixCache:
         if best is None:
             return None
         run, shared = best
-        held = self.local_reuse(prompt, slots)[0]
-        if not worth_waiting(held, shared, self.config.block_tokens):
+        block = self.config.block_tokens
+        if not worth_waiting(0, shared, block):  # too short whatever is held: no lookup
+            return None
+        if not worth_waiting(self.local_reuse(prompt, slots)[0], shared, block):
             return None
         return best if run.can_checkpoint_at(shared, self.config.prefill_chunk) else None
 
