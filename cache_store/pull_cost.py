@@ -14,6 +14,8 @@ from dataclasses import dataclass
 # Prompt tokens a second a replica is assumed to compute until its engine has measured its
 # own (a slow CPU replica's; the engine, the router and the replica's pulls all start here).
 ASSUMED_PREFILL_TOKENS_PER_S = 200.0
+# A replica never waits longer than this past the time a peer's state was expected.
+PULL_DEADLINE_S = 2.0
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """How Baton's router weighs replicas, when a prefix state is pulled and what a replica's
 state stream takes at once: the `routing` settings of `BatonConfig`. Their defaults are the
-runtime's (`CostSettings`, `ShipCost`, `ShipPolicy`, the router's view and lookup bounds,
-`StateReceiver`'s), named here, never written again; the reasons behind them are
+runtime's (`CostSettings`, `ShipCost`, the pull deadline, the router's view and lookup
+bounds, the state stream receiver's), named here, never written again (and imported from
+modules that load neither Ray nor Redis: settings are read before either is needed); the reasons behind them are
 docs/routing.md's and docs/index-and-shipping.md's. Router baton only."""
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from baton_serve.cache_store.pull_cost import ShipCost
-from baton_serve.replicas.shipping import ShipPolicy
-from baton_serve.replicas.state_stream import MAX_PENDING, MAX_STREAMS, TICKET_DEADLINE_S
-from baton_serve.router.routing.request_router import LOOKUP_TIMEOUT_S, MAX_VIEW_AGE_S
+from baton_serve.cache_store.index.index_view import LOOKUP_TIMEOUT_S, MAX_VIEW_AGE_S
+from baton_serve.cache_store.pull_cost import PULL_DEADLINE_S, ShipCost
+from baton_serve.replicas.stream_limits import MAX_PENDING, MAX_STREAMS, TICKET_DEADLINE_S
 from baton_serve.router.routing.route_cost import CostSettings
 
 _COST, _SHIP = CostSettings(), ShipCost()
@@ -94,7 +94,7 @@ class RoutingSettings(BaseModel):
         "replica's prefill to win the shipping time)",
     )
     pull_deadline_s: float = Field(
-        default=ShipPolicy.deadline_s,
+        default=PULL_DEADLINE_S,
         gt=0,
         le=600,
         allow_inf_nan=False,

@@ -41,14 +41,13 @@ from baton_serve.replicas.shipping import (
     fetch_offering_stream,
     share_in_object_store,
 )
-from baton_serve.replicas.state_stream import (
+from baton_serve.replicas.state_stream import StateReceiver, StreamOffer
+from baton_serve.replicas.stream_limits import (
     MAX_PENDING,
     MAX_STREAMS,
     TICKET_DEADLINE_S,
-    StateReceiver,
-    StreamOffer,
+    StreamLimits,
 )
-from baton_serve.replicas.stream_limits import StreamLimits
 
 
 class ReplicaSettings(BaseModel):

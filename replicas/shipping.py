@@ -20,6 +20,7 @@ import ray
 from baton_serve.cache_store.checkpoints.checkpoint import Checkpoint
 from baton_serve.cache_store.pull_cost import (
     ASSUMED_PREFILL_TOKENS_PER_S,
+    PULL_DEADLINE_S,
     ShipCost,
     pull_budget_s,
     pull_pays,
@@ -124,7 +125,7 @@ class ShipPolicy:
     what its pulls took."""
 
     cost: ShipCost = ShipCost()
-    deadline_s: float = 2.0  # never wait longer than this for a peer
+    deadline_s: float = PULL_DEADLINE_S  # never wait longer than this for a peer
     prefill_tokens_per_s: float = ASSUMED_PREFILL_TOKENS_PER_S  # until the engine measures
     smoothing: float = 0.3  # weight of a new bandwidth measurement
     fetch_seconds: float = 0.0  # all measured pulls: asking the peer until its blob is here

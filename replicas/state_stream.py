@@ -39,16 +39,18 @@ from dataclasses import dataclass, field
 import ray
 
 from baton_serve.replicas.spare_buffer import SPARE_IDLE_S, SpareBuffer
-from baton_serve.replicas.stream_limits import StreamLimits
+from baton_serve.replicas.stream_limits import (
+    MAX_PENDING,
+    MAX_STREAMS,
+    TICKET_DEADLINE_S,
+    StreamLimits,
+)
 
 logger = logging.getLogger("baton.state_stream")
 
 TICKET_BYTES = 16
 _PREFIX = struct.Struct("<16sIQ")  # ticket, head length, state length
 CONNECT_TIMEOUT_S = 2.0
-TICKET_DEADLINE_S = 2.0  # from accept until the whole prefix is in, however it trickles
-MAX_PENDING = 64  # connections reading their prefix at once
-MAX_STREAMS = 8  # worker threads receiving blobs under live tickets
 STREAM_SLACK_S = 10.0  # a whole blob's deadline: this, plus its bytes at the slowest rate
 MIN_STREAM_BYTES_PER_S = 50e6
 UNREACHABLE_TTL_S = 60.0  # a peer that could not be connected to is tried again after this

@@ -1,10 +1,16 @@
-"""The largest blob a replica takes over the state stream: what its model can hold."""
+"""The largest blob a replica takes over the state stream (what its model can hold), and
+how many streams its receiver takes at once."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from baton_serve.cache_store.checkpoints.state_blob import head_bytes
+
+# A receiver's bounds (`StateReceiver`; `routing.stream_*` settings, their defaults here).
+TICKET_DEADLINE_S = 2.0  # from accept until the whole prefix is in, however it trickles
+MAX_PENDING = 64  # connections reading their prefix at once
+MAX_STREAMS = 8  # worker threads receiving blobs under live tickets
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@ environment like any setting, reaching Baton's router and every replica's pull r
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import asdict
 
 from serve_build import deployments
@@ -12,7 +14,7 @@ from baton_serve.deploy.app import REPLICA_DEPLOYMENT, build_app
 from baton_serve.deploy.config import load_config
 from baton_serve.deploy.routing_settings import RoutingSettings
 from baton_serve.replicas.shipping import ShipPolicy
-from baton_serve.replicas.state_stream import MAX_PENDING
+from baton_serve.replicas.stream_limits import MAX_PENDING
 from baton_serve.router.routing.request_router import BatonRouter
 
 
@@ -23,6 +25,14 @@ def test_the_defaults_are_the_runtimes() -> None:
     router = BatonRouter.initialize_state.__kwdefaults__
     for name in ("load_slack", "tokens_per_queued_request", "lookup_timeout_s", "max_view_age_s"):
         assert getattr(settings, name) == router[name], name
+
+
+def test_reading_settings_loads_neither_ray_nor_redis() -> None:
+    """The defaults come from light modules: `baton` reads its settings (and the device
+    bench runs) without Ray or Redis."""
+    code = "import sys, baton_serve.deploy.cli; print([m for m in ('ray', 'redis') if m in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_settings_from_the_environment_reach_the_router_and_the_replicas(tiny_model) -> None:

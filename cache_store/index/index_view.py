@@ -25,6 +25,12 @@ from collections.abc import Callable, Iterable, Sequence
 from baton_serve.cache_store.index.index import MAX_LOOKUP_HASHES, IndexMatch, check_hashes
 from baton_serve.cache_store.index.memory_index import IndexChange, IndexSnapshot, ModelIndex
 
+# A router trusts its copy while the change stream answered within this long (healthy
+# streams answer every 1-2 s); past it, and until synced, each decision looks the index up
+# directly, waiting at most LOOKUP_TIMEOUT_S. `routing.*` settings; their defaults here.
+MAX_VIEW_AGE_S = 10.0
+LOOKUP_TIMEOUT_S = 0.02
+
 
 class IndexView:
     """One model's index as of the last change applied; not thread-safe (one event loop)."""

@@ -32,7 +32,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
 from baton_serve.cache_store.index.index import CheckpointIndex, IndexMatch, IndexUnavailable
 from baton_serve.cache_store.index.index_connect import connect_cluster_index
-from baton_serve.cache_store.index.index_view import IndexView
+from baton_serve.cache_store.index.index_view import LOOKUP_TIMEOUT_S, MAX_VIEW_AGE_S, IndexView
 from baton_serve.cache_store.pull_cost import ASSUMED_PREFILL_TOKENS_PER_S, ShipCost
 from baton_serve.cache_store.supervised import supervised
 from baton_serve.cache_store.telemetry import tracing
@@ -63,8 +63,6 @@ from baton_serve.router.routing.safe_router import (
 
 logger = logging.getLogger("baton.router")
 
-MAX_VIEW_AGE_S = 10.0  # default bound on the copy's age (healthy streams answer every 1-2 s)
-LOOKUP_TIMEOUT_S = 0.02  # a direct index lookup's longest wait in a routing decision
 VIEW_AGE_REPORT_S = 1.0
 
 
