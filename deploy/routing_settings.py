@@ -49,7 +49,8 @@ class RoutingSettings(BaseModel):
         allow_inf_nan=False,
         description="the longest a routing decision waits for a direct index lookup (while "
         "the router's copy of the index is not current); past it the request is routed by "
-        "load alone",
+        "load alone (`baton bench index` at a million entries: lookup p99 1.2 ms on local "
+        "Redis, 3.5 ms embedded, max 15 ms)",
     )
     max_view_age_s: float = Field(
         default=MAX_VIEW_AGE_S,
@@ -57,8 +58,8 @@ class RoutingSettings(BaseModel):
         le=3600,
         allow_inf_nan=False,
         description="the router trusts its copy of the index while the copy's change stream "
-        "answered within this long (a healthy one: every 1-2 s); past it each decision looks "
-        "the index up directly",
+        "answered within this long; past it each decision looks the index up directly (a "
+        "healthy idle copy's age, measured: p99 0.99 s on Redis, 1.97 s embedded)",
     )
     pull_min_gain_tokens: int = Field(
         default=_SHIP.min_gain_tokens,
@@ -90,8 +91,9 @@ class RoutingSettings(BaseModel):
         le=10,
         allow_inf_nan=False,
         description="a prefix a peer is computing right now is waited for while that takes up "
-        "to this share longer than computing it again (a second computation spends a whole "
-        "replica's prefill to win the shipping time)",
+        "to this share longer than computing it again: a second computation spends a whole "
+        "replica's prefill to win the shipping time (`baton bench routing`'s burst: TTFT p50 "
+        "9.3-9.7 s computing a new system prompt on both replicas, 8.5-8.8 s on one)",
     )
     pull_deadline_s: float = Field(
         default=PULL_DEADLINE_S,
