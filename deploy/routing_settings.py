@@ -14,10 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from baton_serve.cache_store.index.index_view import LOOKUP_TIMEOUT_S, MAX_VIEW_AGE_S
 from baton_serve.cache_store.pull_cost import PULL_DEADLINE_S, ShipCost
-from baton_serve.replicas.stream_limits import MAX_PENDING, MAX_STREAMS, TICKET_DEADLINE_S
+from baton_serve.replicas.stream_limits import ReceiverBounds
 from baton_serve.router.routing.route_cost import CostSettings
 
-_COST, _SHIP = CostSettings(), ShipCost()
+_COST, _SHIP, _STREAM = CostSettings(), ShipCost(), ReceiverBounds()
 
 
 class RoutingSettings(BaseModel):
@@ -105,7 +105,7 @@ class RoutingSettings(BaseModel):
     )
 
     stream_max_pending: int = Field(
-        default=MAX_PENDING,
+        default=_STREAM.max_pending,
         ge=1,
         le=4096,
         description="connections a replica's state stream reads the opening bytes of at once "
@@ -113,14 +113,14 @@ class RoutingSettings(BaseModel):
         "hold its sockets",
     )
     stream_max_receivers: int = Field(
-        default=MAX_STREAMS,
+        default=_STREAM.max_streams,
         ge=1,
         le=256,
         description="worker threads a replica's state stream receives blobs in at once (each "
         "blob pulled from a peer on another node)",
     )
     stream_ticket_deadline_s: float = Field(
-        default=TICKET_DEADLINE_S,
+        default=_STREAM.ticket_deadline_s,
         gt=0,
         le=600,
         allow_inf_nan=False,
@@ -137,6 +137,14 @@ class RoutingSettings(BaseModel):
             latency_s=self.pull_latency_s,
             safety=self.pull_safety,
             in_flight_slack=self.pull_in_flight_slack,
+        )
+
+    def stream_bounds(self) -> ReceiverBounds:
+        """What each replica's state-stream receiver takes at once."""
+        return ReceiverBounds(
+            max_pending=self.stream_max_pending,
+            max_streams=self.stream_max_receivers,
+            ticket_deadline_s=self.stream_ticket_deadline_s,
         )
 
     def router_kwargs(self, bandwidth_bytes_per_s: float) -> dict[str, Any]:

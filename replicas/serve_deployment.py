@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator
 
 from pydantic import BaseModel, ConfigDict
 from ray import serve
@@ -42,12 +42,7 @@ from baton_serve.replicas.shipping import (
     share_in_object_store,
 )
 from baton_serve.replicas.state_stream import StateReceiver, StreamOffer
-from baton_serve.replicas.stream_limits import (
-    MAX_PENDING,
-    MAX_STREAMS,
-    TICKET_DEADLINE_S,
-    StreamLimits,
-)
+from baton_serve.replicas.stream_limits import ReceiverBounds, StreamLimits
 
 
 class ReplicaSettings(BaseModel):
@@ -67,10 +62,7 @@ class ReplicaSettings(BaseModel):
     # the pull rule's costs (its bandwidth: until this replica has measured its own)
     ship_cost: ShipCost = ShipCost()
     pull_deadline_s: float = ShipPolicy.deadline_s
-    # a state stream receiver's bounds (`StateReceiver`)
-    stream_max_pending: int = MAX_PENDING
-    stream_max_receivers: int = MAX_STREAMS
-    stream_ticket_deadline_s: float = TICKET_DEADLINE_S
+    stream_bounds: ReceiverBounds = ReceiverBounds()  # what its state stream takes at once
     heartbeat_s: float = 5.0
     liveness_ttl_s: float = 15.0  # written with each heartbeat: the index's readers follow it
     handoff_s: float = 10.0  # leaving, hand the hottest checkpoints to peers for this long
@@ -81,9 +73,8 @@ class ServePeers:
     """Reaches a peer replica through a handle to this deployment, targeted by id."""
 
     def __init__(
-        self, handle: DeploymentHandle, limits: StreamLimits, receiver: Mapping[str, float]
+        self, handle: DeploymentHandle, limits: StreamLimits, bounds: ReceiverBounds
     ) -> None:
-        """`receiver`: `StateReceiver`'s settings (max_pending, max_streams, ticket_deadline_s)."""
         # By reference whatever Serve's default transport: a peer on this node answers with
         # an ObjectRef to its state in the object store, and blobs are too large for gRPC's
         # 4 MB replica messages.
@@ -91,13 +82,13 @@ class ServePeers:
         self._adopt = handle.options(method_name="adopt", _by_reference=True)
         self._limits = limits  # the largest blob this replica's model can have
         self._receiver: StateReceiver | None = None  # opened by the first pull
-        self._receiver_settings = dict(receiver)
+        self._bounds = bounds  # how much its receiver takes at once
 
     async def fetch(
         self, replica_id: str, tokens: tuple[int, ...], min_tokens: int, wait_s: float = 0.0
     ) -> ShippedBlob | StillComputing | None:
         if self._receiver is None:
-            self._receiver = StateReceiver(self._limits, **self._receiver_settings)
+            self._receiver = StateReceiver(self._limits, bounds=self._bounds)
         return await fetch_offering_stream(
             self._receiver,
             lambda offer: self._handle.remote(
@@ -137,12 +128,7 @@ class ReplicaDeployment:
         if settings.ship and index is not None:
             handle = serve.get_deployment_handle(context.deployment, context.app_name)
             limits = StreamLimits.for_model(engine.n_ctx, engine.largest_state_bytes)
-            receiver = {
-                "max_pending": settings.stream_max_pending,
-                "max_streams": settings.stream_max_receivers,
-                "ticket_deadline_s": settings.stream_ticket_deadline_s,
-            }
-            peers = ServePeers(handle, limits, receiver)
+            peers = ServePeers(handle, limits, settings.stream_bounds)
             engine.share_states(share_in_object_store)  # peers may pull its states
         self.replica = Replica(
             self.replica_id,

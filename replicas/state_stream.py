@@ -13,7 +13,7 @@ stream is not encrypted, as Ray's own transfers are not.
 
 Nobody can hold the receiver: tickets are read by one thread for all connections, each
 with one deadline for the whole prefix, at most `max_pending` at once (the oldest is
-dropped for a new one); only a live ticket gets one of the `max_streams` worker threads.
+dropped for a new one); only a live ticket gets one of the `bounds.max_streams` worker threads.
 Nor can a sender make it allocate more than a real blob needs: the lengths a live ticket
 announces are checked against `StreamLimits`, the largest blob the pulling replica's model
 can have, before a byte of buffer is taken; a larger announcement fails the pull (the
@@ -39,12 +39,7 @@ from dataclasses import dataclass, field
 import ray
 
 from baton_serve.replicas.spare_buffer import SPARE_IDLE_S, SpareBuffer
-from baton_serve.replicas.stream_limits import (
-    MAX_PENDING,
-    MAX_STREAMS,
-    TICKET_DEADLINE_S,
-    StreamLimits,
-)
+from baton_serve.replicas.stream_limits import ReceiverBounds, StreamLimits
 
 logger = logging.getLogger("baton.state_stream")
 
@@ -106,9 +101,7 @@ class StateReceiver:
         host: str | None = None,
         node_id: str | None = None,
         *,
-        max_pending: int = MAX_PENDING,
-        max_streams: int = MAX_STREAMS,
-        ticket_deadline_s: float = TICKET_DEADLINE_S,
+        bounds: ReceiverBounds = ReceiverBounds(),
         spare_idle_s: float = SPARE_IDLE_S,
     ) -> None:
         self.node_id = node_id or this_node()
@@ -119,8 +112,8 @@ class StateReceiver:
         self.port = self._listener.getsockname()[1]
         self.refused = 0  # connections dropped because `max_pending` were reading a prefix
         self.spare = SpareBuffer(spare_idle_s)
-        self._max_pending = max_pending
-        self._ticket_deadline_s = ticket_deadline_s
+        self._max_pending = bounds.max_pending
+        self._ticket_deadline_s = bounds.ticket_deadline_s
         self._waiting: dict[bytes, concurrent.futures.Future] = {}
         self._pending: dict[socket.socket, _Pending] = {}  # oldest first
         self._lock = threading.Lock()
@@ -133,7 +126,7 @@ class StateReceiver:
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._selector.register(self._wake_in, selectors.EVENT_READ)
         self._workers = concurrent.futures.ThreadPoolExecutor(
-            max_streams, thread_name_prefix="baton-state-stream"
+            bounds.max_streams, thread_name_prefix="baton-state-stream"
         )
         threading.Thread(target=self._serve, name="baton-state-receiver", daemon=True).start()
 

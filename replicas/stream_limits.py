@@ -7,10 +7,15 @@ from dataclasses import dataclass
 
 from baton_serve.cache_store.checkpoints.state_blob import head_bytes
 
-# A receiver's bounds (`StateReceiver`; `routing.stream_*` settings, their defaults here).
-TICKET_DEADLINE_S = 2.0  # from accept until the whole prefix is in, however it trickles
-MAX_PENDING = 64  # connections reading their prefix at once
-MAX_STREAMS = 8  # worker threads receiving blobs under live tickets
+
+@dataclass(frozen=True)
+class ReceiverBounds:
+    """How much a replica's state-stream receiver (`StateReceiver`) takes at once: the
+    `routing.stream_*` settings, whose defaults these are."""
+
+    max_pending: int = 64  # connections reading their prefix at once
+    max_streams: int = 8  # worker threads receiving blobs under live tickets
+    ticket_deadline_s: float = 2.0  # from accept until the whole prefix is in, however it trickles
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from baton_serve.deploy.app import REPLICA_DEPLOYMENT, build_app
 from baton_serve.deploy.config import load_config
 from baton_serve.deploy.routing_settings import RoutingSettings
 from baton_serve.replicas.shipping import ShipPolicy
-from baton_serve.replicas.stream_limits import MAX_PENDING
+from baton_serve.replicas.stream_limits import ReceiverBounds
 from baton_serve.router.routing.request_router import BatonRouter
 
 
@@ -51,4 +51,4 @@ def test_settings_from_the_environment_reach_the_router_and_the_replicas(tiny_mo
     assert router_kwargs["load_slack"] == 0.5 and router_kwargs["ship_cost"] == asdict(cost)
     settings = replica.init_args[0]
     assert (settings.ship_cost, settings.pull_deadline_s) == (cost, 5.0)
-    assert (settings.stream_max_receivers, settings.stream_max_pending) == (3, MAX_PENDING)
+    assert settings.stream_bounds == ReceiverBounds(max_streams=3)

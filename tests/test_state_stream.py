@@ -21,14 +21,15 @@ import pytest
 
 from baton_serve.replicas.state_stream import (
     _PREFIX,
-    TICKET_DEADLINE_S,
     StateReceiver,
     StreamOffer,
     StreamRefused,
     StreamSender,
     push_blob,
 )
-from baton_serve.replicas.stream_limits import StreamLimits
+from baton_serve.replicas.stream_limits import ReceiverBounds, StreamLimits
+
+TICKET_DEADLINE_S = ReceiverBounds().ticket_deadline_s
 
 HEAD = b"signed head and token ids " * 40
 STATE = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)  # 3 MiB
@@ -147,7 +148,9 @@ def test_slow_strangers_over_the_bound_do_not_keep_a_blob_out() -> None:
     """Five strangers that each send one byte of a prefix and wait, against a bound of four:
     the receiver never reads more than four prefixes at once, and a real pull still gets
     its blob at once, long before the strangers' deadline."""
-    receiver = StateReceiver(LIMITS, host="127.0.0.1", node_id="puller-node", max_pending=4)
+    receiver = StateReceiver(
+        LIMITS, host="127.0.0.1", node_id="puller-node", bounds=ReceiverBounds(max_pending=4)
+    )
     offer, received = receiver.offer()
     strangers = [socket.create_connection((offer.host, offer.port), timeout=5) for _ in range(5)]
     try:

@@ -47,7 +47,7 @@ from baton_serve.replicas.engine.engine_checkpoints import EngineCheckpoints
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.liveness import IDLE_BEAT_S, Heartbeat, request_deadline_s
 from baton_serve.replicas.engine.media_projector import MediaProjector
-from baton_serve.replicas.engine.prefix_cache import PrefixCache
+from baton_serve.replicas.engine.prefix_cache import InFlightShare, PrefixCache
 from baton_serve.replicas.engine.prefix_states import CheckpointListener, PrefixStates
 from baton_serve.replicas.engine.prompt import (
     PromptError,
@@ -104,6 +104,7 @@ class Engine(EngineCheckpoints):
         self._closed = False
         self._idle = threading.Event()
         self._peer_asks = deque()
+        self._shares: dict[RequestHandle, InFlightShare] = {}  # the last plan's, to reserve
         self._guard = StepGuard(self._context, self.stats)
         self._executor = StepExecutor(
             self.config, self._guard, self._cache, self.stats, self._sampled
@@ -279,6 +280,7 @@ class Engine(EngineCheckpoints):
         self._executor.run(plan)
 
     def _plan(self) -> StepPlan[RequestHandle, Running]:
+        self._shares.clear()  # this plan's answers only
         with self._wakeup:
             queue = tuple(Queued(h, h.request.n) for h in self._waiting)
         view = StepView(
@@ -310,19 +312,25 @@ class Engine(EngineCheckpoints):
     # ---- admission -----------------------------------------------------------------------
 
     def _must_wait(self, handle: RequestHandle) -> bool:
+        """The plan's question (`PrefixCache.should_wait`); a share it answers with is kept
+        for `_hold_waits`, which reserves it if this plan leaves the request waiting."""
         prompt = handle.request.prompt.tokens
         try:
-            return self._cache.should_wait(handle, prompt, self._running(), self._slots)
+            answer = self._cache.should_wait(handle, prompt, self._running(), self._slots)
         except Exception as exc:
             self._guard.refuse(handle, "being admitted", exc)  # leaves the queue next step
             return True
+        if isinstance(answer, tuple):
+            self._shares[handle] = answer
+        return bool(answer)
 
     def _hold_waits(self, waiting: Sequence[RequestHandle]) -> None:
         """Reserve what the requests the plan left waiting wait for (`PrefixCache.hold_wait`)."""
-        running = self._running()
         for handle in waiting:
+            if (share := self._shares.get(handle)) is None:
+                continue
             try:
-                self._cache.hold_wait(handle, handle.request.prompt.tokens, running, self._slots)
+                self._cache.hold_wait(handle, share)
             except Exception as exc:
                 self._guard.refuse(handle, "being admitted", exc)  # leaves the queue next step
 

@@ -40,6 +40,8 @@ from baton_serve.replicas.engine.step_plan import worth_waiting
 
 logger = logging.getLogger("baton.engine")
 
+InFlightShare = tuple[Running, int]  # a prefill in progress, and where a queued prompt parts
+
 
 @dataclass
 class PeerAsk:
@@ -61,7 +63,7 @@ class PrefixCache:
         self.config = config
         self.stats = stats
         self.kind = states.kind
-        self._waits: dict[Hashable, tuple[Running, int]] = {}  # queued request -> its wait
+        self._waits: dict[Hashable, InFlightShare] = {}  # queued request -> its wait
 
     # ---- estimates (any thread) ----------------------------------------------------------
 
@@ -124,11 +126,13 @@ class PrefixCache:
 
     def should_wait(
         self, key: Hashable, prompt: tuple[int, ...], running: list[Running], slots: list[Slot]
-    ) -> bool:
-        """True while another slot computes what the queued request `key` would reuse: the
+    ) -> bool | InFlightShare:
+        """Whether another slot computes what the queued request `key` would reuse: the
         reply of the conversation it continues (a replay), or a long prefix of its prompt.
-        False releases it: `place` then finds whatever there is. Changes nothing (the step
-        plan asks it): `hold_wait` then reserves what a request left waiting waits for."""
+        False releases it: `place` then finds whatever there is. True: it waits (a replay, or
+        a checkpoint reserved already). A share: it waits for that prefill's checkpoint, which
+        `hold_wait` reserves once the step plan left it waiting. Changes nothing (the plan
+        asks it)."""
         if not self.config.prefix_cache:
             return False
         if self.replay_pending_for(prompt, running):
@@ -136,20 +140,13 @@ class PrefixCache:
         if (waits := self._waits.get(key)) is not None:
             run, position = waits
             return run.slot.running is run and len(run.slot.tokens) < position
-        return self._in_flight_share(prompt, running, slots) is not None
+        return self._in_flight_share(prompt, running, slots) or False
 
-    def hold_wait(
-        self, key: Hashable, prompt: tuple[int, ...], running: list[Running], slots: list[Slot]
-    ) -> None:
-        """The queued request `key`, which a step plan left waiting (`should_wait`), waits for
-        a prefix another prefill is computing, if not already: a checkpoint is added to that
-        prefill where the prompts part, and the request waits for it."""
-        if key in self._waits or not self.config.prefix_cache:
-            return
-        if self.replay_pending_for(prompt, running):
-            return
-        share = self._in_flight_share(prompt, running, slots)
-        if share is not None and share[0].checkpoint_at(share[1], self.config.prefill_chunk):
+    def hold_wait(self, key: Hashable, share: InFlightShare) -> None:
+        """The queued request `key`, which a step plan left waiting for `share`
+        (`should_wait`), waits for a checkpoint added to that prefill where the prompts part."""
+        run, position = share
+        if run.checkpoint_at(position, self.config.prefill_chunk):
             self._waits[key] = share
             self.stats.prefix_waits += 1
 
@@ -159,7 +156,7 @@ class PrefixCache:
 
     def _in_flight_share(
         self, prompt: tuple[int, ...], running: list[Running], slots: list[Slot]
-    ) -> tuple[Running, int] | None:
+    ) -> InFlightShare | None:
         """A prefill in progress that will compute a long prefix of `prompt` this engine
         does not hold yet and can checkpoint there: that run and the shared length.
 
