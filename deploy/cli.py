@@ -89,7 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("--layers", type=int, default=2)
     make.add_argument("--embd", type=int, default=64, help="embedding size (multiple of 32)")
     make.add_argument(
-        "--mmproj", metavar="PATH", help="also write a matching vision projector (qwen35, llama)"
+        "--mmproj",
+        metavar="PATH",
+        help="also write a matching projector, images and audio (qwen35, llama)",
     )
     variant = make.add_argument_group("metadata and structure variants")
     variant.add_argument("--no-bos", action="store_true", help="no BOS token id")

@@ -79,10 +79,10 @@ class BatonConfig(Credentials, RequestBounds):
     )
     mmproj: str | None = Field(
         default=None,
-        description="an image projector GGUF matched to the model (llama.cpp's mtmd, as "
+        description="a multimodal projector GGUF matched to the model (llama.cpp's mtmd, as "
         "llama-server's --mmproj): a path; hf://ORG/REPO/PATH[@REVISION]; tiny:ARCH (a generated "
         "projector for the generated model tiny:ARCH). Unset: the model reads text only, and a "
-        "chat with an image gets a 400 naming the part",
+        "chat with an image or audio clip gets a 400 naming the part",
     )
     model_name: str | None = Field(
         default=None,

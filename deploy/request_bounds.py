@@ -144,6 +144,29 @@ class RequestBounds(BaseModel):
         allow_inf_nan=False,
         description="seconds an image fetch may wait to connect, and for each read",
     )
+    max_audio_clips: int = Field(
+        default=MediaBounds.max_audio_clips,
+        ge=0,
+        description="most input_audio parts in one chat request (a model served with an "
+        "mmproj that reads audio); more get a 400 naming the setting, counted before any "
+        "clip is read",
+    )
+    max_audio_bytes: int = Field(
+        default=MediaBounds.max_audio_bytes,
+        ge=1,
+        description="largest audio file (an input_audio part's decoded bytes), checked before "
+        "its base64 is decoded; larger gets a 400 naming the part",
+    )
+    max_audio_seconds: float = Field(
+        default=MediaBounds.max_audio_seconds,
+        gt=0,
+        le=600,
+        allow_inf_nan=False,
+        description="longest clip, read from its header (WAV) or counted frames (MP3) before "
+        "its samples are decoded; longer gets a 400 naming the part. A Whisper-style encoder "
+        "reads a clip in windows of 30 s, each the same number of tokens (Voxtral 375, "
+        "Qwen2-Audio 750)",
+    )
     max_grammar_chars: int = Field(
         default=MAX_GRAMMAR_CHARS,
         ge=1,

@@ -51,7 +51,7 @@ class ReplicaSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model_path: str
-    mmproj: str | None = None  # an image projector's GGUF, beside the model
+    mmproj: str | None = None  # a multimodal projector's GGUF (images, audio), beside the model
     engine: EngineConfig = EngineConfig()
     # The cluster key's file; None: the replica's environment (cache_store.cluster_key). The
     # key itself is never here: Serve stores and shows a deployment's arguments.

@@ -22,6 +22,7 @@ from baton_serve.replicas.engine.engine import Engine
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.models.tiny_model import DEFAULT_EMBD, write_tiny_model
 from baton_serve.replicas.models.tiny_projector import write_tiny_projector
+from baton_serve.router.gateway.prompt_builder import PromptBuilder
 
 HMAC_KEY = b"test-cluster-key"
 
@@ -44,7 +45,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
 def tiny_projector(
     tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[[str], Path]:
-    """`tiny_projector(arch)` → a generated image projector for `tiny_model(arch)`."""
+    """`tiny_projector(arch)` → a generated projector (images and audio) for `tiny_model(arch)`."""
     folder = tmp_path_factory.mktemp("projectors")
     made: dict[str, Path] = {}
 
@@ -56,6 +57,18 @@ def tiny_projector(
         return made[arch]
 
     return get
+
+
+@pytest.fixture
+def builder(request, tiny_model, tiny_projector) -> Iterator[PromptBuilder]:
+    """The gateway's prompt builder for `tiny_model(arch)` with its projector (`arch`: the
+    test's indirect parameter)."""
+    arch = request.param
+    built = PromptBuilder(
+        tiny_model(arch), block_tokens=16, n_ctx=1024, mmproj=str(tiny_projector(arch))
+    )
+    yield built
+    built.close()
 
 
 @pytest.fixture

@@ -308,10 +308,12 @@ BAD_REQUESTS = [  # path, body (JSON, or raw bytes), then (status, param, code)
     pytest.param(
         CHAT,
         _chat(
-            messages=_says([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}])
+            messages=_says(
+                [{"type": "input_audio", "input_audio": {"data": "UklG", "format": "wav"}}]
+            )
         ),
         (400, "messages[0].content[0]", None),
-        id="audio",
+        id="audio for a model without a projector",
     ),
     pytest.param(CHAT, _chat(max_tokens=-1), (400, "max_tokens", None), id="max_tokens negative"),
     pytest.param(CHAT, _chat(max_tokens="many"), (400, "max_tokens", None), id="max_tokens a word"),

@@ -3,7 +3,7 @@ chat message a template renders."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -28,18 +28,20 @@ class ChatMessage(BaseModel):
 
 
 class MediaInput(BaseModel):
-    """An image in a prompt: the file as the client sent it and the digest of its pixels,
-    which its placeholder ids in the prompt carry (`cache_store.media_tokens`)."""
+    """An image or audio clip in a prompt: the file as the client sent it (a clip's with
+    its `audio_format`) and the digest of its pixels or samples, which its placeholder ids
+    in the prompt carry (`cache_store.media_tokens`)."""
 
     model_config = {"frozen": True}
 
     digest: bytes
     data: bytes
+    audio_format: Literal["wav", "mp3"] | None = None  # None: an image
 
 
 class Prompt(BaseModel):
     """Token ids to prefill, and where each chat message starts (empty for raw prompts).
-    `media`: the images, one for each media span of `tokens`, in order."""
+    `media`: the images and clips, one for each media span of `tokens`, in order."""
 
     model_config = {"frozen": True}
 

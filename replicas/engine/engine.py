@@ -56,7 +56,7 @@ from baton_serve.replicas.engine.prompt import (
     no_chat_template_message,
     text_prompt,
 )
-from baton_serve.replicas.engine.prompt_media import prepare_images
+from baton_serve.replicas.engine.prompt_media import prepare_media
 from baton_serve.replicas.engine.request_check import check_request
 from baton_serve.replicas.engine.request_handle import RequestHandle
 from baton_serve.replicas.engine.slots import Phase, Running, Slot, start_request
@@ -80,7 +80,7 @@ class Engine(EngineCheckpoints):
         listener: CheckpointListener | None = None,
         mmproj: str | None = None,
     ) -> None:
-        """`mmproj`: an image projector's GGUF (llama.cpp's mtmd) for the model to read images."""
+        """`mmproj`: a projector's GGUF (llama.cpp's mtmd) for the model to read images or audio."""
         if not hmac_key:
             raise ValueError("an HMAC key is required to sign and check state blobs")
         self.config = config or EngineConfig()
@@ -152,10 +152,10 @@ class Engine(EngineCheckpoints):
         self.check(request)
         chain = self.carried_chain(request.prompt.tokens, prefix_hashes)
         handle = RequestHandle(request, request_deadline_s(request, self.n_ctx, self.config), chain)
-        if request.prompt.media:  # an image in the prefix the engine likely holds is not read
+        if request.prompt.media:  # an item in the prefix the engine likely holds is not read
             likely, _ = self.local_reuse(request.prompt.tokens, chain)
             n_batch = self.config.n_batch
-            handle.images = prepare_images(
+            handle.images = prepare_media(
                 request.prompt, self._projector, n_batch, likely, self.stats
             )
         with self._wakeup:

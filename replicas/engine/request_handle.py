@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from baton_serve.replicas.engine.prompt_media import PromptImages
+    from baton_serve.replicas.engine.prompt_media import PromptMedia
 from baton_serve.cache_store.wire.protocol import (
     Completion,
     EngineTimeout,
@@ -52,7 +52,7 @@ class RequestHandle:
         self._readers: list[Callable[[object], None]] = []
         self._choices: dict[int, Completion] = {}
         self.cancelled = False
-        self.images: PromptImages | None = None  # its prompt's images, prepared at submission
+        self.images: PromptMedia | None = None  # its prompt's images, prepared at submission
 
     @property
     def done(self) -> bool:

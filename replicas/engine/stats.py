@@ -26,8 +26,8 @@ class EngineStats:
     prefill_steps: int = 0
     prompt_tokens_computed: int = 0
     replayed_tokens: int = 0
-    images_read: int = 0  # images decoded and tokenised by the projector
-    images_encoded: int = 0  # projector runs: a cached image's prefix needs none
+    images_read: int = 0  # images and audio clips decoded and tokenised by the projector
+    images_encoded: int = 0  # projector runs (images and clips): a cached prefix needs none
     encode_seconds: float = 0.0
     checkpoints_saved: int = 0
     checkpoints_restored: int = 0

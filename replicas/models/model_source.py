@@ -42,7 +42,7 @@ def resolve_model(spec: str | None) -> Path:
 
 
 def resolve_projector(spec: str, model_path: Path) -> Path:
-    """An image projector argument as a file: ``tiny:ARCH`` → the generated projector for the
+    """A projector argument as a file: ``tiny:ARCH`` → the generated projector for the
     generated model ``tiny:ARCH`` (`model_path`), ``hf://…`` → downloaded, else a file path."""
     if spec.startswith(TINY_PREFIX):
         arch = spec[len(TINY_PREFIX) :]

@@ -1,8 +1,12 @@
-"""Write tiny, deterministic, random-weight vision projector ("mmproj") GGUF files.
+"""Write tiny, deterministic, random-weight vision and audio projector ("mmproj") GGUF files.
 
 llama.cpp's ``mtmd`` library loads them next to a text model from `tiny_model` of the same
-``n_embd``: an image becomes a handful of embeddings that the text model decodes in place of
-tokens. Two of mtmd's projector families are written, one for each kind of text position:
+``n_embd``: an image or an audio clip becomes a handful of embeddings that the text model
+decodes in place of tokens. Every file holds both encoders, as real omni models' files do
+(``clip.has_vision_encoder`` and ``clip.has_audio_encoder``, the projector types under
+``clip.vision.projector_type`` and ``clip.audio.projector_type``).
+
+Two of mtmd's vision projector families are written, one for each kind of text position:
 
 * ``qwen35`` → ``qwen2vl_merger`` (Qwen2-VL): a ViT with 2-D M-RoPE, two patch-embedding
   convolutions (the two frames of Qwen's temporal patch) and a merger that concatenates each
@@ -15,6 +19,15 @@ tokens. Two of mtmd's projector families are written, one for each kind of text 
 * ``llama`` → ``mlp`` (LLaVA-1.5): a CLIP ViT with learned 1-D position embeddings and a
   2-layer MLP. Every image is padded to a square and resized to 56×56 px: 4×4 patches =
   **16 tokens**, decoded at 16 ordinary consecutive positions.
+
+Both archs get the same audio encoder, ``ultravox`` (16 kHz): a Whisper encoder (two 1-D
+convolutions over 128 mel bins, the second of stride 2; learned position embeddings;
+pre-norm blocks without a key bias) whose 1500 output frames are stacked 16 at a time and
+projected by Ultravox's RMS-normed SwiGLU MLP. mtmd appends 30 s of silence to a clip and
+cuts its mel frames into whole chunks of 30 s (3000 frames), so every clip shorter than
+30 s is one audio chunk of **94 tokens** and a clip of d seconds floor(d / 30) + 1 such
+chunks. Each token takes one position (one M-RoPE position under imrope), and mtmd puts
+no text before or after the chunks.
 
 Weights are F16 (norms, biases and position embeddings F32), drawn with std 1/sqrt(fan-in)
 so that activations stay of order one.
@@ -40,11 +53,26 @@ LAYER_NORM_EPS = 1e-6
 IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
 IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 
-PROJECTOR_TYPES = {"qwen35": "qwen2vl_merger", "llama": "mlp"}
+PROJECTOR_TYPES = {"qwen35": "qwen2vl_merger", "llama": "mlp"}  # vision, per text arch
 # clip.vision.image_size: the input side for mlp; qwen2vl only records it (its images keep
 # their own size) and real files write Qwen2-VL's 560.
 IMAGE_SIZES = {"qwen35": 112, "llama": 56}
 IMAGE_TOKENS = {"qwen35": 9, "llama": 16}  # qwen35: for a square image of at most 84×84 px
+
+AUDIO_PROJECTOR_TYPE = "ultravox"
+AUDIO_EMBD = 64
+AUDIO_HEADS = 4
+AUDIO_FF = 128
+AUDIO_LAYERS = 2
+MEL_BINS = 128  # Whisper large-v3's, the encoder of Ultravox v0.5
+AUDIO_POSITIONS = 1500  # Whisper's: 3000 mel frames (30 s) halved by the stride-2 convolution
+CONV1D_KERNEL = 3
+# Encoder frames stacked into one token. Not Ultravox's 8: for 3000 mel frames mtmd counts
+# 3000 / 8 / 2 = 187 tokens while its graph pads 1500 frames to 188 and aborts the process.
+STACK_FACTOR = 16
+ULTRAVOX_HIDDEN = 128  # the MLP's width after SwiGLU (its first layer gives twice as many)
+WHISPER_EPS = 1e-5
+AUDIO_TOKENS = 94  # per audio chunk: a clip shorter than 30 s is one chunk
 
 
 def _conv(t: _Tensors, name: str) -> None:
@@ -69,15 +97,25 @@ def _linear(t: _Tensors, name: str, n_in: int, n_out: int) -> None:
     _bias(t, name + ".bias", n_out)
 
 
+def _block(t: _Tensors, p: str, n_embd: int, n_ff: int, *, k_bias: bool) -> None:
+    """Pre-norm encoder block ``p``: biased q/v/out (and k where ``k_bias``) projections
+    and a 2-layer FFN."""
+    _layer_norm(t, p + "ln1", n_embd)
+    _linear(t, p + "attn_q", n_embd, n_embd)
+    if k_bias:
+        _linear(t, p + "attn_k", n_embd, n_embd)
+    else:
+        t.matrix(p + "attn_k.weight", n_embd, n_embd)
+    _linear(t, p + "attn_v", n_embd, n_embd)
+    _linear(t, p + "attn_out", n_embd, n_embd)
+    _layer_norm(t, p + "ln2", n_embd)
+    _linear(t, p + "ffn_up", n_embd, n_ff)
+    _linear(t, p + "ffn_down", n_ff, n_embd)
+
+
 def _vit_block(t: _Tensors, il: int) -> None:
-    """Pre-norm encoder block: biased q/k/v/out projections and a 2-layer FFN."""
-    p = f"v.blk.{il}."
-    _layer_norm(t, p + "ln1", VISION_EMBD)
-    for proj in ("attn_q", "attn_k", "attn_v", "attn_out"):
-        _linear(t, p + proj, VISION_EMBD, VISION_EMBD)
-    _layer_norm(t, p + "ln2", VISION_EMBD)
-    _linear(t, p + "ffn_up", VISION_EMBD, VISION_FF)
-    _linear(t, p + "ffn_down", VISION_FF, VISION_EMBD)
+    """Vision block ``il``: all four attention projections biased."""
+    _block(t, f"v.blk.{il}.", VISION_EMBD, VISION_FF, k_bias=True)
 
 
 def _qwen2vl_tensors(t: _Tensors, n_embd_text: int) -> None:
@@ -108,31 +146,34 @@ def _mlp_tensors(t: _Tensors, n_embd_text: int) -> None:
     _linear(t, "mm.2", n_embd_text, n_embd_text)
 
 
-def write_tiny_projector(path: Path, *, arch: str, n_embd_text: int, seed: int = 0) -> Path:
-    """Write a random-weight vision projector for a tiny ``arch`` text model to ``path``.
+def _conv1d(t: _Tensors, name: str, n_in: int, n_out: int) -> None:
+    """A 1-D convolution of GGUF shape [kernel, n_in, n_out], F16, and its F32 bias of
+    shape [1, n_out] (added to every frame)."""
+    fan_in = n_in * CONV1D_KERNEL
+    values = t.rng.standard_normal((n_out, n_in, CONV1D_KERNEL)) * fan_in**-0.5
+    t.items.append((name + ".weight", values.astype(np.float16), None))
+    t.f32(name + ".bias", t.rng.standard_normal((n_out, 1)) * 0.02)
 
-    Its output width is ``n_embd_text`` (the text model's ``n_embd``; mtmd refuses a
-    mismatch). The same arguments always give a byte-identical file. Tokens per image are
-    in `IMAGE_TOKENS` and the module docstring.
-    """
-    if arch not in PROJECTOR_TYPES:
-        expected = ", ".join(PROJECTOR_TYPES)
-        raise ValueError(f"no projector for architecture {arch!r}; expected one of {expected}")
-    if n_embd_text <= 0:
-        raise ValueError(f"n_embd_text must be positive, got {n_embd_text}")
-    t = _Tensors(seed)
-    if arch == "qwen35":
-        _qwen2vl_tensors(t, n_embd_text)
-    else:
-        _mlp_tensors(t, n_embd_text)
 
-    path = Path(path)
-    w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])  # "clip"
-    w.add_type(gguf.GGUFType.MMPROJ)
-    w.add_name(f"baton-tiny-{arch}-mmproj")
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_clip_has_vision_encoder(True)
-    w.add_clip_projector_type(PROJECTOR_TYPES[arch])
+def _ultravox_tensors(t: _Tensors, n_embd_text: int) -> None:
+    """Whisper encoder (convolutions, position embeddings, blocks without a k bias, post
+    norm) and Ultravox's projector (norm_pre, mlp.1, SwiGLU, norm_mid, mlp.2; no biases)."""
+    _conv1d(t, "a.conv1d.1", MEL_BINS, AUDIO_EMBD)
+    _conv1d(t, "a.conv1d.2", AUDIO_EMBD, AUDIO_EMBD)
+    t.f32("a.position_embd.weight", t.rng.standard_normal((AUDIO_POSITIONS, AUDIO_EMBD)) * 0.02)
+    for il in range(AUDIO_LAYERS):
+        _block(t, f"a.blk.{il}.", AUDIO_EMBD, AUDIO_FF, k_bias=False)
+    _layer_norm(t, "a.post_ln", AUDIO_EMBD)
+    stacked = AUDIO_EMBD * STACK_FACTOR
+    t.ones("mm.a.norm_pre.weight", stacked)
+    t.matrix("mm.a.mlp.1.weight", stacked, 2 * ULTRAVOX_HIDDEN)
+    t.ones("mm.a.norm_mid.weight", ULTRAVOX_HIDDEN)
+    t.matrix("mm.a.mlp.2.weight", ULTRAVOX_HIDDEN, n_embd_text)
+
+
+def _add_vision_keys(w: gguf.GGUFWriter, arch: str, n_embd_text: int) -> None:
+    """The ``clip.vision.*`` key/values of ``arch``'s vision encoder."""
+    w.add_clip_vision_projector_type(PROJECTOR_TYPES[arch])
     w.add_vision_projection_dim(n_embd_text)
     w.add_vision_image_size(IMAGE_SIZES[arch])
     w.add_vision_patch_size(PATCH_SIZE)
@@ -145,5 +186,49 @@ def write_tiny_projector(path: Path, *, arch: str, n_embd_text: int, seed: int =
     w.add_vision_image_std(list(IMAGE_STD))
     if arch == "qwen35":
         w.add_vision_spatial_merge_size(SPATIAL_MERGE)
+
+
+def _add_audio_keys(w: gguf.GGUFWriter, n_embd_text: int) -> None:
+    """The ``clip.audio.*`` key/values of the Ultravox audio encoder."""
+    w.add_clip_audio_projector_type(AUDIO_PROJECTOR_TYPE)
+    w.add_audio_projection_dim(n_embd_text)
+    w.add_audio_embedding_length(AUDIO_EMBD)
+    w.add_audio_feed_forward_length(AUDIO_FF)
+    w.add_audio_block_count(AUDIO_LAYERS)
+    w.add_audio_head_count(AUDIO_HEADS)
+    w.add_audio_attention_layernorm_eps(WHISPER_EPS)
+    w.add_audio_num_mel_bins(MEL_BINS)
+    w.add_audio_stack_factor(STACK_FACTOR)
+
+
+def write_tiny_projector(path: Path, *, arch: str, n_embd_text: int, seed: int = 0) -> Path:
+    """Write a random-weight vision and audio projector for a tiny ``arch`` text model to
+    ``path``.
+
+    Its output width is ``n_embd_text`` (the text model's ``n_embd``; mtmd refuses a
+    mismatch). The same arguments always give a byte-identical file. Tokens per image are
+    in `IMAGE_TOKENS`, per audio clip in `AUDIO_TOKENS`, and both in the module docstring.
+    """
+    if arch not in PROJECTOR_TYPES:
+        expected = ", ".join(PROJECTOR_TYPES)
+        raise ValueError(f"no projector for architecture {arch!r}; expected one of {expected}")
+    if n_embd_text <= 0:
+        raise ValueError(f"n_embd_text must be positive, got {n_embd_text}")
+    t = _Tensors(seed)
+    if arch == "qwen35":
+        _qwen2vl_tensors(t, n_embd_text)
+    else:
+        _mlp_tensors(t, n_embd_text)
+    _ultravox_tensors(t, n_embd_text)
+
+    path = Path(path)
+    w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])  # "clip"
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_name(f"baton-tiny-{arch}-mmproj")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_has_audio_encoder(True)
+    _add_vision_keys(w, arch, n_embd_text)
+    _add_audio_keys(w, n_embd_text)
     t.write(w)
     return path

@@ -33,7 +33,7 @@ from baton_serve.cache_store.wire.protocol import (
     ReplicaRequest,
 )
 from baton_serve.cache_store.wire.sampling_params import SamplingParams
-from baton_serve.replicas.engine.media_input import DecodedImage, MediaBounds, MediaError
+from baton_serve.replicas.engine.media_input import DecodedMedia, MediaBounds, MediaError
 from baton_serve.router.gateway import openai_types as api
 from baton_serve.router.gateway.chunks import (
     ChatChunks,
@@ -117,8 +117,8 @@ class GatewaySettings:
     prompt_threads: int = 4  # chats rendered and prompts tokenised at once, off the event loop
     grammar_limits: GrammarLimits = GrammarLimits()  # a reply's grammar; strict calls' checks
     engine: str | None = None  # what computes, for /health ("llama.cpp", "emulated:NAME")
-    mmproj: str | None = None  # the image projector the replicas serve
-    media_bounds: MediaBounds = MediaBounds()  # images a chat may carry
+    mmproj: str | None = None  # the multimodal projector the replicas serve
+    media_bounds: MediaBounds = MediaBounds()  # images and clips a chat may carry
 
 
 def create_app(
@@ -206,13 +206,11 @@ class _Gateway:
     async def chat(self, body: api.ChatCompletionRequest) -> Response:
         self._check_model(body.model)
         self._budget.check_asked(body, prompts=1)
-        images: tuple[DecodedImage, ...] = ()
+        media: tuple[DecodedMedia, ...] = ()
         if has_media(body.messages):
-            bounds, takes = self._settings.media_bounds, self._builder.takes_images
+            bounds, kinds = self._settings.media_bounds, self._builder.media_kinds
             try:
-                marked, images = await read_media(
-                    body.messages, bounds, takes, self._prompt_threads
-                )
+                marked, media = await read_media(body.messages, bounds, kinds, self._prompt_threads)
             except MediaError as exc:
                 raise invalid_request(str(exc), param=exc.param) from None
             body = body.model_copy(update={"messages": marked})
@@ -223,7 +221,7 @@ class _Gateway:
         extras = template_variables(body, plan.extras)
         with tracing.span("tokenise") as span:
             prompt = await self._prompt_threads.run(
-                self._builder.from_messages, plan.messages, extras, _chat_ending(body), images
+                self._builder.from_messages, plan.messages, extras, _chat_ending(body), media
             )
             span.set_attribute("baton.prompt_tokens", len(prompt))
         (max_tokens,) = self._budget.replies(body, [len(prompt)])
@@ -303,7 +301,7 @@ class _Gateway:
         )
 
     async def models(self) -> Response:
-        modalities = ["text", "image"] if self._builder.takes_images else ["text"]
+        modalities = self._builder.media_kinds.modalities()
         card = api.ModelCard(
             id=self._settings.model_name, created=self._started, modalities=modalities
         )

@@ -1,6 +1,7 @@
-"""A chat's text with image markers (`media_parts`) as tokens: the text between markers
-through the gateway's tokenizer, each marker as its image's tokens — the text its projector
-puts around an image, then one placeholder per embedding (`cache_store.media_tokens`)."""
+"""A chat's text with media markers (`media_parts`) as tokens: the text between markers
+through the gateway's tokenizer, each marker as its image's or clip's tokens — the text its
+projector puts around the item, then one placeholder per embedding
+(`cache_store.media_tokens`)."""
 
 from __future__ import annotations
 

@@ -75,10 +75,18 @@ class ImagePart(BaseModel):
     image_url: Annotated[ImageURL, BeforeValidator(_url_object)]
 
 
+class InputAudio(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    data: str = Field(min_length=1, description="the clip's file, base64")
+    format: Literal["wav", "mp3"]
+
+
 class AudioPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     type: Literal["input_audio"]
+    input_audio: InputAudio
 
 
 MediaPart = ImagePart | AudioPart
@@ -99,8 +107,9 @@ def _joined_text_parts(value: object) -> object:
     for part in value:
         if not isinstance(part, dict) or part.get("type") not in known:
             raise ValueError(
-                'a content part is {"type": "text", "text": ...} or '
-                '{"type": "image_url", "image_url": {"url": "data:..."}}'
+                'a content part is {"type": "text", "text": ...}, '
+                '{"type": "image_url", "image_url": {"url": "data:..."}} or '
+                '{"type": "input_audio", "input_audio": {"data": "<base64>", "format": "wav"}}'
             )
     if all(part["type"] == "text" for part in value):
         texts = [part.get("text") for part in value]

@@ -409,7 +409,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "baton"
-    modalities: list[Literal["text", "image"]] = Field(
+    modalities: list[Literal["text", "image", "audio"]] = Field(
         default=["text"], description="what a chat's messages may hold for this model"
     )
 

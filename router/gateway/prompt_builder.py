@@ -13,8 +13,8 @@ from baton_serve.cache_store.wire.prompt_types import ChatMessage, MediaInput, P
 from baton_serve.replicas.engine.chat_segments import ChatText
 from baton_serve.replicas.engine.engine_config import context_size
 from baton_serve.replicas.engine.llama_model import LlamaModel
-from baton_serve.replicas.engine.media_input import DecodedImage
-from baton_serve.replicas.engine.media_projector import MediaProjector
+from baton_serve.replicas.engine.media_input import DecodedAudio, DecodedMedia
+from baton_serve.replicas.engine.media_projector import MediaProjector, ProjectorError
 from baton_serve.replicas.engine.prompt import (
     PromptError,
     RenderedTooLarge,
@@ -30,6 +30,7 @@ from baton_serve.router.gateway.errors import (
     invalid_request,
     prompt_too_large,
 )
+from baton_serve.router.gateway.media_parts import MediaKinds
 from baton_serve.router.gateway.media_tokenizer import MediaTokenizer
 from baton_serve.router.gateway.reply_parser import THINK_OPEN
 from baton_serve.router.gateway.token_cache import TokenCache
@@ -56,8 +57,8 @@ class PromptBuilder:
         max_prompt_bytes: int | None = None,
         mmproj: str | None = None,
     ) -> None:
-        """`mmproj`: the image projector the replicas serve, loaded here (on the CPU) for
-        the tokens each image takes."""
+        """`mmproj`: the projector the replicas serve, loaded here (on the CPU) for the
+        tokens each image or audio clip takes."""
         self.max_prompt_bytes = max_prompt_bytes
         self._model = LlamaModel(model_path, vocab_only=True)
         self._projector = (
@@ -73,19 +74,24 @@ class PromptBuilder:
         self._hasher = PrefixHasher(self._model.fingerprint, block_tokens)
         self.n_ctx = context_size(n_ctx, self._model.n_ctx_train)
 
-    @property
-    def takes_images(self) -> bool:
-        return self._projector is not None and self._projector.takes_images
+    @functools.cached_property
+    def media_kinds(self) -> MediaKinds:
+        """What the served projector reads (nothing without one)."""
+        projector = self._projector
+        if projector is None:
+            return MediaKinds()
+        return MediaKinds(images=projector.takes_images, audio_rate=projector.audio_rate)
 
     def from_messages(
         self,
         messages: Sequence[ChatMessage],
         extras: Mapping[str, Any] | None = None,
         ending: ChatEnding = "generation_prompt",
-        images: Sequence[DecodedImage] = (),
+        media: Sequence[DecodedMedia] = (),
     ) -> Prompt:
         """A chat rendered with the model's template (`extras`: more template variables),
-        ending as `ending` says; `images`: those its messages' markers stand for."""
+        ending as `ending` says; `media`: the images and clips its messages' markers stand
+        for."""
         if self._template is None:
             raise invalid_request(no_chat_template_message(self._model.name), param="messages")
         try:
@@ -95,8 +101,8 @@ class PromptBuilder:
             if ending == "inside_last_message":
                 chat = _cut_after_last_message(chat, messages[-1].content)
             self._refuse_unfitting(chat.text)
-            if images:
-                prompt = self._with_images(chat, messages, images)
+            if media:
+                prompt = self._with_media(chat, messages, media)
             else:
                 prompt = tokenize_chat(self._chat_tokens, chat, messages)
         except RenderedTooLarge as exc:
@@ -105,16 +111,18 @@ class PromptBuilder:
             raise invalid_request(str(exc), param="messages") from exc
         return self.check_length(prompt)
 
-    def _with_images(
-        self, chat: ChatText, messages: Sequence[ChatMessage], images: Sequence[DecodedImage]
+    def _with_media(
+        self, chat: ChatText, messages: Sequence[ChatMessage], media: Sequence[DecodedMedia]
     ) -> Prompt:
         projector = self._projector
-        assert projector is not None  # the gateway reads no image for a model without one
-        tokenizer = MediaTokenizer(
-            self._chat_tokens,
-            [MediaInput(digest=image.digest, data=image.source) for image in images],
-            [projector.layout(image).tokens(projector.identity(image.digest)) for image in images],
-        )
+        assert projector is not None  # the gateway reads no media for a model without one
+        try:
+            item_tokens = [
+                projector.layout(item).tokens(projector.identity(item.digest)) for item in media
+            ]
+        except ProjectorError as exc:
+            raise invalid_request(str(exc), param="messages") from None
+        tokenizer = MediaTokenizer(self._chat_tokens, [_wire(item) for item in media], item_tokens)
         prompt = tokenize_chat(tokenizer, chat, messages)
         return prompt.model_copy(update={"media": tuple(tokenizer.used)})
 
@@ -209,6 +217,12 @@ class PromptBuilder:
         if self._projector is not None:
             self._projector.close()
         self._model.close()
+
+
+def _wire(item: DecodedMedia) -> MediaInput:
+    """What travels to the replica of an image or clip: the file as sent, its digest."""
+    audio_format = item.audio_format if isinstance(item, DecodedAudio) else None
+    return MediaInput(digest=item.digest, data=item.source, audio_format=audio_format)
 
 
 def _cut_after_last_message(chat: ChatText, content: str | None) -> ChatText:

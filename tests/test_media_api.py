@@ -1,6 +1,7 @@
-"""Images through the OpenAI API: the OpenAI SDK sends image parts to a real gateway over
-real HTTP (one replica of a generated qwen35 with its generated projector), streamed and
-not; a follow-up turn comes back cached; each part Baton cannot take gets a 400 naming it."""
+"""Images and audio clips through the OpenAI API: the OpenAI SDK sends image_url and
+input_audio parts to a real gateway over real HTTP (one replica of a generated qwen35 with
+its generated projector, which reads both), streamed and not; a follow-up turn comes back
+cached; each part Baton cannot take gets a 400 naming it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import openai
 import pytest
 from gateway_harness import serving
 from PIL import Image
+from test_audio import audio_part, wav_clip
 from test_images import image_url
 
 from baton_serve.replicas.engine.engine_config import EngineConfig
@@ -58,7 +60,13 @@ def image_host():
 @pytest.fixture(scope="module")
 def served(tiny_model, tiny_projector, image_host):
     bounds = MediaBounds(
-        max_images=2, max_image_bytes=64 << 10, max_image_pixels=1 << 16, url_hosts=(image_host,)
+        max_images=2,
+        max_image_bytes=64 << 10,
+        max_image_pixels=1 << 16,
+        url_hosts=(image_host,),
+        max_audio_clips=1,
+        max_audio_bytes=128 << 10,
+        max_audio_seconds=2.0,
     )
     settings = GatewaySettings(
         MODEL,
@@ -83,7 +91,7 @@ def _image_message(seed: int) -> dict:
 
 def test_the_openai_sdk_sends_an_image_and_its_follow_up_is_cached(served) -> None:
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none")
-    assert client.models.list().data[0].model_extra["modalities"] == ["text", "image"]
+    assert client.models.list().data[0].model_extra["modalities"] == ["text", "image", "audio"]
     messages = [_image_message(7)]
     first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
     reply = first.choices[0].message.content
@@ -154,3 +162,57 @@ def test_more_images_than_the_bound_get_a_400_before_any_is_read(served) -> None
     response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400
     assert "max_images" in response.json()["error"]["message"]
+
+
+def test_the_openai_sdk_sends_a_clip_and_its_follow_up_is_cached(served) -> None:
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none")
+    question = {"type": "text", "text": "What is said here?"}
+    messages = [{"role": "user", "content": [question, audio_part(wav_clip(8))]}]
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    reply = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    clip_tokens = chunks[-1].usage.prompt_tokens
+    encoded = served.engine.stats.images_encoded
+
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "More?"}]
+    follow_up = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+    assert follow_up.usage.prompt_tokens_details.cached_tokens >= clip_tokens - 8
+    assert served.engine.stats.images_encoded == encoded  # not encoded again
+
+
+BAD_CLIPS = [
+    pytest.param(audio_part(b"not audio at all"), "cannot be read as wav", id="undecodable"),
+    pytest.param(
+        {"type": "input_audio", "input_audio": {"data": "@@@@", "format": "wav"}},
+        "does not decode",
+        id="bad base64",
+    ),
+    pytest.param(audio_part(wav_clip(9, seconds=3.0)), "max_audio_seconds", id="too long"),
+    pytest.param(audio_part(wav_clip(9, seconds=5.0)), "max_audio_bytes", id="too many bytes"),
+]
+
+
+@pytest.mark.parametrize(("part", "says"), BAD_CLIPS)
+def test_a_bad_clip_gets_a_400_naming_its_part(served, part: dict, says: str) -> None:
+    content = [{"type": "text", "text": "hear"}, part]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+    response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages[0].content[1]" and says in error["message"]
+
+
+def test_a_clip_format_or_count_baton_cannot_take_gets_a_400(served) -> None:
+    flac = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "flac"}}
+    two = [audio_part(wav_clip(10)), audio_part(wav_clip(11))]
+    for content, says in (([flac], "'wav' or 'mp3'"), (two, "max_audio_clips")):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+        response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=30)
+        assert response.status_code == 400, response.text
+        assert says in response.json()["error"]["message"]
