@@ -46,7 +46,9 @@ DECODE_TOKENS = 64
 DECODE_RUNS = 3
 STREAMS = 4
 ONE_TOKEN = SamplingParams(max_tokens=1)
-SHORT_REPLY = SamplingParams(max_tokens=2, ignore_eos=True)  # replayed, then stored once idle
+# Stored once idle: replayed where reuse is exact; else the decode's state, which holds all
+# but the last token and is stored from two tokens on.
+SHORT_REPLY = SamplingParams(max_tokens=3, ignore_eos=True)
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,8 @@ def context_figures(
         restore_s = a.stats.restore_seconds
         back = a.generate(Prompt(tokens=history + new[:NEXT_TURN_TOKENS]), ONE_TOKEN)
         restored_ttft.append(back.ttft_s or 0.0)
-        if back.usage.cached_tokens == len(history):
+        stored = len(history) - (0 if a.config.exact_reuse else 1)
+        if back.usage.cached_tokens == stored:
             state_bytes = back.timings.restored_bytes
             restores.append(_rate(state_bytes, a.stats.restore_seconds - restore_s))
         progress.step(
@@ -297,6 +300,8 @@ def device_benchmark(settings: DeviceSettings, progress: Progress = SILENT) -> d
             "device": a.model.device,
             "devices": list(a.model.devices),
             "n_gpu_layers": settings.n_gpu_layers,
+            "exact_reuse": a.config.exact_reuse,
+            "flash_attn": a.config.flash_attn,
             "threads": settings.threads,
             "n_ctx": a.n_ctx,
             "prefill_chunk": settings.prefill_chunk,

@@ -29,6 +29,9 @@ def format_report(result: dict) -> str:
         f"{result['n_ctx']}, {result['threads']} CPU thread(s), CPU backend "
         f"{result['cpu_backend']})",
     ]
+    if "exact_reuse" in result:  # runs before 2026-11-29 did not record it
+        attention = {True: "on", False: "off", None: "llama.cpp's auto"}[result["flash_attn"]]
+        lines.append(f"engine: exact_reuse {result['exact_reuse']}, flash attention {attention}")
     if memory["loaded"]:
         lines.append(f"device memory: before {_memory(memory['before'])}")
         lines.append(

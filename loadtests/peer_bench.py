@@ -310,7 +310,7 @@ def peer_benchmark(
     slots: int | None = None,
     replicas: int | None = None,
     exact_reuse: bool = True,
-    flash_attn: bool = EngineConfig.model_fields["flash_attn"].default,
+    flash_attn: bool = False,
     mmproj: Path | None = None,
     traced: bool = True,
     progress: Progress = SILENT,

@@ -18,7 +18,7 @@ from baton_serve.deploy.config import (
     to_serve_args,
 )
 from baton_serve.deploy.serve_config import serve_config, write_serve_config
-from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.engine_config import EngineConfig, for_device
 
 API_KEY = "sk-api-key-do-not-leak"
 HMAC_KEY = "hmac-key-do-not-leak-0123456789"
@@ -61,6 +61,15 @@ def test_the_retired_prefill_budget_is_read_as_step_tokens(
     assert "prefill_budget is retired" in caplog.text
     assert EngineConfig(prefill_budget=0).step_tokens == 1  # one piece a step, as before
     assert EngineConfig(prefill_budget=64, step_tokens=300).step_tokens == 300
+
+
+def test_device_dependent_settings_are_decided_by_where_the_model_runs() -> None:
+    cpu, gpu = for_device(EngineConfig(), False), for_device(EngineConfig(), True)
+    assert (cpu.exact_reuse, cpu.flash_attn, cpu.one_call_steps) == (True, False, False)
+    assert (gpu.exact_reuse, gpu.flash_attn, gpu.one_call_steps) == (False, None, True)
+    chosen = EngineConfig(exact_reuse=True, flash_attn=True)
+    assert for_device(chosen, True) == chosen and for_device(chosen, False) == chosen
+    assert not EngineConfig().one_call_steps  # unresolved: as on the CPU
 
 
 def test_a_step_in_one_call_fits_n_batch() -> None:

@@ -16,7 +16,7 @@ import pytest
 from lavapipe import child_report, skip_unless_device
 
 from baton_serve.deploy.cli import main
-from baton_serve.loadtests.device_bench import DeviceSettings, device_benchmark
+from baton_serve.loadtests.device_bench import SHORT_REPLY, DeviceSettings, device_benchmark
 from baton_serve.loadtests.device_report import format_report
 
 CONTEXTS = (160, 256)
@@ -24,7 +24,7 @@ REPEATS = 2
 DECODE_TOKENS = 8  # lavapipe compiles a pipeline per batch shape: keep the decode part short
 TOP = {"model", "model_kind", "device", "devices", "n_gpu_layers", "threads", "n_ctx"}
 TOP |= {"prefill_chunk", "repeats", "cpu_backend", "device_memory", "decode", "contexts"}
-TOP |= {"network_included"}
+TOP |= {"network_included", "exact_reuse", "flash_attn"}
 ROW = {"context", "cold_prompt_tokens", "follow_prompt_tokens", "cached_tokens"}
 ROW |= {"prefill_tokens_per_s", "ttft_cold_s", "ttft_cached_s", "checkpoint_bytes"}
 ROW |= {"rewound_bytes", "ttft_restored_s"}
@@ -51,7 +51,9 @@ def check_figures(result: dict) -> None:
         assert set(ship) == SHIP
         assert ship["continuation_matches"] and len(ship["continuation"]) == 16
         assert ship["blob_bytes"] > ship["state_bytes"] > 0 and ship["gb_per_s"] > 0
-        assert ship["tokens"] == row["follow_prompt_tokens"] + 2  # and its 2-token reply
+        # the stored conversation: the reply replayed, or the decode's state (all but its last)
+        stored = row["follow_prompt_tokens"] + SHORT_REPLY.max_tokens - (not result["exact_reuse"])
+        assert ship["tokens"] == stored
     assert "NOT the network transport" in format_report(result)
 
 

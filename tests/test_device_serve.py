@@ -56,6 +56,10 @@ from baton_serve.replicas.models.model_check import ModelCheckFailed, check_mode
 MAX_TOKENS = 8
 SETTINGS = {"n_ctx": 512, "n_slots": 1, "n_threads": 1, "block_tokens": 16}
 SETTINGS |= {"checkpoint_interval": 64, "prefill_chunk": 64}
+# Replays and plain attention pinned, as on the CPU: the app's turns are checked against the
+# CPU's replayed checkpoints (a device's own defaults keep the decode's state instead:
+# test_vulkan_device).
+SETTINGS |= {"exact_reuse": True, "flash_attn": False}
 APP_ARCHS = ("qwen35", "granitehybrid")
 
 

@@ -33,7 +33,9 @@ from baton_serve.replicas.replica_actor import spawn_replica
 from baton_serve.replicas.shipping import ShipPolicy
 
 KEY = secrets.token_bytes(32)
-CPU = EngineConfig(n_ctx=2048, n_slots=1, n_threads=1)
+# Replays and plain attention pinned, as on the CPU (a device's own defaults keep the decode's
+# state instead: test_vulkan_device), so both sides store the same checkpoints.
+CPU = EngineConfig(n_ctx=2048, n_slots=1, n_threads=1, exact_reuse=True, flash_attn=False)
 DEVICE = CPU.model_copy(update={"n_gpu_layers": -1})
 EAGER = ShipPolicy(ShipCost(min_gain_tokens=16, safety=1.0), prefill_tokens_per_s=50.0)
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)

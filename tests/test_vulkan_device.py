@@ -8,10 +8,12 @@ child process, so this process's llama.cpp stays CPU-only and serves as the refe
 What is compared: the engine serves two turns of token-id prompts (150 tokens, then the
 first turn's prompt and reply plus 20 more), then the first turn edited (the hybrid's slot
 rewound to a resident partial state on the device), with `n_gpu_layers=-1` on the device and
-with `n_gpu_layers=0` on CPU. llama.cpp's own log must say every layer went to the device; the
-greedy token ids of each turn (16 each) and the cached token counts must be equal. The
-device multiplies in f16/f32 with other rounding than CPU's kernels: logits are not
-compared bit for bit, only their argmax, which on these models is far from a tie.
+with `n_gpu_layers=0` on CPU. On the device the engine decides its own defaults (exact reuse
+off: no replay; flash attention left to llama.cpp), so the CPU reference keeps the decode's
+state too. llama.cpp's own log must say every layer went to the device; the greedy token
+ids of each turn (16 each) and the cached token counts must be equal. The device multiplies
+in f16/f32 with other rounding than CPU's kernels: logits are not compared bit for bit, only
+their argmax, which on these models is far from a tie.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def three_turns(engine: Engine) -> list[dict[str, object]]:
     edited = first[:120] + tuple(rng.randrange(3, 1000) for _ in range(10))
     tokens, turns = first, []
     for turn in range(3):
-        assert engine.wait_idle(60)  # the previous reply replayed: its slot is free to reuse
+        assert engine.wait_idle(60)  # the previous reply done (and replayed, where it is)
         done = engine.generate(Prompt(tokens=edited if turn == 2 else tokens), GREEDY)
         rewound = done.timings.rewound_bytes > 0
         turns.append(
@@ -94,7 +96,10 @@ def child(paths: list[str]) -> None:
         engine = Engine(path, EngineConfig(**SETTINGS, n_gpu_layers=-1), hmac_key=b"k")
         try:
             offloaded = re.findall(r"offloaded (\d+)/(\d+) layers", "".join(log))
-            models[path] = {"offloaded": offloaded, "turns": three_turns(engine)}
+            decided = {"exact_reuse": engine.config.exact_reuse}
+            decided["flash_attn"] = engine.config.flash_attn
+            models[path] = {"offloaded": offloaded, "decided": decided}
+            models[path]["turns"] = three_turns(engine)
         finally:
             engine.close()
     print(json.dumps({"devices": devices, "models": models}))
@@ -116,7 +121,8 @@ def test_every_layer_on_the_device_gives_cpu_greedy_tokens(
     ((offloaded, layers),) = result["offloaded"]
     assert offloaded == layers, f"{offloaded}/{layers} layers on {on_device['devices']}"
 
-    cpu = three_turns(make_engine(tiny_model(arch), **SETTINGS, n_gpu_layers=0))
+    assert result["decided"] == {"exact_reuse": False, "flash_attn": None}  # the device's
+    cpu = three_turns(make_engine(tiny_model(arch), **SETTINGS, n_gpu_layers=0, exact_reuse=False))
 
     assert result["turns"] == cpu
     assert cpu[1]["cached"] > 150  # the second turn was served from the cache

@@ -113,6 +113,14 @@ def device_memory(device: str) -> tuple[int, int]:
     return free.value, total.value
 
 
+def offloads(config: EngineConfig) -> bool:
+    """Whether an engine with `config` computes on a GPU: layers offloaded, a device
+    llama.cpp can use, and the compute not emulated."""
+    if config.n_gpu_layers == 0 or config.emulated is not None:
+        return False
+    return bool(ggml_backends.offload_devices())
+
+
 def check_fits(
     path: str | Path, config: EngineConfig, *, share: float | None = None
 ) -> list[DeviceNeed]:
@@ -120,8 +128,7 @@ def check_fits(
     exceeds the budget (`share`: the replica's fraction of each device, default Ray's
     assignment). Nothing is measured for a CPU-only or emulated config, or where llama.cpp
     has no GPU."""
-    emulated = config.emulated is not None
-    if config.n_gpu_layers == 0 or emulated or not ggml_backends.offload_devices():
+    if not offloads(config):
         return []
     needs = measure(path, config)
     share = ray_gpu_share() if share is None else share

@@ -44,7 +44,7 @@ from baton_serve.replicas.engine import device_memory
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE, prefill_pieces
 from baton_serve.replicas.engine.emulated_compute import load_model, open_context
 from baton_serve.replicas.engine.engine_checkpoints import EngineCheckpoints
-from baton_serve.replicas.engine.engine_config import EngineConfig
+from baton_serve.replicas.engine.engine_config import EngineConfig, for_device
 from baton_serve.replicas.engine.liveness import IDLE_BEAT_S, Heartbeat, request_deadline_s
 from baton_serve.replicas.engine.media_projector import MediaProjector
 from baton_serve.replicas.engine.prefix_cache import InFlightShare, PrefixCache
@@ -83,9 +83,16 @@ class Engine(EngineCheckpoints):
         """`mmproj`: a projector's GGUF (llama.cpp's mtmd) for the model to read images or audio."""
         if not hmac_key:
             raise ValueError("an HMAC key is required to sign and check state blobs")
-        self.config = config or EngineConfig()
+        config = config or EngineConfig()
+        self.config = for_device(config, device_memory.offloads(config))
         device_memory.check_fits(model_path, self.config)  # before anything is on a device
         self.model = load_model(model_path, self.config)  # llama.cpp's, or emulated
+        logger.info(
+            "engine on %s: exact_reuse %s, flash attention %s",
+            ", ".join(self.model.devices) or "the CPU",
+            self.config.exact_reuse,
+            {True: "on", False: "off", None: "llama.cpp's auto"}[self.config.flash_attn],
+        )
         self.kind = self.model.kind
         self.fingerprint = self.model.fingerprint
         self.stats = EngineStats()

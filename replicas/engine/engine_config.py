@@ -71,20 +71,23 @@ class EngineConfig(BaseModel):
         "a model with neither answers chat requests with a 400 naming both fixes, and "
         "completions keep working",
     )
-    flash_attn: bool = Field(
-        default=False,
+    flash_attn: bool | None = Field(
+        default=None,
         description="flash attention: on changes results with how a prompt is split; off keeps "
-        "reuse bit-exact on CPU",
+        "reuse bit-exact on CPU; unset: off where the model runs on the CPU, llama.cpp's auto "
+        "(on where the device has the kernels) where its layers are offloaded",
     )
     prefix_cache: bool = Field(default=True, description="reuse cached prefixes at all")
-    exact_reuse: bool = Field(
-        default=True,
+    exact_reuse: bool | None = Field(
+        default=None,
         description="after a reply is sent, recompute it as a prefill (a replay), so every "
         "cached state is what a from-scratch prefill computes and a resumed or shipped "
         "conversation gives the same logits as a cold one; false: keep the state the decode "
         "built, as llama-server and vLLM do (a next turn sent at once does not wait for the "
-        "replay, and each reply is computed once), at the price of logits that differ slightly "
-        "from a cold prefill's",
+        "replay, each reply is computed once, and a step is one llama_decode), at the price of "
+        "logits that differ slightly from a cold prefill's; unset: on where the model runs on "
+        "the CPU, off where its layers are offloaded (a GPU's kernels change with a batch's "
+        "row count, so a replay cannot make states exact there)",
     )
     emulated: EmulatedTiming | None = Field(
         default=None,
@@ -182,9 +185,10 @@ class EngineConfig(BaseModel):
     @property
     def one_call_steps(self) -> bool:
         """Whether a step's decode rows and prompt pieces go into one llama_decode. Exact
-        reuse keeps them apart: llama.cpp would give a piece's first token a ubatch with
-        the decode rows, and that lone row rounds differently from the piece's others."""
-        return not self.exact_reuse
+        reuse (also while unresolved: `for_device`) keeps them apart: llama.cpp would give a
+        piece's first token a ubatch with the decode rows, and that lone row rounds
+        differently from the piece's others."""
+        return self.exact_reuse is False
 
     @property
     def step_budget(self) -> int:
@@ -218,6 +222,20 @@ class EngineConfig(BaseModel):
                 f"block_tokens ({self.block_tokens}) so interval checkpoints sit on hash blocks"
             )
         return self
+
+
+def for_device(config: EngineConfig, offloaded: bool) -> EngineConfig:
+    """`config` with its unset device-dependent settings decided: on the CPU, exact reuse
+    on and flash attention off (bit-exact states); with layers offloaded, exact reuse off
+    (a device's kernels change with the batch, so no replay buys exact bits) and flash
+    attention left to llama.cpp's auto (contiguous V rows and smaller compute buffers where
+    the device has the kernels)."""
+    decided: dict[str, bool] = {}
+    if config.exact_reuse is None:
+        decided["exact_reuse"] = not offloaded
+    if config.flash_attn is None and not offloaded:
+        decided["flash_attn"] = False
+    return config.model_copy(update=decided) if decided else config
 
 
 def context_size(requested: int, n_ctx_train: int) -> int:

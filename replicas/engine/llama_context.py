@@ -48,7 +48,7 @@ class ContextParams:
     n_seqs: int
     n_batch: int
     n_threads: int
-    flash_attn: bool = False
+    flash_attn: bool | None = False  # None: llama.cpp's auto
     node_cores: int | None = None  # more than n_threads: share the machine's (`core_share`)
 
 
@@ -64,11 +64,11 @@ def context_params(params: ContextParams) -> llama_cpp.llama_context_params:
     cparams.n_threads = params.n_threads
     cparams.n_threads_batch = params.n_threads
     cparams.kv_unified = False
-    cparams.flash_attn_type = (
-        llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        if params.flash_attn
-        else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    )
+    cparams.flash_attn_type = {
+        True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+        False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+        None: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    }[params.flash_attn]
     cparams.no_perf = True
     return cparams
 
