@@ -128,6 +128,34 @@ def test_a_state_holding_an_image_serves_another_engine(
 
 
 @pytest.mark.parametrize("builder", ["qwen35"], indirect=True)
+def test_a_state_holding_an_image_serves_the_next_turn_after_a_restart(
+    builder, tiny_model, tiny_projector, make_engine, tmp_path
+) -> None:
+    """The disk tier (what a restarted or replaced replica starts from): the conversation's
+    state, written when its engine closed, serves the next turn on an engine started on the
+    same directory, without the encoder, bit-exact."""
+    model, mmproj = tiny_model("qwen35"), tiny_projector("qwen35")
+    first = make_engine(model, mmproj, checkpoint_dir=str(tmp_path))
+    prompt = chat_prompt(builder, [asking(6)])
+    first.generate(prompt, GREEDY)
+    assert first.wait_idle(30)  # the conversation's state is stored once the engine is idle
+    best = max(first.checkpoints(), key=lambda c: c.n_tokens)
+    first.close()
+    assert list(tmp_path.rglob("*.ckpt"))
+
+    more = tuple(builder.tokenize(" And then?", add_special=False, parse_special=False))
+    follow_up = prompt.model_copy(update={"tokens": tuple(best.tokens.tolist()) + more})
+    restarted = make_engine(model, mmproj, checkpoint_dir=str(tmp_path))
+    resumed = restarted.generate(follow_up, GREEDY, return_logits=True)
+    scratch = make_engine(model, mmproj, prefix_cache=False)
+    fresh = scratch.generate(follow_up, GREEDY, return_logits=True)
+    assert resumed.usage.cached_tokens == best.n_tokens > media_spans(prompt.tokens)[0][1]
+    assert restarted.stats.images_encoded == 0
+    assert resumed.tokens == fresh.tokens
+    assert float(np.abs(resumed.logits - fresh.logits).max()) == 0.0
+
+
+@pytest.mark.parametrize("builder", ["qwen35"], indirect=True)
 def test_ids_that_are_not_their_image_are_refused(
     builder, tiny_model, tiny_projector, make_engine
 ) -> None:

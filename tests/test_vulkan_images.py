@@ -2,7 +2,7 @@
 here, as in `test_vulkan_device.py`): the same greedy replies and cached counts as on CPU,
 the image encoded once. The projector runs where the model's layers are (`use_gpu`).
 
-qwen35 with Qwen2-VL's merger: M-RoPE's 2-D positions are the device path images add
+qwen35 with Qwen3-VL's merger: M-RoPE's 2-D positions are the device path images add
 (llama's one position a token is the text path `test_vulkan_device.py` runs, and its LLaVA
 projector is checked on CPU in `test_images.py`). On the device the engine decides its own
 defaults (no replay: the decode's state is kept), so the CPU reference keeps the decode's

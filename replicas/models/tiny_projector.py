@@ -8,17 +8,24 @@ decodes in place of tokens. Every file holds both encoders, as real omni models'
 
 Two of mtmd's vision projector families are written, one for each kind of text position:
 
-* ``qwen35`` → ``qwen2vl_merger`` (Qwen2-VL): a ViT with 2-D M-RoPE, two patch-embedding
-  convolutions (the two frames of Qwen's temporal patch) and a merger that concatenates each
-  2×2 block of patches and projects it with a 2-layer MLP. Images keep their aspect ratio:
-  mtmd resizes them to multiples of 28 px (patch 14 × merge 2) holding between 8 and 4096
-  tokens (``image_min_tokens`` / ``image_max_tokens`` move the bounds), one token per
-  28×28 px, so a square image of at most 84×84 px gives 3×3 = **9 tokens** and one of
-  112×112 px 4×4 = **16 tokens**. The text model's imrope makes ``mtmd_decode_use_mrope()``
-  true, and a 3×3 grid then takes 3 positions.
+* ``qwen35`` → ``qwen3vl_merger`` (Qwen3-VL), the vision encoder of real Qwen3.5 checkpoints
+  (llama.cpp converts ``Qwen3_5ForConditionalGeneration`` with ``Qwen3VLVisionModel``): a ViT
+  with 2-D M-RoPE, two patch-embedding convolutions of 16×16 px (the two frames of Qwen's
+  temporal patch, a still image going through both) and their one bias, learned position
+  embeddings for a 4×4 patch grid that mtmd interpolates bilinearly to each image's grid,
+  blocks with a fused QKV projection, a post-norm and a merger that concatenates each 2×2
+  block of patches and projects it with a 2-layer GELU MLP. No deepstack layers: Qwen3.5 has none
+  (``deepstack_visual_indexes`` is empty), and llama.cpp's qwen35 text model takes embeddings
+  of ``n_embd`` only. Images keep their aspect ratio: mtmd resizes them to multiples of 32 px
+  (patch 16 × merge 2) holding between 8 and 4096 tokens (``image_min_tokens`` /
+  ``image_max_tokens`` move the bounds), one token per 32×32 px, so a square image of at
+  most 111×111 px gives 3×3 = **9 tokens**, one of 112×112 px 4×4 = **16 tokens** and one of
+  448×448 px 14×14 = **196 tokens**. The text model's imrope makes ``mtmd_decode_use_mrope()``
+  true, and a grid of w×h tokens then takes max(w, h) positions: 3, 4 and 14. mtmd puts the
+  text ``<|vision_start|>`` before an image and ``<|vision_end|>`` after it.
 * ``llama`` → ``mlp`` (LLaVA-1.5): a CLIP ViT with learned 1-D position embeddings and a
-  2-layer MLP. Every image is padded to a square and resized to 56×56 px: 4×4 patches =
-  **16 tokens**, decoded at 16 ordinary consecutive positions.
+  2-layer MLP. Every image is padded to a square and resized to 56×56 px: 4×4 patches of
+  14 px = **16 tokens**, decoded at 16 ordinary consecutive positions.
 
 Both archs get the same audio encoder, ``ultravox`` (16 kHz): a Whisper encoder (two 1-D
 convolutions over 128 mel bins, the second of stride 2; learned position embeddings;
@@ -30,7 +37,8 @@ chunks. Each token takes one position (one M-RoPE position under imrope), and mt
 no text before or after the chunks.
 
 Weights are F16 (norms, biases and position embeddings F32), drawn with std 1/sqrt(fan-in)
-so that activations stay of order one.
+so that activations stay of order one. All tensors come from one generator seeded by
+``seed``, in the order they are written.
 """
 
 from __future__ import annotations
@@ -44,20 +52,26 @@ from baton_serve.replicas.models.tiny_model import _Tensors
 
 VISION_EMBD = 64
 VISION_HEADS = 4  # head size 16: Qwen's vision M-RoPE splits it in four sections of 4
-VISION_FF = 128  # != VISION_EMBD, or mtmd's fix-up for old files swaps ffn_up and ffn_down
+VISION_FF = 128  # != VISION_EMBD, or mtmd's fix-up for old LLaVA files swaps ffn_up and ffn_down
 VISION_LAYERS = 2
-PATCH_SIZE = 14
-SPATIAL_MERGE = 2  # qwen2vl: 2×2 patches per token
 LAYER_NORM_EPS = 1e-6
-# The CLIP / OpenAI normalization that both Qwen2-VL and LLaVA-1.5 use.
-IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
-IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 
-PROJECTOR_TYPES = {"qwen35": "qwen2vl_merger", "llama": "mlp"}  # vision, per text arch
-# clip.vision.image_size: the input side for mlp; qwen2vl only records it (its images keep
-# their own size) and real files write Qwen2-VL's 560.
-IMAGE_SIZES = {"qwen35": 112, "llama": 56}
-IMAGE_TOKENS = {"qwen35": 9, "llama": 16}  # qwen35: for a square image of at most 84×84 px
+PROJECTOR_TYPES = {"qwen35": "qwen3vl_merger", "llama": "mlp"}  # vision, per text arch
+PATCH_SIZES = {"qwen35": 16, "llama": 14}  # Qwen3-VL's and CLIP ViT-L/14's
+SPATIAL_MERGE = 2  # qwen3vl: 2×2 patches per token
+# qwen3vl: learned position embeddings for a POSITION_GRID × POSITION_GRID patch grid (real
+# Qwen3.5: 48 × 48), interpolated to each image's grid. Not 8: 64 rows would make the
+# tensor square and a transposed layout load unnoticed.
+POSITION_GRID = 4
+# clip.vision.image_size: the input side for mlp; qwen3vl only records it (its images keep
+# their own size), as the position grid's side in pixels, the converter's
+# sqrt(num_position_embeddings) × patch_size.
+IMAGE_SIZES = {"qwen35": POSITION_GRID * PATCH_SIZES["qwen35"], "llama": 56}
+IMAGE_TOKENS = {"qwen35": 9, "llama": 16}  # qwen35: for a square image of at most 111×111 px
+_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # the CLIP / OpenAI normalization
+_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+IMAGE_MEANS = {"qwen35": (0.5, 0.5, 0.5), "llama": _CLIP_MEAN}  # Qwen3-VL's preprocessor: 0.5
+IMAGE_STDS = {"qwen35": (0.5, 0.5, 0.5), "llama": _CLIP_STD}
 
 AUDIO_PROJECTOR_TYPE = "ultravox"
 AUDIO_EMBD = 64
@@ -75,10 +89,10 @@ WHISPER_EPS = 1e-5
 AUDIO_TOKENS = 94  # per audio chunk: a clip shorter than 30 s is one chunk
 
 
-def _conv(t: _Tensors, name: str) -> None:
+def _conv(t: _Tensors, name: str, patch: int) -> None:
     """A patch-embedding convolution of GGUF shape [patch, patch, 3, VISION_EMBD], F16."""
-    fan_in = 3 * PATCH_SIZE * PATCH_SIZE
-    values = t.rng.standard_normal((VISION_EMBD, 3, PATCH_SIZE, PATCH_SIZE)) * fan_in**-0.5
+    fan_in = 3 * patch * patch
+    values = t.rng.standard_normal((VISION_EMBD, 3, patch, patch)) * fan_in**-0.5
     t.items.append((name, values.astype(np.float16), None))
 
 
@@ -87,19 +101,33 @@ def _bias(t: _Tensors, name: str, n: int) -> None:
     t.f32(name, t.rng.standard_normal(n) * 0.02)
 
 
+def _position_embeddings(t: _Tensors, name: str, n_positions: int, n_embd: int) -> None:
+    """Learned F32 position embeddings of GGUF shape [n_embd, n_positions]."""
+    t.f32(name, t.rng.standard_normal((n_positions, n_embd)) * 0.02)
+
+
 def _layer_norm(t: _Tensors, name: str, n: int) -> None:
+    """A LayerNorm's F32 weight (ones) and bias (zeros)."""
     t.ones(name + ".weight", n)
     t.f32(name + ".bias", np.zeros(n))
 
 
 def _linear(t: _Tensors, name: str, n_in: int, n_out: int) -> None:
+    """An F16 weight of GGUF shape [n_in, n_out] and its F32 bias."""
     t.matrix(name + ".weight", n_in, n_out)
     _bias(t, name + ".bias", n_out)
 
 
+def _ffn(t: _Tensors, p: str, n_embd: int, n_ff: int) -> None:
+    """The second half of pre-norm block ``p``: its norm and 2-layer FFN, all biased."""
+    _layer_norm(t, p + "ln2", n_embd)
+    _linear(t, p + "ffn_up", n_embd, n_ff)
+    _linear(t, p + "ffn_down", n_ff, n_embd)
+
+
 def _block(t: _Tensors, p: str, n_embd: int, n_ff: int, *, k_bias: bool) -> None:
-    """Pre-norm encoder block ``p``: biased q/v/out (and k where ``k_bias``) projections
-    and a 2-layer FFN."""
+    """Pre-norm encoder block ``p``: separate biased q/v/out (and k where ``k_bias``)
+    projections and a 2-layer FFN."""
     _layer_norm(t, p + "ln1", n_embd)
     _linear(t, p + "attn_q", n_embd, n_embd)
     if k_bias:
@@ -108,22 +136,29 @@ def _block(t: _Tensors, p: str, n_embd: int, n_ff: int, *, k_bias: bool) -> None
         t.matrix(p + "attn_k.weight", n_embd, n_embd)
     _linear(t, p + "attn_v", n_embd, n_embd)
     _linear(t, p + "attn_out", n_embd, n_embd)
-    _layer_norm(t, p + "ln2", n_embd)
-    _linear(t, p + "ffn_up", n_embd, n_ff)
-    _linear(t, p + "ffn_down", n_ff, n_embd)
+    _ffn(t, p, n_embd, n_ff)
 
 
-def _vit_block(t: _Tensors, il: int) -> None:
-    """Vision block ``il``: all four attention projections biased."""
-    _block(t, f"v.blk.{il}.", VISION_EMBD, VISION_FF, k_bias=True)
+def _qkv_block(t: _Tensors, il: int) -> None:
+    """Qwen3-VL vision block ``il``: one biased QKV projection (q, k and v in that order
+    along its output), a biased out projection and a 2-layer FFN."""
+    p = f"v.blk.{il}."
+    _layer_norm(t, p + "ln1", VISION_EMBD)
+    _linear(t, p + "attn_qkv", VISION_EMBD, 3 * VISION_EMBD)
+    _linear(t, p + "attn_out", VISION_EMBD, VISION_EMBD)
+    _ffn(t, p, VISION_EMBD, VISION_FF)
 
 
-def _qwen2vl_tensors(t: _Tensors, n_embd_text: int) -> None:
-    """Two patch convolutions (no bias), blocks, merger norm and MLP (mm.0, GELU, mm.2)."""
-    _conv(t, "v.patch_embd.weight")
-    _conv(t, "v.patch_embd.weight.1")
+def _qwen3vl_tensors(t: _Tensors, n_embd_text: int) -> None:
+    """Two patch convolutions and their shared bias, position embeddings, blocks, post-norm
+    and merger MLP (mm.0, GELU, mm.2). No pre-norm and no deepstack mergers."""
+    patch = PATCH_SIZES["qwen35"]
+    _conv(t, "v.patch_embd.weight", patch)
+    _conv(t, "v.patch_embd.weight.1", patch)
+    _bias(t, "v.patch_embd.bias", VISION_EMBD)
+    _position_embeddings(t, "v.position_embd.weight", POSITION_GRID**2, VISION_EMBD)
     for il in range(VISION_LAYERS):
-        _vit_block(t, il)
+        _qkv_block(t, il)
     _layer_norm(t, "v.post_ln", VISION_EMBD)
     merged = VISION_EMBD * SPATIAL_MERGE**2
     _linear(t, "mm.0", merged, merged)
@@ -136,12 +171,13 @@ def _mlp_tensors(t: _Tensors, n_embd_text: int) -> None:
     LLaVA takes the features of the second-to-last block, so the last one is loaded but
     never run, as in real LLaVA-1.5 files.
     """
-    n_patches = (IMAGE_SIZES["llama"] // PATCH_SIZE) ** 2
-    _conv(t, "v.patch_embd.weight")
-    t.f32("v.position_embd.weight", t.rng.standard_normal((n_patches, VISION_EMBD)) * 0.02)
+    patch = PATCH_SIZES["llama"]
+    n_patches = (IMAGE_SIZES["llama"] // patch) ** 2
+    _conv(t, "v.patch_embd.weight", patch)
+    _position_embeddings(t, "v.position_embd.weight", n_patches, VISION_EMBD)
     _layer_norm(t, "v.pre_ln", VISION_EMBD)
     for il in range(VISION_LAYERS):
-        _vit_block(t, il)
+        _block(t, f"v.blk.{il}.", VISION_EMBD, VISION_FF, k_bias=True)
     _linear(t, "mm.0", VISION_EMBD, n_embd_text)
     _linear(t, "mm.2", n_embd_text, n_embd_text)
 
@@ -160,7 +196,7 @@ def _ultravox_tensors(t: _Tensors, n_embd_text: int) -> None:
     norm) and Ultravox's projector (norm_pre, mlp.1, SwiGLU, norm_mid, mlp.2; no biases)."""
     _conv1d(t, "a.conv1d.1", MEL_BINS, AUDIO_EMBD)
     _conv1d(t, "a.conv1d.2", AUDIO_EMBD, AUDIO_EMBD)
-    t.f32("a.position_embd.weight", t.rng.standard_normal((AUDIO_POSITIONS, AUDIO_EMBD)) * 0.02)
+    _position_embeddings(t, "a.position_embd.weight", AUDIO_POSITIONS, AUDIO_EMBD)
     for il in range(AUDIO_LAYERS):
         _block(t, f"a.blk.{il}.", AUDIO_EMBD, AUDIO_FF, k_bias=False)
     _layer_norm(t, "a.post_ln", AUDIO_EMBD)
@@ -172,20 +208,24 @@ def _ultravox_tensors(t: _Tensors, n_embd_text: int) -> None:
 
 
 def _add_vision_keys(w: gguf.GGUFWriter, arch: str, n_embd_text: int) -> None:
-    """The ``clip.vision.*`` key/values of ``arch``'s vision encoder."""
+    """The ``clip.vision.*`` key/values of ``arch``'s vision encoder (and, for qwen3vl,
+    ``clip.use_gelu``, as the converter writes it)."""
     w.add_clip_vision_projector_type(PROJECTOR_TYPES[arch])
     w.add_vision_projection_dim(n_embd_text)
     w.add_vision_image_size(IMAGE_SIZES[arch])
-    w.add_vision_patch_size(PATCH_SIZE)
+    w.add_vision_patch_size(PATCH_SIZES[arch])
     w.add_vision_embedding_length(VISION_EMBD)
     w.add_vision_feed_forward_length(VISION_FF)
     w.add_vision_block_count(VISION_LAYERS)
     w.add_vision_head_count(VISION_HEADS)
     w.add_vision_attention_layernorm_eps(LAYER_NORM_EPS)
-    w.add_vision_image_mean(list(IMAGE_MEAN))
-    w.add_vision_image_std(list(IMAGE_STD))
+    w.add_vision_image_mean(list(IMAGE_MEANS[arch]))
+    w.add_vision_image_std(list(IMAGE_STDS[arch]))
     if arch == "qwen35":
+        w.add_vision_use_gelu(True)  # tanh GELU in the blocks' FFN (else mtmd's quick GELU)
         w.add_vision_spatial_merge_size(SPATIAL_MERGE)
+        # Informative only: mtmd finds deepstack layers by their v.deepstack.* tensors.
+        w.add_vision_is_deepstack_layers([False] * VISION_LAYERS)
 
 
 def _add_audio_keys(w: gguf.GGUFWriter, n_embd_text: int) -> None:
@@ -216,7 +256,7 @@ def write_tiny_projector(path: Path, *, arch: str, n_embd_text: int, seed: int =
         raise ValueError(f"n_embd_text must be positive, got {n_embd_text}")
     t = _Tensors(seed)
     if arch == "qwen35":
-        _qwen2vl_tensors(t, n_embd_text)
+        _qwen3vl_tensors(t, n_embd_text)
     else:
         _mlp_tensors(t, n_embd_text)
     _ultravox_tensors(t, n_embd_text)
