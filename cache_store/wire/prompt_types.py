@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 SYSTEM_ROLES = frozenset({"system", "developer"})
+AudioFormat = Literal["wav", "mp3"]  # OpenAI's input_audio formats
 
 
 class ChatMessage(BaseModel):
@@ -36,7 +37,7 @@ class MediaInput(BaseModel):
 
     digest: bytes
     data: bytes
-    audio_format: Literal["wav", "mp3"] | None = None  # None: an image
+    audio_format: AudioFormat | None = None  # None: an image
 
 
 class Prompt(BaseModel):

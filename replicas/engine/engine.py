@@ -162,7 +162,7 @@ class Engine(EngineCheckpoints):
         if request.prompt.media:  # an item in the prefix the engine likely holds is not read
             likely, _ = self.local_reuse(request.prompt.tokens, chain)
             n_batch = self.config.n_batch
-            handle.images = prepare_media(
+            handle.media = prepare_media(
                 request.prompt, self._projector, n_batch, likely, self.stats
             )
         with self._wakeup:
@@ -347,7 +347,7 @@ class Engine(EngineCheckpoints):
         saved, restored, rewound = stats.saved_bytes, stats.restored_bytes, stats.rewound_bytes
         slot, cached = self._cache.place(prompt.tokens, free, handle.prefix_hashes)
         full, partial = self._cache.checkpoints_for(prompt, cached)
-        spans = handle.images.spans if handle.images is not None else ()
+        spans = handle.media.spans if handle.media is not None else ()
         chunk = self.config.prefill_chunk
         pieces = prefill_pieces(cached, len(prompt), full + partial, chunk, spans)
         run = start_request(

@@ -17,13 +17,13 @@ import binascii
 import hashlib
 import io
 from dataclasses import dataclass
-from typing import Literal
 
 import miniaudio
 from PIL import Image, UnidentifiedImageError
 
+from baton_serve.cache_store.wire.prompt_types import AudioFormat
+
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-AudioFormat = Literal["wav", "mp3"]  # OpenAI's input_audio formats
 _AUDIO_INFO = {"wav": miniaudio.wav_get_info, "mp3": miniaudio.mp3_get_info}
 DATA_URL_PREFIX = "data:"
 DIGEST_BYTES = 32

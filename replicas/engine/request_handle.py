@@ -52,7 +52,8 @@ class RequestHandle:
         self._readers: list[Callable[[object], None]] = []
         self._choices: dict[int, Completion] = {}
         self.cancelled = False
-        self.images: PromptMedia | None = None  # its prompt's images, prepared at submission
+        # its prompt's images and clips, prepared at submission
+        self.media: PromptMedia | None = None
 
     @property
     def done(self) -> bool:

@@ -101,10 +101,10 @@ class StepExecutor:
 
     def _feed_image(self, piece: Piece[Running]) -> None:
         run = piece.key
-        if run.handle.images is None:
+        if run.handle.media is None:
             raise RuntimeError("an image's piece without its image")
         slot = run.slot
-        run.handle.images.feed(
+        run.handle.media.feed(
             self._context,
             piece.start,
             seq_id=slot.seq_id,

@@ -16,6 +16,7 @@ from pydantic import (
     model_validator,
 )
 
+from baton_serve.cache_store.wire.prompt_types import AudioFormat
 from baton_serve.router.gateway.list_bounds import counted_in_total
 from baton_serve.router.gateway.openai_tools import ToolCall
 
@@ -79,7 +80,7 @@ class InputAudio(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     data: str = Field(min_length=1, description="the clip's file, base64")
-    format: Literal["wav", "mp3"]
+    format: AudioFormat
 
 
 class AudioPart(BaseModel):
