@@ -91,8 +91,8 @@ def test_a_follow_up_after_a_clip_is_served_from_cache_without_the_encoder(
 
 @pytest.mark.parametrize("builder", ["qwen35"], indirect=True)
 def test_wav_at_any_rate_and_the_llama_cpp_mp3_are_read(builder, llama_cpp_mp3) -> None:
-    """One sound at 16 kHz mono and at 44.1 kHz stereo gives one clip's tokens each; the
-    MP3 is decoded to the projector's rate."""
+    """One second of sound, at 16 kHz mono or 44.1 kHz stereo, is one second of samples at
+    the projector's rate; the MP3 is decoded to that rate too, and becomes one clip's span."""
     rate = builder.media_kinds.audio_rate
     assert rate == 16000
     mono = decode_audio(wav_clip(3), "wav", sample_rate=rate, max_seconds=30)
