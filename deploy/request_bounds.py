@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from baton_serve.replicas.engine.media_input import MediaBounds
+from baton_serve.replicas.engine.media_input import AUDIO_SECONDS_CEILING, MediaBounds
 from baton_serve.router.gateway.grammar_limits import (
     MAX_GRAMMAR_CHARS,
     MAX_GRAMMAR_CHOICES,
@@ -160,7 +160,7 @@ class RequestBounds(BaseModel):
     max_audio_seconds: float = Field(
         default=MediaBounds.max_audio_seconds,
         gt=0,
-        le=600,
+        le=AUDIO_SECONDS_CEILING,
         allow_inf_nan=False,
         description="longest clip, read from its header (WAV) or counted frames (MP3) before "
         "its samples are decoded; longer gets a 400 naming the part. A Whisper-style encoder "

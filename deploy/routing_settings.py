@@ -2,8 +2,9 @@
 state stream takes at once: the `routing` settings of `BatonConfig`. Their defaults are the
 runtime's (`CostSettings`, `ShipCost`, the pull deadline, the router's view and lookup
 bounds, the state stream receiver's), named here, never written again (and imported from
-modules that load neither Ray nor Redis: settings are read before either is needed); the reasons behind them are
-docs/routing.md's and docs/index-and-shipping.md's. Router baton only."""
+modules that load neither Ray nor Redis: settings are read before either is needed); the
+reasons behind them are docs/routing.md's and docs/index-and-shipping.md's. Router baton
+only."""
 
 from __future__ import annotations
 

@@ -1,50 +1,23 @@
 """Audio clips in the conversation (OpenAI `input_audio` parts), on real llama.cpp with a
 generated qwen35 and its generated projector, whose audio encoder is Ultravox's (a Whisper
-encoder, frames stacked, an MLP): a clip's follow-up turn is served from cache without the
-encoder, bit-exact, and a different clip with the same text never is; WAV is read at any
-rate and channel count, and MP3 (the clip llama.cpp's own tests use); a clip's length is
-refused before its samples are decoded."""
+encoder, frames stacked, an MLP): WAV is read at any rate and channel count, and MP3 (the
+clip llama.cpp's own tests use); a clip longer than the encoder's window is one span; a
+clip's length is refused before its samples are decoded. What clips share with images (a
+follow-up from cache without the encoder, another clip never matching) is in
+`test_images.py`."""
 
 from __future__ import annotations
 
-import base64
-import io
 import tarfile
-import wave
 
-import numpy as np
 import pytest
-from test_images import GREEDY, chat_prompt
+from media_inputs import chat_prompt, hearing, wav_clip
+from test_images import GREEDY
 
 from baton_serve.cache_store.media_tokens import media_spans
 from baton_serve.deploy import llama_build
 from baton_serve.replicas.engine.media_input import MediaBounds, MediaError, decode_audio
 from baton_serve.replicas.models.tiny_projector import AUDIO_TOKENS
-
-
-def wav_clip(seed: int, seconds: float = 1.0, rate: int = 16000, channels: int = 1) -> bytes:
-    """A WAV file of 16-bit noise."""
-    rng = np.random.default_rng(seed)
-    samples = (rng.standard_normal(int(seconds * rate) * channels) * 3000).astype("<i2")
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as file:
-        file.setnchannels(channels)
-        file.setsampwidth(2)
-        file.setframerate(rate)
-        file.writeframes(samples.tobytes())
-    return buffer.getvalue()
-
-
-def audio_part(data: bytes, audio_format: str = "wav") -> dict:
-    return {
-        "type": "input_audio",
-        "input_audio": {"data": base64.b64encode(data).decode(), "format": audio_format},
-    }
-
-
-def hearing(data: bytes, audio_format: str = "wav") -> dict:
-    question = {"type": "text", "text": "What is said here?"}
-    return {"role": "user", "content": [question, audio_part(data, audio_format)]}
 
 
 @pytest.fixture(scope="session")
@@ -57,36 +30,6 @@ def llama_cpp_mp3(tmp_path_factory: pytest.TempPathFactory) -> bytes:
         file = archive.extractfile(member)
         assert file is not None
         return file.read()
-
-
-@pytest.mark.parametrize("builder", ["qwen35"], indirect=True)
-def test_a_follow_up_after_a_clip_is_served_from_cache_without_the_encoder(
-    builder, tiny_model, tiny_projector, make_engine
-) -> None:
-    model, mmproj = tiny_model("qwen35"), tiny_projector("qwen35")
-    engine = make_engine(model, mmproj, n_ctx=1024, prefill_chunk=64, block_tokens=16)
-    scratch = make_engine(model, mmproj, n_ctx=1024, prefix_cache=False)
-    messages = [{"role": "system", "content": "You listen."}, hearing(wav_clip(1))]
-    first = chat_prompt(builder, messages)
-    (span,) = media_spans(first.tokens)
-    reply = engine.generate(first, GREEDY)
-    assert engine.stats.images_encoded == 1
-
-    # the reply replayed (a turn sent during the replay may read the item again: an estimate)
-    assert engine.wait_idle(30)
-    messages += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "More?"}]
-    second = chat_prompt(builder, messages)
-    resumed = engine.generate(second, GREEDY, return_logits=True)
-    fresh = scratch.generate(second, GREEDY, return_logits=True)
-    assert engine.stats.images_encoded == 1 and engine.stats.images_read == 1
-    assert resumed.usage.cached_tokens > span[1]
-    assert resumed.tokens == fresh.tokens
-    assert float(np.abs(resumed.logits - fresh.logits).max()) == 0.0
-
-    other = chat_prompt(builder, [messages[0], hearing(wav_clip(2))])
-    assert other.tokens[: span[0]] == first.tokens[: span[0]] and other.tokens != first.tokens
-    assert engine.generate(other, GREEDY).usage.cached_tokens <= span[0]
-    assert engine.stats.images_encoded == 2
 
 
 @pytest.mark.parametrize("builder", ["qwen35"], indirect=True)

@@ -1,71 +1,37 @@
-"""Images in the conversation, on real llama.cpp with generated models and projectors: the
-gateway's prompt (its template, the image's tokens and identity) and the engine's cache,
-which serves a follow-up turn without running the encoder again, bit-exact, and never
-serves one image's state for another's. Both position schemes: qwen35's projector is the
-Qwen-VL line's (M-RoPE, an image takes fewer positions than tokens), llama's takes one
-position a token."""
+"""Images (and, where the rule is the same, audio clips) in the conversation, on real
+llama.cpp with generated models and projectors: the gateway's prompt (its template, the
+item's tokens and identity) and the engine's cache, which serves a follow-up turn without
+running the encoder again, bit-exact, and never serves one item's state for another's. Both
+position schemes: qwen35's projector is the Qwen-VL line's (M-RoPE, an image takes fewer
+positions than tokens), llama's takes one position a token, as a clip does everywhere."""
 
 from __future__ import annotations
 
-import base64
-import io
-
 import numpy as np
 import pytest
-from PIL import Image
+from media_inputs import OPENINGS, asking, chat_prompt
 
 from baton_serve.cache_store.media_tokens import media_spans
-from baton_serve.cache_store.wire.prompt_types import ChatMessage, Prompt
+from baton_serve.cache_store.wire.prompt_types import Prompt
 from baton_serve.cache_store.wire.protocol import EngineError, GenerationRequest
 from baton_serve.cache_store.wire.sampling_params import SamplingParams
-from baton_serve.replicas.engine.media_input import MediaBounds
 from baton_serve.replicas.engine.media_projector import MediaProjector, ProjectorError
 from baton_serve.replicas.engine.prompt import PromptError
-from baton_serve.router.gateway.media_parts import mark_media, read_item
-from baton_serve.router.gateway.openai_inputs import InputMessage
-from baton_serve.router.gateway.prompt_builder import PromptBuilder
 
 GREEDY = SamplingParams(max_tokens=8)
-VISION_ARCHS = ("qwen35", "llama")
+# (arch, item): both position schemes for images; a clip on the hybrid
+FOLLOW_UPS = [("qwen35", "image"), ("llama", "image"), ("qwen35", "audio")]
 
 
-def image_url(seed: int, size: int = 80) -> str:
-    """A PNG of random pixels as a data: URL."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
-def asking(seed: int, question: str = "What is in this picture?") -> dict:
-    parts = [{"type": "text", "text": question}]
-    return {
-        "role": "user",
-        "content": [*parts, {"type": "image_url", "image_url": image_url(seed)}],
-    }
-
-
-def chat_prompt(
-    builder: PromptBuilder, messages: list[dict], bounds: MediaBounds | None = None
-) -> Prompt:
-    """What the gateway builds: images and clips read and marked, the chat rendered and
-    tokenised."""
-    bounds, kinds = bounds or MediaBounds(), builder.media_kinds
-    marked = mark_media([InputMessage(**m) for m in messages], bounds, kinds)
-    chat = [ChatMessage(role=m.role, content=m.text) for m in marked.messages]
-    media = [read_item(source, bounds, kinds) for source in marked.sources]
-    return builder.from_messages(chat, media=media)
-
-
-@pytest.mark.parametrize("builder", VISION_ARCHS, indirect=True)
+@pytest.mark.parametrize(("builder", "item"), FOLLOW_UPS, indirect=["builder"])
 def test_a_follow_up_turn_is_served_from_cache_without_the_encoder(
-    builder, tiny_model, tiny_projector, make_engine
+    builder, item, tiny_model, tiny_projector, make_engine
 ) -> None:
     arch = builder._model.path.stem
     model, mmproj = tiny_model(arch), tiny_projector(arch)
     engine = make_engine(model, mmproj, prefill_chunk=16, block_tokens=16)
     scratch = make_engine(model, mmproj, prefix_cache=False)
-    messages = [{"role": "system", "content": "You describe pictures."}, asking(1)]
+    messages = [{"role": "system", "content": "You describe what you get."}, OPENINGS[item](1)]
     first = chat_prompt(builder, messages)
     (span,) = media_spans(first.tokens)
     reply = engine.generate(first, GREEDY)
@@ -79,19 +45,21 @@ def test_a_follow_up_turn_is_served_from_cache_without_the_encoder(
     resumed = engine.generate(second, GREEDY, return_logits=True)
     fresh = scratch.generate(second, GREEDY, return_logits=True)
 
-    assert engine.stats.images_encoded == 1  # the image's state came from the cache
-    assert engine.stats.images_read == 1  # and the follow-up did not even read the image
+    assert engine.stats.images_encoded == 1  # the item's state came from the cache
+    assert engine.stats.images_read == 1  # and the follow-up did not even read the item
     assert resumed.usage.cached_tokens > span[1]
     assert resumed.tokens == fresh.tokens
     assert float(np.abs(resumed.logits - fresh.logits).max()) == 0.0
 
 
+@pytest.mark.parametrize("item", sorted(OPENINGS))
 @pytest.mark.parametrize("builder", ["qwen35"], indirect=True)
-def test_a_different_image_with_the_same_text_is_never_served_from_cache(
-    builder, tiny_model, tiny_projector, make_engine
+def test_a_different_item_with_the_same_text_is_never_served_from_cache(
+    builder, item, tiny_model, tiny_projector, make_engine
 ) -> None:
     engine = make_engine(tiny_model("qwen35"), tiny_projector("qwen35"))
-    red, blue = chat_prompt(builder, [asking(1)]), chat_prompt(builder, [asking(2)])
+    opening = OPENINGS[item]
+    red, blue = chat_prompt(builder, [opening(1)]), chat_prompt(builder, [opening(2)])
     (span,) = media_spans(red.tokens)
     assert red.tokens[: span[0]] == blue.tokens[: span[0]] and red.tokens != blue.tokens
     engine.generate(red, GREEDY)

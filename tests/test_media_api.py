@@ -14,9 +14,8 @@ import httpx
 import openai
 import pytest
 from gateway_harness import serving
+from media_inputs import audio_part, image_url, wav_clip
 from PIL import Image
-from test_audio import audio_part, wav_clip
-from test_images import image_url
 
 from baton_serve.replicas.engine.engine_config import EngineConfig
 from baton_serve.replicas.engine.media_input import MediaBounds
@@ -89,6 +88,18 @@ def _image_message(seed: int) -> dict:
     }
 
 
+def _streamed(client: openai.OpenAI, messages: list[dict]) -> list:
+    """A streamed chat's chunks, the usage last."""
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    return list(stream)
+
+
 def test_the_openai_sdk_sends_an_image_and_its_follow_up_is_cached(served) -> None:
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none")
     assert client.models.list().data[0].model_extra["modalities"] == ["text", "image", "audio"]
@@ -99,14 +110,7 @@ def test_the_openai_sdk_sends_an_image_and_its_follow_up_is_cached(served) -> No
     assert encoded == 1 and first.usage.prompt_tokens > 9  # the image's 9 tokens and text
 
     messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "More?"}]
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=messages,
-        max_tokens=6,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    chunks = list(stream)
+    chunks = _streamed(client, messages)
     usage = chunks[-1].usage
     assert usage is not None and usage.prompt_tokens_details.cached_tokens > 9
     assert served.engine.stats.images_encoded == encoded  # not encoded again
@@ -168,14 +172,7 @@ def test_the_openai_sdk_sends_a_clip_and_its_follow_up_is_cached(served) -> None
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none")
     question = {"type": "text", "text": "What is said here?"}
     messages = [{"role": "user", "content": [question, audio_part(wav_clip(8))]}]
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=messages,
-        max_tokens=6,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    chunks = list(stream)
+    chunks = _streamed(client, messages)
     reply = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     clip_tokens = chunks[-1].usage.prompt_tokens
     encoded = served.engine.stats.images_encoded

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 from lavapipe import child_report, skip_unless_device
-from test_images import asking, chat_prompt
+from media_inputs import asking, chat_prompt
 from test_vulkan_device import gpu_devices
 
 from baton_serve.cache_store.wire.sampling_params import SamplingParams

@@ -24,6 +24,8 @@ from PIL import Image, UnidentifiedImageError
 from baton_serve.cache_store.wire.prompt_types import AudioFormat
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+# The longest clip any setting allows (`max_audio_seconds`), and a replica reads at most.
+AUDIO_SECONDS_CEILING = 600.0
 _AUDIO_INFO = {"wav": miniaudio.wav_get_info, "mp3": miniaudio.mp3_get_info}
 DATA_URL_PREFIX = "data:"
 DIGEST_BYTES = 32

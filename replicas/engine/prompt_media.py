@@ -19,6 +19,7 @@ from baton_serve.cache_store.media_tokens import (
 from baton_serve.cache_store.wire.prompt_types import MediaInput, Prompt
 from baton_serve.replicas.engine.llama_context import LlamaContext
 from baton_serve.replicas.engine.media_input import (
+    AUDIO_SECONDS_CEILING,
     DecodedMedia,
     MediaError,
     decode_audio,
@@ -29,9 +30,8 @@ from baton_serve.replicas.engine.prompt import PromptError
 from baton_serve.replicas.engine.stats import EngineStats
 
 # The gateway has bounded each image's pixels and each clip's length; a replica reads what
-# it is sent, no more.
+# it is sent, no more (a clip: no longer than any setting allows).
 MAX_PIXELS = 1 << 26
-MAX_AUDIO_SECONDS = 600.0
 
 
 def check_prompt_ids(prompt: Prompt, n_vocab: int, projector: MediaProjector | None) -> None:
@@ -183,5 +183,5 @@ def _decoded(item: MediaInput, projector: MediaProjector) -> DecodedMedia:
         item.data,
         item.audio_format,
         sample_rate=projector.audio_rate,
-        max_seconds=MAX_AUDIO_SECONDS,
+        max_seconds=AUDIO_SECONDS_CEILING,
     )
