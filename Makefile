@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.baton-installed
 HELM := $(BIN)/helm
 
-.PHONY: install serve test redis-server helm vulkan vulkan-debs cuda llama-server kube kube-test \
+.PHONY: install serve test redis-server helm vulkan vulkan-debs cuda llama-server device-pack kube kube-test \
 	bench clean
 
 # More CMake flags for llama.cpp, e.g. LLAMA_CMAKE_ARGS="-DGGML_CUDA=on" (portable CPU
@@ -64,10 +64,15 @@ CUDA_ARCHS ?= 90
 cuda: install
 	$(BIN)/python -m baton_serve.deploy.cuda_build build --archs "$(CUDA_ARCHS)"
 
-# llama-server from the same vendored llama.cpp, for `baton bench peer` and its test; built
-# once per flags (deploy/llama_server_build.py), before the tests rather than inside one.
+# llama-server and llama-batched-bench from the same vendored llama.cpp, for `baton bench
+# peer`, `baton bench device --peer` and their tests; built once per flags
+# (deploy/llama_server_build.py), before the tests rather than inside one.
 llama-server: install
 	$(BIN)/python -m baton_serve.deploy.llama_server_build build
+
+# What a lent GPU machine needs for deploy/device_session.sh (no registry there): device-carry/.
+device-pack: install
+	$(BIN)/python -m baton_serve.deploy.device_pack
 
 test: install redis-server helm vulkan llama-server
 	$(BIN)/python -m pytest

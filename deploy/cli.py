@@ -16,6 +16,7 @@ from baton_serve.deploy.serve_flags import add_serve_flags, overrides_from
 from baton_serve.replicas.engine.ggml_backends import BackendUnavailable
 from baton_serve.replicas.models.default_model import DefaultModelMissing
 from baton_serve.replicas.models.model_check import ModelCheckFailed
+from baton_serve.replicas.models.model_shapes import REAL_SHAPES
 from baton_serve.replicas.models.model_source import resolve_model
 
 COMMANDS_ENTRY_POINTS = "baton_serve.commands"
@@ -89,9 +90,19 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("--layers", type=int, default=2)
     make.add_argument("--embd", type=int, default=64, help="embedding size (multiple of 32)")
     make.add_argument(
+        "--shape",
+        choices=sorted(REAL_SHAPES),
+        help="a real model's widths instead of --embd's (llama, qwen35; for GPU benches)",
+    )
+    make.add_argument(
         "--mmproj",
         metavar="PATH",
         help="also write a matching projector, images and audio (qwen35, llama)",
+    )
+    make.add_argument(
+        "--tokenizer-from",
+        metavar="GGUF",
+        help="take the tokenizer from this GGUF file (default: the SmolLM2 model's)",
     )
     variant = make.add_argument_group("metadata and structure variants")
     variant.add_argument("--no-bos", action="store_true", help="no BOS token id")
@@ -199,18 +210,22 @@ def _make_model(args: argparse.Namespace) -> int:
         sliding_window=args.sliding_window,
         weights=args.weights,
     )
+    shape = REAL_SHAPES[args.shape] if args.shape else None
     path = write_tiny_model(
         args.arch,
         args.out,
         seed=args.seed,
         n_layers=args.layers,
         n_embd=args.embd,
+        tokenizer_from=args.tokenizer_from,
         variant=variant,
+        shape=shape,
     )
     print(path)
     if args.mmproj:
         mmproj = Path(args.mmproj)
-        print(write_tiny_projector(mmproj, arch=args.arch, n_embd_text=args.embd, seed=args.seed))
+        n_embd = shape.n_embd if shape else args.embd
+        print(write_tiny_projector(mmproj, arch=args.arch, n_embd_text=n_embd, seed=args.seed))
     return 0
 
 

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -44,6 +45,7 @@ PORTABLE_CMAKE_ARGS = (
     "-DLLAVA_BUILD=ON",
 )
 BUILD_INFO = "baton-build.json"
+SDIST_ENV = "BATON_LLAMA_SDIST"  # a local llama-cpp-python sdist, instead of pip's download
 
 
 def cmake_args(extra: str = "") -> list[str]:
@@ -57,7 +59,12 @@ def build_key(args: list[str]) -> str:
 
 
 def download_sdist(into: Path) -> Path:
-    """The llama-cpp-python sdist of the pinned version, fetched with pip."""
+    """The llama-cpp-python sdist of the pinned version: `$BATON_LLAMA_SDIST` where a machine
+    with no package registry was given one (`device_pack` carries a trimmed one), else
+    fetched with pip."""
+    given = os.environ.get(SDIST_ENV)
+    if given:
+        return Path(given)
     version = LLAMA_CPP_PYTHON_VERSION
     subprocess.run(
         [
@@ -86,17 +93,21 @@ def vendored_source(sdist: Path, into: Path) -> Path:
     return source
 
 
-def build_vendored_target(args: list[str], target: str, scratch: Path, jobs: int) -> Path:
+def build_vendored_target(
+    args: list[str], target: str | Sequence[str], scratch: Path, jobs: int
+) -> Path:
     """The pinned sdist's vendored llama.cpp, unpacked in `scratch`, configured with `args`
-    and only `target` built (niced: it shares the machine); returns the build folder."""
+    and only `target` (or each of several) built (niced: it shares the machine); returns the
+    build folder."""
+    targets = [target] if isinstance(target, str) else list(target)
     source = vendored_source(download_sdist(scratch), scratch / "src")
     build = scratch / "build"
-    print(f"building {target} from {source} with {' '.join(args)}")
+    print(f"building {', '.join(targets)} from {source} with {' '.join(args)}")
     nice = ["nice", "-n", "19"] if shutil.which("nice") else []
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     subprocess.run(["cmake", "-S", str(source), "-B", str(build), *generator, *args], check=True)
     subprocess.run(
-        [*nice, "cmake", "--build", str(build), "-j", str(jobs), "--target", target], check=True
+        [*nice, "cmake", "--build", str(build), "-j", str(jobs), "--target", *targets], check=True
     )
     return build
 

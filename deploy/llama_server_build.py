@@ -1,6 +1,8 @@
-"""Build `llama-server` from the llama.cpp that llama-cpp-python vendors, the portable way.
+"""Build `llama-server` and `llama-batched-bench` from the llama.cpp that llama-cpp-python
+vendors, the portable way.
 
-`baton bench peer` compares Baton with llama-server on the same llama.cpp: the server is
+`baton bench peer` compares Baton with llama-server on the same llama.cpp, and `baton bench
+device --peer` its engine with `llama-batched-bench`: they are
 compiled from the `vendor/llama.cpp` of the llama-cpp-python sdist Baton installs
 (`llama_build.LLAMA_CPP_PYTHON_VERSION`), with the wheel's portable flags (`GGML_NATIVE=OFF`,
 `GGML_BACKEND_DL=ON`; never native, see `llama_build`). Its CPU kernels are not compiled a
@@ -10,11 +12,11 @@ working directory, and `loadtests/llama_server.py` starts it in a directory that
 module of the installed wheel that Baton's engine loads (`replicas.engine.ggml_backends`), so
 both run identical kernels.
 
-The result is kept in `~/.cache/baton/llama-server/<hash of version and flags>/` (binary and
-shared libraries side by side; the binary finds them through `$ORIGIN`).
+The result is kept in `~/.cache/baton/llama-server/<hash of version, flags and binaries>/`
+(binaries and shared libraries side by side; they find the libraries through `$ORIGIN`).
 
 Standard library only, like `llama_build`:
-    python deploy/llama_server_build.py build [--extra-cmake-args ...]   # prints the path
+    python deploy/llama_server_build.py build [--extra-cmake-args ...]   # prints the server's path
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ SERVER_CMAKE_ARGS = (
     "-DLLAMA_OPENSSL=OFF",
 )
 SERVER_BINARY = "llama-server"
+BATCHED_BENCH_BINARY = "llama-batched-bench"
+BINARIES = (SERVER_BINARY, BATCHED_BENCH_BINARY)
 
 
 def server_cmake_args(extra: str = "") -> list[str]:
@@ -59,20 +63,21 @@ def default_server_cache() -> Path:
 
 
 def cached_server_dir(args: list[str], cache: Path) -> Path:
-    return cache / llama_build.build_key(args)
+    return cache / llama_build.build_key([*args, *BINARIES])
 
 
 def build_server(args: list[str], out: Path, jobs: int) -> Path:
-    """Compile llama-server with `args` into `out`; returns the binary's path."""
+    """Compile llama-server and llama-batched-bench with `args` into `out`; returns the
+    server's path."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".building-") as scratch_dir:
         scratch = Path(scratch_dir)
         print("(llama.cpp without its CPU kernels: about 15-20 minutes on 2 shared cores)")
-        build = llama_build.build_vendored_target(args, SERVER_BINARY, scratch, jobs)
+        build = llama_build.build_vendored_target(args, BINARIES, scratch, jobs)
         staged = scratch / "out"
         staged.mkdir()
         for path in (build / "bin").iterdir():
-            if path.name == SERVER_BINARY or ".so" in path.name:
+            if path.name in BINARIES or ".so" in path.name:
                 shutil.copy2(path, staged / path.name, follow_symlinks=False)
         llama_build.write_build_info(staged, args)
         try:
@@ -85,7 +90,8 @@ def build_server(args: list[str], out: Path, jobs: int) -> Path:
 
 
 def cached_server(args: list[str] | None = None, cache: Path | None = None, jobs: int = 2) -> Path:
-    """The llama-server built with exactly `args`, built now if the cache has none."""
+    """The llama-server built with exactly `args` (llama-batched-bench beside it), built now
+    if the cache has none."""
     args = server_cmake_args() if args is None else args
     folder = cached_server_dir(args, cache or default_server_cache())
     binary = folder / SERVER_BINARY

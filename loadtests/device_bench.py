@@ -9,9 +9,13 @@ conversation's next turn restores the stored state whole (restore GB/s, host →
 its TTFT). Then A exports that checkpoint as the signed wire blob, exactly what a peer pull
 sends, and engine B imports it (every check: length, checksum, fingerprint, HMAC) and
 continues from it: B's greedy continuation must equal A's. The network is not included
-(`bench ship` measures that). An engine of its own (`STREAMS` slots) measures decode
-tok/s first: one stream and `STREAMS` at once timed alike, from the first token to the last
-stream's end, after a warm-up run.
+(`bench ship` measures that). An engine of its own (as many slots as the most streams)
+measures decode tok/s first: each count of streams (`streams`: 1, 4, 16, ...) timed alike,
+from the first token to the last stream's end, after a warm-up run, with where a decode
+step's time goes (the llama_decode call with its logits read back, sampling, the rest).
+With `peer`, llama.cpp's own tools follow on the same model and device: llama-batched-bench
+(the same stream counts and prompts) and llama-server on `bench peer`'s multi-turn workload
+against the engine alone (`engine_peer`).
 
 Nothing here imports Ray, Redis or locust: the bench runs where only llama.cpp does.
 """
@@ -29,7 +33,10 @@ import numpy as np
 from baton_serve.cache_store.wire.prompt_types import Prompt
 from baton_serve.cache_store.wire.protocol import Completion, GenerationRequest
 from baton_serve.cache_store.wire.sampling_params import SamplingParams
+from baton_serve.loadtests.batched_bench import BatchedBenchSettings, batched_bench
 from baton_serve.loadtests.engine_bench import ALL_CORES, BENCH_HMAC_KEY
+from baton_serve.loadtests.engine_peer import engine_peer_benchmark
+from baton_serve.loadtests.peer_workload import PeerWorkload
 from baton_serve.loadtests.progress import SILENT, Progress
 from baton_serve.replicas.engine import ggml_backends
 from baton_serve.replicas.engine.checkpoint_policy import MIN_PIECE
@@ -44,7 +51,7 @@ NEXT_TURN_TOKENS = 4  # what the conversation's turn restored from host memory a
 OTHER_TOKENS = 16  # the prompt run between a cold prompt and its follow-up
 DECODE_TOKENS = 64
 DECODE_RUNS = 3
-STREAMS = 4
+STREAMS = (1, 4)  # decoding streams timed together, the default
 ONE_TOKEN = SamplingParams(max_tokens=1)
 # Stored once idle: replayed where reuse is exact; else the decode's state, which holds all
 # but the last token and is stored from two tokens on.
@@ -64,8 +71,13 @@ class DeviceSettings:
     prefill_chunk: int = 256
     store_bytes: int = 4 << 30
     decode_tokens: int = DECODE_TOKENS  # per stream, in the decode figures
+    streams: tuple[int, ...] = STREAMS  # streams decoding together, each count timed
+    peer: bool = False  # also llama.cpp's llama-batched-bench and llama-server, same device
+    chat: PeerWorkload = PeerWorkload()  # the peer's multi-turn workload (`bench peer`'s)
 
     def __post_init__(self) -> None:
+        if not self.streams or min(self.streams) < 1:
+            raise ValueError(f"streams must each be at least 1, got {self.streams}")
         if not self.contexts or min(self.contexts) < 2 * (NEW_TOKENS + CONTINUATION_TOKENS):
             least = 2 * (NEW_TOKENS + CONTINUATION_TOKENS)
             raise ValueError(f"contexts must each be at least {least} tokens, got {self.contexts}")
@@ -106,35 +118,54 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(known) if known else None
 
 
-def decode_speeds(model: Path, config: EngineConfig, tokens: int = DECODE_TOKENS) -> dict:
-    """Decode tok/s of one stream (median of `DECODE_RUNS`) and of `STREAMS` at once, on an
-    engine of its own (A and B have one slot each: a blob is for engines of one config)."""
-    config = config.model_copy(update={"n_slots": STREAMS, "n_ctx": 256})
+def decode_speeds(
+    model: Path, config: EngineConfig, streams: tuple[int, ...], tokens: int = DECODE_TOKENS
+) -> dict:
+    """Decode tok/s of each count of `streams`, on an engine of its own with a slot for each
+    of the most (A and B have one slot each: a blob is for engines of one config)."""
+    config = config.model_copy(update={"n_slots": max(streams), "n_ctx": 256})
     with Engine(str(model), config, hmac_key=BENCH_HMAC_KEY) as engine:
-        return _decode_speeds(engine, tokens)
+        return _decode_speeds(engine, streams, tokens)
 
 
-def _decode_speeds(engine: EngineFace, tokens: int) -> dict:
-    """One stream and `STREAMS` at once timed alike: the tokens decoded after each first
-    token, over the time from the first stream's first token to the last stream's end (no
-    prompt, save or restore in it), medians of `DECODE_RUNS` after a warm-up run."""
+def _decode_speeds(engine: EngineFace, streams: tuple[int, ...], tokens: int) -> dict:
+    """Every count of streams timed alike: the tokens decoded after each first token, over
+    the time from the first stream's first token to the last stream's end (no prompt, save
+    or restore in it), medians of `DECODE_RUNS` after a warm-up run; and per decode step,
+    the llama_decode call (logits read back included) and the sampling, in ms."""
     sampling = SamplingParams(max_tokens=tokens, ignore_eos=True)
     rng = random.Random(1)
     n_vocab = engine.model.n_vocab
+    stats = engine.stats
 
-    def decode_rate(streams: int) -> float:
-        prompts = [Prompt(tokens=_tokens(rng, n_vocab, 32)) for _ in range(streams)]
+    def decode_rate(count: int) -> tuple[float, dict]:
+        steps, call, sample = (
+            stats.decode_only_steps,
+            stats.decode_call_seconds,
+            stats.sample_seconds,
+        )
+        prompts = [Prompt(tokens=_tokens(rng, n_vocab, 32)) for _ in range(count)]
         handles = [engine.submit(GenerationRequest(prompt=p, sampling=sampling)) for p in prompts]
-        return _decode_rate([h.result() for h in handles])
+        rate = _decode_rate([h.result() for h in handles])
+        engine.wait_idle()  # replays and stores done: none in the next run's decode
+        done = max(1, stats.decode_only_steps - steps)
+        step = {
+            "decode_call_ms": (stats.decode_call_seconds - call) / done * 1e3,
+            "sample_ms": (stats.sample_seconds - sample) / done * 1e3,
+        }
+        return rate, step
 
-    decode_rate(STREAMS)  # warm-up: every slot's graph built once
-    single = statistics.median(decode_rate(1) for _ in range(DECODE_RUNS))
-    many = statistics.median(decode_rate(STREAMS) for _ in range(DECODE_RUNS))
+    decode_rate(max(streams))  # warm-up: every slot's graph built once
+    rates, steps = {}, {}
+    for count in streams:
+        runs = sorted((decode_rate(count) for _ in range(DECODE_RUNS)), key=lambda r: r[0])
+        rates[count], steps[count] = runs[len(runs) // 2]  # the median run
+    single = rates.get(1)
     return {
-        "one_stream_tokens_per_s": single,
-        "streams": STREAMS,
-        "streams_tokens_per_s": many,
-        "speedup": many / single,
+        "streams": list(streams),
+        "tokens_per_s": {str(n): rate for n, rate in rates.items()},
+        "speedup": {str(n): rate / single for n, rate in rates.items() if single},
+        "step": {str(n): step for n, step in steps.items()},
     }
 
 
@@ -274,8 +305,9 @@ def device_benchmark(settings: DeviceSettings, progress: Progress = SILENT) -> d
         checkpoint_interval=0,  # one checkpoint per prompt, two tokens before its end
         store_budget_bytes=settings.store_bytes,
     )
-    progress.step(f"decode: 1 stream, then {STREAMS} ({settings.model.name})")
-    decode = decode_speeds(settings.model, config, settings.decode_tokens)
+    counts = ", ".join(map(str, settings.streams))
+    progress.step(f"decode: {counts} streams ({settings.model.name})")
+    decode = decode_speeds(settings.model, config, settings.streams, settings.decode_tokens)
     progress.step(f"loading two engines (n_ctx {n_ctx})")
     with (
         Engine(str(settings.model), config, hmac_key=BENCH_HMAC_KEY) as a,
@@ -294,7 +326,7 @@ def device_benchmark(settings: DeviceSettings, progress: Progress = SILENT) -> d
             progress.start(settings.repeats)
             rows.append(context_figures(a, b, context, settings.repeats, progress))
         memory["end"] = device_memory()
-        return {
+        result = {
             "model": str(settings.model),
             "model_kind": a.model.kind.value,
             "device": a.model.device,
@@ -312,3 +344,27 @@ def device_benchmark(settings: DeviceSettings, progress: Progress = SILENT) -> d
             "contexts": rows,
             "network_included": False,
         }
+    if settings.peer:  # once the engines have given the device back
+        progress.step("llama-batched-bench on the same model and device")
+        attention = result["flash_attn"]
+        result["peer"] = batched_bench(
+            settings.model,
+            BatchedBenchSettings(settings.threads, settings.n_gpu_layers, attention),
+            streams=settings.streams,
+            decode_tokens=settings.decode_tokens,
+            prompts=tuple(row["cold_prompt_tokens"] for row in result["contexts"]),
+        )
+        n = settings.chat.requests()
+        progress.step(f"the multi-turn workload ({n} requests): the engine, then llama-server")
+        chat = EngineConfig(  # as `baton serve` configures an engine, on this device
+            n_slots=settings.chat.concurrency,
+            n_threads=settings.threads,
+            n_gpu_layers=settings.n_gpu_layers,
+        )
+        result["peer_chat"] = engine_peer_benchmark(
+            settings.model,
+            chat,
+            settings.chat,
+            lambda side, k: progress.step(f"multi-turn, {side}: request {k}/{n}"),
+        )
+    return result

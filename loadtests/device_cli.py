@@ -13,6 +13,7 @@ from baton_serve.loadtests.bench_common import (
     positive_int,
     print_report,
 )
+from baton_serve.loadtests.peer_cli import add_workload_flags, workload_from
 from baton_serve.replicas.models.model_source import resolve_model
 
 
@@ -39,6 +40,18 @@ def add_device_command(benches: argparse._SubParsersAction) -> None:
     device.add_argument(
         "--threads", type=positive_int, help="llama.cpp threads (default: every core)"
     )
+    device.add_argument(
+        "--streams",
+        type=number_list(int),
+        help="counts of streams decoding together, each timed, comma-separated (default 1,4)",
+    )
+    device.add_argument(
+        "--peer",
+        action="store_true",
+        help="also run llama.cpp's llama-batched-bench on the same model and device, and "
+        "llama-server against the engine on bench peer's multi-turn workload (its flags below)",
+    )
+    add_workload_flags(device.add_argument_group("--peer's multi-turn workload"), images=False)
     device.add_argument("--out", help="also write the JSON object to OUT/device.json")
     device.add_argument("--json", action="store_true", help="print one JSON object")
     device.set_defaults(run=_bench_device)
@@ -55,6 +68,9 @@ def _bench_device(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         n_ctx=args.n_ctx,
         prefill_chunk=args.prefill_chunk,
+        peer=args.peer,
+        chat=workload_from(args),
+        **({"streams": args.streams} if args.streams else {}),
         **({"threads": args.threads} if args.threads else {}),
     )
     with bench_progress(args, "device") as progress:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from baton_serve.loadtests.peer_play import BATON, LLAMA_SERVER, comparison_lines
+
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{1e3 * value:.1f}"
@@ -39,11 +41,20 @@ def format_report(result: dict) -> str:
         )
     else:
         lines.append("device memory: llama.cpp names no GPU device")
+    lines.append(
+        "decode (from the first token to the last stream's end, warm: prompts not in it;"
+        " a decode step's llama_decode call, logits read back included, and sampling):"
+    )
+    for count in decode["streams"]:
+        key = str(count)
+        speedup = decode["speedup"].get(key)
+        step = decode["step"][key]
+        lines.append(
+            f"  {count:>3} stream(s): {decode['tokens_per_s'][key]:8.1f} tok/s"
+            + (f" ({speedup:.2f}x one stream)" if speedup is not None else "")
+            + f"; step: call {step['decode_call_ms']:.2f} ms, sampling {step['sample_ms']:.2f} ms"
+        )
     lines += [
-        "decode (from the first token to the last stream's end, warm: prompts not in it): "
-        f"{decode['one_stream_tokens_per_s']:.1f} tok/s with 1 stream, "
-        f"{decode['streams_tokens_per_s']:.1f} tok/s aggregate with {decode['streams']} "
-        f"({decode['speedup']:.2f}x)",
         f"per context ({result['repeats']} repeats; TTFT p50/p95/p99 in ms; cached = the same "
         "prompt plus 64 new tokens: resident, the slot holding the prompt (rewound KB: any "
         "partial state loaded, never attention KV), and from host memory, its full state "
@@ -82,4 +93,47 @@ def format_report(result: dict) -> str:
         "save GB/s: a finished conversation's full state, stored once the engine is idle"
         " (never while other streams wait on a step)"
     )
+    if "peer" in result:
+        lines += _peer_lines(result)
+    if "peer_chat" in result:
+        lines += _chat_lines(result["peer_chat"])
     return "\n".join(lines)
+
+
+def _chat_lines(chat: dict) -> list[str]:
+    """The multi-turn workload: the engine alone beside llama-server."""
+    workload, engine = chat["workload"], chat["engine"]
+    requests = chat[BATON]["requests"]
+    lines = [
+        f"bench peer's multi-turn workload ({requests} requests, {workload['concurrency']} at a"
+        f" time): Baton's engine alone (no Ray, no gateway) beside llama-server, each with"
+        f" {engine['n_slots']} slots, {engine['n_threads']} threads, n_gpu_layers"
+        f" {engine['n_gpu_layers']}:",
+        *comparison_lines(chat["rows"]),
+    ]
+    for side in (LLAMA_SERVER, BATON):
+        summary = chat[side]
+        lines.append(
+            f"  {side}: {summary['prompt_tokens']} prompt tokens, {summary['cached_tokens']}"
+            f" cached, {summary['errors']} errors, {summary['wall_s']:.1f} s"
+        )
+    return lines
+
+
+def _peer_lines(result: dict) -> list[str]:
+    """Baton's engine beside llama-batched-bench: aggregate decode and prefill tok/s."""
+    peer, decode = result["peer"], result["decode"]
+    lines = [
+        f"beside llama.cpp's {peer['tool']} (same model, device, threads and attention;"
+        " Baton / llama.cpp, target >= 1.0x):",
+        f"{'streams':>7} {'Baton decode tok/s':>18} {'llama.cpp':>10} {'ratio':>6}",
+    ]
+    for count in decode["streams"]:
+        ours, theirs = decode["tokens_per_s"][str(count)], peer["decode_tokens_per_s"][str(count)]
+        lines.append(f"{count:>7} {ours:>18.1f} {theirs:>10.1f} {ours / theirs:>5.2f}x")
+    lines.append(f"{'context':>7} {'Baton prefill tok/s':>19} {'llama.cpp':>10} {'ratio':>6}")
+    for row in result["contexts"]:
+        ours = row["prefill_tokens_per_s"]
+        theirs = peer["prefill_tokens_per_s"][str(row["cold_prompt_tokens"])]
+        lines.append(f"{row['context']:>7} {ours:>19.0f} {theirs:>10.0f} {ours / theirs:>5.2f}x")
+    return lines

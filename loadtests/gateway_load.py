@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import psutil
 
-from baton_serve.loadtests.span_breakdown import new_trace
+from baton_serve.loadtests.peer_play import new_trace
 from baton_serve.loadtests.sse import StreamError, aresponse_events
 
 REQUEST_TIMEOUT_S = 30.0

@@ -1,5 +1,5 @@
-"""A llama-server process for a benchmark: built from Baton's vendored llama.cpp, on the CPU
-backend module Baton's own engine loads, on a free port; stopped at the end."""
+"""A llama-server process for a benchmark: built from Baton's vendored llama.cpp, on the
+backend modules Baton's own engine loads, on a free port; stopped at the end."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import llama_cpp
 from baton_serve.deploy.llama_build import LLAMA_CPP_PYTHON_VERSION
 from baton_serve.deploy.llama_server_build import cached_server
 from baton_serve.deploy.ports import free_port
-from baton_serve.replicas.engine.ggml_backends import cpu_choice, lib_dir
+from baton_serve.replicas.engine.ggml_backends import cpu_choice, gpu_modules, lib_dir
 
 READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 10.0
@@ -26,13 +26,14 @@ STOP_TIMEOUT_S = 10.0
 @dataclass(frozen=True)
 class ServerSettings:
     """What llama-server is started with: `-t threads -np slots -c slots x n_ctx --jinja
-    -fa on|off` (flash attention as Baton's engines compute attention, not its `auto`)."""
+    -fa on|off|auto -ngl N|all` (attention and offload as Baton's engines compute)."""
 
     threads: int
     slots: int
     n_ctx: int  # per slot
-    flash_attn: bool
+    flash_attn: bool | None  # None: llama.cpp's auto, where the engine resolved it so
     mmproj: Path | None = None  # `--mmproj`: the image projector
+    n_gpu_layers: int = 0  # Baton's: -1 every layer
 
 
 def server_command(binary: Path, model: Path, settings: ServerSettings, port: int) -> list[str]:
@@ -41,7 +42,8 @@ def server_command(binary: Path, model: Path, settings: ServerSettings, port: in
         *("-m", str(model), "--host", "127.0.0.1", "--port", str(port)),
         *("-t", str(settings.threads), "-np", str(settings.slots)),
         *("-c", str(settings.slots * settings.n_ctx), "--jinja", "--no-webui"),
-        *("-fa", "on" if settings.flash_attn else "off"),
+        *("-fa", {True: "on", False: "off", None: "auto"}[settings.flash_attn]),
+        *("-ngl", gpu_layers(settings.n_gpu_layers)),
     ]
     if settings.mmproj is not None:
         command += ["--mmproj", str(settings.mmproj.resolve())]
@@ -50,12 +52,21 @@ def server_command(binary: Path, model: Path, settings: ServerSettings, port: in
     return command
 
 
-def _backend_dir(into: Path) -> None:
-    """`into` holds only the CPU variant Baton's backend test chose: ggml loads backends from
-    the working directory, and would otherwise rank one this machine cannot run first."""
+def gpu_layers(n_gpu_layers: int) -> str:
+    """llama.cpp's `-ngl` for Baton's `n_gpu_layers` (Baton's -1, every layer, is its `all`;
+    its own -1 is `auto`, a fit it computes)."""
+    return "all" if n_gpu_layers < 0 else str(n_gpu_layers)
+
+
+def backend_dir(into: Path) -> None:
+    """`into` holds the backend modules Baton's engine loads, and of the CPU variants only
+    the one its backend test chose: ggml loads backends from the working directory, and
+    would otherwise rank one this machine cannot run first."""
     variant = cpu_choice().variant
     if variant is not None:
         (into / variant).symlink_to(lib_dir() / variant)
+        for module in gpu_modules():  # a GPU's (CUDA, Vulkan): the same kernels as Baton's
+            (into / module.name).symlink_to(module)
 
 
 @contextlib.contextmanager
@@ -69,7 +80,7 @@ def llama_server(model: Path, settings: ServerSettings, log: Path | None = None)
     binary = cached_server()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="baton-llama-server-") as workdir:
-        _backend_dir(Path(workdir))
+        backend_dir(Path(workdir))
         out = open(log or Path(workdir) / "server.log", "w")  # noqa: SIM115
         process = subprocess.Popen(
             server_command(binary, model.resolve(), settings, port),  # it runs in workdir

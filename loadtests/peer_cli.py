@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from baton_serve.loadtests.bench_common import (
     MODEL_HELP,
@@ -13,6 +14,9 @@ from baton_serve.loadtests.bench_common import (
     print_report,
 )
 from baton_serve.replicas.models.model_source import resolve_model, resolve_projector
+
+if TYPE_CHECKING:
+    from baton_serve.loadtests.peer_workload import PeerWorkload
 
 _WORKLOAD_FLAGS = {  # flag → what it sets (defaults: `PeerWorkload`)
     "chat-sessions": "chat conversations (default 6)",
@@ -61,11 +65,7 @@ def add_peer_command(benches: argparse._SubParsersAction) -> None:
         help="both sides compute attention with flash attention (Baton's engine.flash_attn, "
         "llama-server's -fa on); without it both run -fa off, Baton's default",
     )
-    for name, what in _WORKLOAD_FLAGS.items():
-        kind = (
-            int if name in ("seed", "chat-sessions", "agent-sessions", "image-px") else positive_int
-        )
-        peer.add_argument(f"--{name}", type=kind, help=what)
+    add_workload_flags(peer)
     peer.add_argument(
         "--no-breakdown",
         action="store_true",
@@ -76,21 +76,40 @@ def add_peer_command(benches: argparse._SubParsersAction) -> None:
     peer.set_defaults(run=_bench_peer)
 
 
+def add_workload_flags(parser: argparse.ArgumentParser, *, images: bool = True) -> None:
+    """`bench peer`'s workload flags (`PeerWorkload`'s fields); `images`: `--image-px` too."""
+    for name, what in _WORKLOAD_FLAGS.items():
+        if name == "image-px" and not images:
+            continue
+        kind = (
+            int if name in ("seed", "chat-sessions", "agent-sessions", "image-px") else positive_int
+        )
+        parser.add_argument(f"--{name}", type=kind, help=what)
+
+
+def workload_from(args: argparse.Namespace) -> PeerWorkload:
+    """The `PeerWorkload` the workload flags given describe (the rest its defaults)."""
+    from baton_serve.loadtests.peer_workload import PeerWorkload
+
+    fields = [name.replace("-", "_") for name in _WORKLOAD_FLAGS]
+    given = {
+        field: getattr(args, field) for field in fields if getattr(args, field, None) is not None
+    }
+    return PeerWorkload(**given)
+
+
 @needs_extra
 def _bench_peer(args: argparse.Namespace) -> int:
     from baton_serve.loadtests.peer_bench import peer_benchmark
     from baton_serve.loadtests.peer_report import format_report, write_outputs
-    from baton_serve.loadtests.peer_workload import PeerWorkload
 
-    fields = [name.replace("-", "_") for name in _WORKLOAD_FLAGS]
-    given = {field: getattr(args, field) for field in fields if getattr(args, field) is not None}
     model = resolve_model(args.model)
     mmproj = resolve_projector(args.mmproj, model) if args.mmproj else None
     with bench_progress(args, "peer") as progress:
         result, records = peer_benchmark(
             model,
             mmproj=mmproj,
-            workload=PeerWorkload(**given),
+            workload=workload_from(args),
             threads=args.threads,
             slots=args.slots,
             replicas=args.replicas,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from baton_serve.loadtests.peer_bench import BATON, LLAMA_SERVER, PeerRecord
+from baton_serve.loadtests.peer_play import BATON, LLAMA_SERVER, PeerRecord, comparison_lines
 from baton_serve.loadtests.plots import figure
 from baton_serve.loadtests.span_breakdown import TTFT_PARTS
 
@@ -25,13 +25,6 @@ PART_LABELS = {
     "prefill": "prefill (prompt computed, first token)",
     "first_token_out": "first token out (engine -> client)",
 }
-
-
-def _value(row: dict, side: str) -> str:
-    value = row[side]
-    if value is None:
-        return "-"
-    return f"{value:.2f}" if row["figure"] == "requests/s" else f"{value * 1000:.0f} ms"
 
 
 def format_report(result: dict) -> str:
@@ -54,15 +47,8 @@ def format_report(result: dict) -> str:
         + ("" if engine.get("exact_reuse", True) else ", exact_reuse off (no replays)")
         + (", flash attention on" if engine.get("flash_attn") else ""),
         "",
-        f"  {'figure':<19}{'llama-server':>14}{'baton':>12}{'baton/llama':>13}  target",
+        *comparison_lines(result["rows"]),
     ]
-    for row in result["rows"]:
-        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
-        verdict = {True: "met", False: "NOT met", None: "-"}[row["met"]]
-        lines.append(
-            f"  {row['figure']:<19}{_value(row, LLAMA_SERVER):>14}{_value(row, BATON):>12}"
-            f"{ratio:>13}  {row['target']}x: {verdict}"
-        )
     for side, summary in ((LLAMA_SERVER, peer), (BATON, baton)):
         lines.append(
             f"  {side}: {summary['prompt_tokens']} prompt tokens, {summary['cached_tokens']}"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -46,12 +45,6 @@ TTFT_PARTS = (
 )
 NEEDED = (GATEWAY_ROOT, "route", "replica", "queue", "restore", "prefill", "decode")
 Spans = dict[str, tuple[int, int]]  # span name → (start ns, end ns), the first of each name
-
-
-def new_trace() -> tuple[str, str]:
-    """A trace id and the `traceparent` header that starts a sampled trace with it."""
-    trace_id = secrets.token_hex(16)
-    return trace_id, f"00-{trace_id}-{secrets.token_hex(8)}-01"
 
 
 class SpanReceiver:

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from baton_serve.loadtests.bench_http import IDLE_CONNECTION_S, bench_client
-from baton_serve.loadtests.peer_bench import PeerRecord, _stream_chat
+from baton_serve.loadtests.peer_play import PeerRecord, _stream_chat
 
 UPSTREAM_KEEPALIVE_S = 5.0  # cpp-httplib's and uvicorn's default idle timeout
 

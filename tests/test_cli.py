@@ -133,6 +133,16 @@ def test_make_model_writes_metadata_variants(tmp_path: Path) -> None:
         assert model.is_end_of_generation(5) and not model.chat_template
 
 
+def test_make_model_refuses_a_real_shape_for_another_architecture(tmp_path: Path) -> None:
+    out = str(tmp_path / "m.gguf")
+    done = _baton(
+        "make-model", "--arch", "lfm2", "--shape", "qwen3.5-9b", "--out", out, cache=tmp_path
+    )
+    assert done.returncode != 0
+    assert "a shape is written for llama and qwen35, not lfm2" in done.stderr
+    assert not Path(out).exists()
+
+
 def test_serve_refuses_a_model_llama_cpp_cannot_load_in_one_line(tmp_path: Path) -> None:
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\0" * 64)

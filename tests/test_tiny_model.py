@@ -10,13 +10,18 @@ import llama_cpp
 import numpy as np
 import pytest
 
+from baton_serve.replicas.engine import ggml_backends
+from baton_serve.replicas.models.model_shapes import REAL_SHAPES, ModelShape
 from baton_serve.replicas.models.tiny_model import (
     ARCHITECTURES,
     HYBRID_ARCHITECTURES,
     write_tiny_model,
+    write_tokenizer,
 )
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time")
+
+ggml_backends.ensure_loaded()  # llama.cpp's CPU backend, as the engine loads it
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
@@ -94,3 +99,55 @@ def test_rejects_unknown_arch(tmp_path: Path) -> None:
 def test_rejects_single_layer_hybrid(arch: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="n_layers"):
         write_tiny_model(arch, tmp_path / "m.gguf", n_layers=1)
+
+
+# Qwen3.5-9B's head sizes and layer mix (`REAL_SHAPES`), two heads wide: cheap to run here
+NARROW_QWEN35 = ModelShape(
+    n_embd=512,
+    head_dim=256,
+    n_head=2,
+    n_head_kv=1,
+    n_ff=1536,
+    attention_interval=4,
+    rope_dims=64,
+    rope_sections=(11, 11, 10, 0),
+    linear_head_dim=128,
+    linear_k_heads=2,
+    linear_v_heads=4,
+)
+
+
+def test_a_shaped_model_has_its_head_sizes_and_layer_mix_and_runs(tmp_path: Path) -> None:
+    path = write_tiny_model("qwen35", tmp_path / "m.gguf", n_layers=4, shape=NARROW_QWEN35)
+    shapes = {t.name: tuple(int(n) for n in t.shape) for t in gguf.GGUFReader(path).tensors}
+    assert [f"blk.{il}.attn_k.weight" in shapes for il in range(4)] == [False] * 3 + [True]
+    assert shapes["blk.3.attn_q.weight"] == (512, 2 * 256 * 2)  # gated: queries and gates
+    assert shapes["blk.3.attn_k.weight"] == (512, 256)
+    assert shapes["blk.0.attn_qkv.weight"] == (512, 2 * 2 * 128 + 4 * 128)
+    assert shapes["blk.0.ssm_norm.weight"] == (128,)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, verbose=False)
+    try:
+        assert len(set(_greedy(llm, PROMPTS[0]))) > 1
+    finally:
+        llm.close()
+
+
+def test_real_shapes_are_ones_llama_cpp_reads_and_only_for_their_architectures(
+    tmp_path: Path,
+) -> None:
+    REAL_SHAPES["qwen3.5-9b"].check("qwen35")
+    REAL_SHAPES["llama-3-8b"].check("llama")
+    with pytest.raises(ValueError, match="a shape is written for llama and qwen35, not lfm2"):
+        write_tiny_model("lfm2", tmp_path / "m.gguf", shape=NARROW_QWEN35)
+    with pytest.raises(ValueError, match="rope sections"):
+        REAL_SHAPES["llama-3-8b"].check("qwen35")
+    with pytest.raises(ValueError, match="qwen35 needs n_layers >= 4"):
+        write_tiny_model("qwen35", tmp_path / "m.gguf", n_layers=2, shape=NARROW_QWEN35)
+
+
+def test_a_tokenizer_file_alone_gives_the_same_model(tmp_path: Path) -> None:
+    tokenizer = write_tokenizer(tmp_path / "tokenizer.gguf")  # what travels to a GPU machine
+    assert tokenizer.stat().st_size < 4 << 20 and not gguf.GGUFReader(tokenizer).tensors
+    default = write_tiny_model("qwen35", tmp_path / "a.gguf")
+    from_file = write_tiny_model("qwen35", tmp_path / "b.gguf", tokenizer_from=tokenizer)
+    assert from_file.read_bytes() == default.read_bytes()

@@ -23,6 +23,10 @@ class EngineStats:
 
     requests: int = 0
     decode_steps: int = 0
+    # Steps of decode rows alone (no prompt piece): their llama_decode calls, logits read back
+    decode_only_steps: int = 0
+    decode_call_seconds: float = 0.0
+    sample_seconds: float = 0.0  # streams' next tokens drawn from their logits, on the host
     prefill_steps: int = 0
     prompt_tokens_computed: int = 0
     replayed_tokens: int = 0

@@ -74,6 +74,8 @@ class StepExecutor:
         if logits is None:
             return
         seconds = time.perf_counter() - started
+        if not pieces:
+            self._decode_call_took(seconds)
         if decoding:
             self._decoded(decoding, logits)
         offset = len(decoding)
@@ -83,9 +85,15 @@ class StepExecutor:
             offset += len(part)
 
     def _decode_step(self, runs: list[Running]) -> None:
+        started = time.perf_counter()
         logits = self._guard.decode(self._decode_entries(runs), runs)
         if logits is not None:
+            self._decode_call_took(time.perf_counter() - started)
             self._decoded(runs, logits)
+
+    def _decode_call_took(self, seconds: float) -> None:
+        self._stats.decode_only_steps += 1
+        self._stats.decode_call_seconds += seconds
 
     def _prefill_step(self, piece: Piece[Running]) -> None:
         entries = self._piece_entries(piece)
@@ -127,9 +135,11 @@ class StepExecutor:
     def _decoded(self, runs: list[Running], logits: dict[int, np.ndarray]) -> None:
         """Each stream's token is in its slot: sample its next."""
         self._stats.decode_steps += 1
+        started = time.perf_counter()
         for i, run in enumerate(runs):
             run.slot.computed((run.pending_token,))
             self._guard.run("sampling a token", run, self._sample, run, logits[i])
+        self._stats.sample_seconds += time.perf_counter() - started
 
     def _computed(
         self, piece: Piece[Running], logits: dict[int, np.ndarray], offset: int, seconds: float

@@ -5,6 +5,8 @@ left out), every dimension scaled from ``n_embd``, and the full SmolLM2 tokenize
 text prompts and chat templates work. Hybrids alternate a recurrent layer with an
 attention layer (the last of every pair is attention).
 
+A `ModelShape` (`model_shapes`) gives a real model's widths instead, for GPU benchmarks.
+
 A `ModelVariant` changes what real GGUF files differ in and the engine must not assume:
 no BOS or EOS token, special ids outside the vocabulary, no chat template, an extra
 end-of-generation token, a short training context, llama.cpp's token-id-only test
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -23,15 +26,14 @@ import gguf
 import numpy as np
 
 from baton_serve.replicas.models.default_model import default_model_path
+from baton_serve.replicas.models.model_shapes import ModelShape
 
 ARCHITECTURES: tuple[str, ...] = ("llama", "qwen35", "lfm2", "granitehybrid", "mamba2")
 HYBRID_ARCHITECTURES = frozenset({"qwen35", "lfm2", "granitehybrid"})
+SHAPED_ARCHITECTURES = ("llama", "qwen35")  # the ones a `ModelShape` is written for
 
 RMS_EPS = 1e-5
 DEFAULT_EMBD = 64  # `tiny:ARCH` models' width
-FFN_MULT = 2  # n_ff = FFN_MULT * n_embd
-HEAD_DIM = 16  # attention and gated-delta-net head size; n_head = n_embd // HEAD_DIM
-QWEN35_ROPE_SECTIONS = (3, 3, 2, 0)  # sums to HEAD_DIM // 2
 MAMBA_HEAD_DIM = 32  # mamba2 mixer: d_inner = 2 * n_embd split into heads of this size
 MAMBA_STATE = 16
 MAMBA_GROUPS = 2
@@ -40,6 +42,7 @@ SHORTCONV_L_CACHE = 3
 
 N_EXPERTS = 4  # MoE variant: experts per layer, two used per token
 N_EXPERTS_USED = 2
+TILE = 1_000_003  # draws a tiled matrix repeats (a prime: its rows differ)
 TEST_VOCAB_SIZE = 512  # the "test" and "none" vocabularies
 SWA_ARCHITECTURES = frozenset({"lfm2"})  # loaders that read `<arch>.attention.sliding_window`
 WEIGHT_TYPES = {
@@ -94,11 +97,16 @@ class ModelVariant:
 
 
 class _Tensors:
-    """Named tensors in insertion order, drawn from one seeded generator."""
+    """Named tensors in insertion order, drawn from one seeded generator. ``tiled``: each
+    matrix repeats one block of `TILE` draws (a real-width model has billions of weights,
+    which take minutes to draw one by one; no kernel's speed depends on their values)."""
 
-    def __init__(self, seed: int, weights: gguf.GGMLQuantizationType | None = None) -> None:
+    def __init__(
+        self, seed: int, weights: gguf.GGMLQuantizationType | None = None, *, tiled: bool = False
+    ) -> None:
         self.rng = np.random.default_rng(seed)
         self.weights = weights
+        self.tiled = tiled
         self.items: list[tuple[str, np.ndarray, gguf.GGMLQuantizationType | None]] = []
 
     def write(self, writer: gguf.GGUFWriter) -> None:
@@ -117,7 +125,10 @@ class _Tensors:
         by default: F16, or quantized where the model's weights are."""
         scale = n_in**-0.5 if std is None else std
         shape = (experts, n_out, n_in) if experts else (n_out, n_in)
-        values = self.rng.standard_normal(shape) * scale
+        if self.tiled and math.prod(shape) > TILE:
+            values = np.resize(self.rng.standard_normal(TILE) * scale, shape)
+        else:
+            values = self.rng.standard_normal(shape) * scale
         if self.weights is None:
             self.items.append((name, values.astype(np.float16), None))
         else:
@@ -142,31 +153,31 @@ class _Tensors:
         self.f32(p + "ssm_dt.bias", np.log(np.expm1(self.rng.uniform(1e-3, 0.1, shape[0]))))
 
 
-def _attention(t: _Tensors, p: str, n_embd: int, *, gated_q: bool, qk_norm: bool) -> None:
-    """Grouped-query attention with half as many KV heads as query heads."""
-    n_head = n_embd // HEAD_DIM
-    n_kv = n_head // 2 * HEAD_DIM
-    t.matrix(p + "attn_q.weight", n_embd, n_head * HEAD_DIM * (2 if gated_q else 1))
+def _attention(t: _Tensors, p: str, shape: ModelShape, *, gated_q: bool, qk_norm: bool) -> None:
+    """Grouped-query attention (by default half as many KV heads as query heads)."""
+    n_embd, head = shape.n_embd, shape.head_dim
+    n_q, n_kv = shape.n_head * head, shape.n_head_kv * head
+    t.matrix(p + "attn_q.weight", n_embd, n_q * (2 if gated_q else 1))
     t.matrix(p + "attn_k.weight", n_embd, n_kv)
     t.matrix(p + "attn_v.weight", n_embd, n_kv)
-    t.matrix(p + "attn_output.weight", n_head * HEAD_DIM, n_embd)
+    t.matrix(p + "attn_output.weight", n_q, n_embd)
     if qk_norm:
-        t.ones(p + "attn_q_norm.weight", HEAD_DIM)
-        t.ones(p + "attn_k_norm.weight", HEAD_DIM)
+        t.ones(p + "attn_q_norm.weight", head)
+        t.ones(p + "attn_k_norm.weight", head)
 
 
-def _gated_delta_net(t: _Tensors, p: str, n_embd: int) -> None:
-    """Qwen3.5 linear attention: n_embd // HEAD_DIM value heads, half as many key heads."""
-    n_v_heads = n_embd // HEAD_DIM
-    value_dim = n_v_heads * HEAD_DIM
-    conv_dim = 2 * (n_v_heads // 2) * HEAD_DIM + value_dim
+def _gated_delta_net(t: _Tensors, p: str, shape: ModelShape) -> None:
+    """Qwen3.5 linear attention: value heads, key heads sharing them, one head size."""
+    n_embd, head = shape.n_embd, shape.linear_head_dim
+    value_dim = shape.v_heads * head
+    conv_dim = 2 * shape.k_heads * head + value_dim
     t.matrix(p + "attn_qkv.weight", n_embd, conv_dim)
     t.matrix(p + "attn_gate.weight", n_embd, value_dim)
     t.conv(p + "ssm_conv1d.weight", conv_dim, CONV_KERNEL)
-    t.ssm_decay(p, n_v_heads)
-    t.matrix(p + "ssm_beta.weight", n_embd, n_v_heads)
-    t.matrix(p + "ssm_alpha.weight", n_embd, n_v_heads)
-    t.ones(p + "ssm_norm.weight", HEAD_DIM)
+    t.ssm_decay(p, shape.v_heads)
+    t.matrix(p + "ssm_beta.weight", n_embd, shape.v_heads)
+    t.matrix(p + "ssm_alpha.weight", n_embd, shape.v_heads)
+    t.ones(p + "ssm_norm.weight", head)
     t.matrix(p + "ssm_out.weight", value_dim, n_embd)
 
 
@@ -191,22 +202,29 @@ def _mamba2(t: _Tensors, p: str, n_embd: int) -> None:
     t.matrix(p + "ssm_out.weight", d_inner, n_embd)
 
 
-_RECURRENT_MIXERS = {"qwen35": _gated_delta_net, "lfm2": _short_conv, "granitehybrid": _mamba2}
+def _recurrent_mixer(t: _Tensors, arch: str, p: str, shape: ModelShape) -> None:
+    if arch == "qwen35":
+        _gated_delta_net(t, p, shape)
+    elif arch == "lfm2":
+        _short_conv(t, p, shape.n_embd)
+    else:
+        _mamba2(t, p, shape.n_embd)
 
 
-def _layer(t: _Tensors, arch: str, il: int, n_embd: int, attention: bool, moe: bool) -> None:
+def _layer(t: _Tensors, arch: str, il: int, shape: ModelShape, attention: bool, moe: bool) -> None:
     """Block ``il``: pre-norm and mixer, then (except for mamba2) a norm and a SwiGLU FFN."""
     p = f"blk.{il}."
+    n_embd = shape.n_embd
     t.ones(p + "attn_norm.weight", n_embd)
     if arch == "mamba2":
         _mamba2(t, p, n_embd)
         return
     if attention:
-        _attention(t, p, n_embd, gated_q=arch == "qwen35", qk_norm=arch in ("qwen35", "lfm2"))
+        _attention(t, p, shape, gated_q=arch == "qwen35", qk_norm=arch in ("qwen35", "lfm2"))
     else:
-        _RECURRENT_MIXERS[arch](t, p, n_embd)
+        _recurrent_mixer(t, arch, p, shape)
     t.ones(p + ("post_attention_norm.weight" if arch == "qwen35" else "ffn_norm.weight"), n_embd)
-    n_ff = FFN_MULT * n_embd
+    n_ff = shape.n_ff
     if moe:
         t.f32(p + "ffn_gate_inp.weight", t.rng.standard_normal((N_EXPERTS, n_embd)))
         t.matrix(p + "ffn_gate_exps.weight", n_embd, n_ff, experts=N_EXPERTS)
@@ -219,9 +237,10 @@ def _layer(t: _Tensors, arch: str, il: int, n_embd: int, attention: bool, moe: b
 
 
 def _add_hparams(
-    w: gguf.GGUFWriter, arch: str, n_embd: int, attention: list[bool], variant: ModelVariant
+    w: gguf.GGUFWriter, arch: str, shape: ModelShape, attention: list[bool], variant: ModelVariant
 ) -> None:
     """Architecture key/values; lfm2 and granitehybrid mark recurrent layers by 0 KV heads."""
+    n_embd = shape.n_embd
     w.add_context_length(variant.ctx_train)
     if variant.moe:
         w.add_expert_count(N_EXPERTS)
@@ -232,18 +251,29 @@ def _add_hparams(
     w.add_block_count(len(attention))
     w.add_layer_norm_rms_eps(RMS_EPS)
     if arch != "mamba2":
-        n_head = n_embd // HEAD_DIM
-        w.add_feed_forward_length(FFN_MULT * n_embd)
+        n_head = shape.n_head
+        w.add_feed_forward_length(shape.n_ff)
         w.add_head_count(n_head)
         if arch in ("lfm2", "granitehybrid"):
-            w.add_head_count_kv([n_head // 2 if a else 0 for a in attention])
+            w.add_head_count_kv([shape.n_head_kv if a else 0 for a in attention])
         else:
-            w.add_head_count_kv(n_head // 2)
+            w.add_head_count_kv(shape.n_head_kv)
+        if shape.explicit_heads:
+            w.add_key_length(shape.head_dim)
+            w.add_value_length(shape.head_dim)
+        if shape.rope_dims:
+            w.add_rope_dimension_count(shape.rope_dims)
     if arch == "qwen35":
-        w.add_full_attention_interval(2)
-        w.add_rope_dimension_sections(list(QWEN35_ROPE_SECTIONS))
-        n_v_heads = n_embd // HEAD_DIM
-        _add_ssm(w, inner=n_embd, state=HEAD_DIM, heads=n_v_heads, groups=n_v_heads // 2)
+        w.add_full_attention_interval(shape.attention_interval)
+        w.add_rope_dimension_sections(list(shape.rope_sections))
+        value_dim = shape.v_heads * shape.linear_head_dim
+        _add_ssm(
+            w,
+            inner=value_dim,
+            state=shape.linear_head_dim,
+            heads=shape.v_heads,
+            groups=shape.k_heads,
+        )
     elif arch in ("granitehybrid", "mamba2"):
         d_inner = 2 * n_embd
         n_ssm_heads = d_inner // MAMBA_HEAD_DIM
@@ -318,6 +348,20 @@ def _vocabulary_kv(
     return items, n_vocab
 
 
+def write_tokenizer(out: str | Path, tokenizer_from: str | Path | None = None) -> Path:
+    """A GGUF file of ``tokenizer_from``'s tokenizer alone (default: SmolLM2's), no tensors:
+    a model's vocabulary at a few MB, for ``tokenizer_from`` where the model is not at hand."""
+    out = Path(out)
+    writer = gguf.GGUFWriter(out, "llama")
+    writer.add_name("baton-tokenizer")
+    for key, value, vtype, sub_type in _vocabulary_kv(tokenizer_from, ModelVariant())[0]:
+        writer.add_key_value(key, value, vtype, sub_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return out
+
+
 def write_tiny_model(
     arch: str,
     out: str | Path,
@@ -327,38 +371,47 @@ def write_tiny_model(
     n_embd: int = DEFAULT_EMBD,
     tokenizer_from: str | Path | None = None,
     variant: ModelVariant = ModelVariant(),
+    shape: ModelShape | None = None,
 ) -> Path:
     """Write a random-weight ``arch`` model to ``out`` and return its path.
 
     The same arguments always give a byte-identical file. ``n_embd`` must be a positive
     multiple of 32; hybrids need ``n_layers >= 2`` so that both layer kinds are present.
+    ``shape`` (a real model's widths, llama and qwen35) replaces ``n_embd``'s scaled ones.
     ``tokenizer_from`` (default: the SmolLM2 GGUF) supplies the tokenizer and vocab size,
     unless ``variant`` asks for llama.cpp's test vocabulary.
     """
     if arch not in ARCHITECTURES:
         expected = ", ".join(ARCHITECTURES)
         raise ValueError(f"unknown architecture {arch!r}; expected one of {expected}")
+    if shape is not None and arch not in SHAPED_ARCHITECTURES:
+        raise ValueError(f"a shape is written for {' and '.join(SHAPED_ARCHITECTURES)}, not {arch}")
+    shaped = shape is not None
+    shape = shape or ModelShape.scaled(n_embd)
+    shape.check(arch)
     hybrid = arch in HYBRID_ARCHITECTURES
-    min_layers = 2 if hybrid else 1
+    interval = shape.attention_interval
+    min_layers = interval if hybrid else 1
     if n_layers < min_layers:
         raise ValueError(f"{arch} needs n_layers >= {min_layers}, got {n_layers}")
-    if n_embd <= 0 or n_embd % 32:
-        raise ValueError(f"n_embd must be a positive multiple of 32, got {n_embd}")
     variant.check(arch)
     tokenizer, n_vocab = _vocabulary_kv(tokenizer_from, variant)
 
-    attention = [arch == "llama" or (hybrid and il % 2 == 1) for il in range(n_layers)]
-    t = _Tensors(seed, WEIGHT_TYPES[variant.weights])
+    attention = [
+        arch == "llama" or (hybrid and il % interval == interval - 1) for il in range(n_layers)
+    ]
+    t = _Tensors(seed, WEIGHT_TYPES[variant.weights], tiled=shaped)
+    n_embd = shape.n_embd
     t.matrix("token_embd.weight", n_embd, n_vocab, std=1.0)
     for il, is_attention in enumerate(attention):
-        _layer(t, arch, il, n_embd, is_attention, variant.moe)
+        _layer(t, arch, il, shape, is_attention, variant.moe)
     t.ones("token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight", n_embd)
     t.matrix("output.weight", n_embd, n_vocab)
 
     out = Path(out)
     writer = gguf.GGUFWriter(out, arch)
     writer.add_name(f"baton-tiny-{arch}")
-    _add_hparams(writer, arch, n_embd, attention, variant)
+    _add_hparams(writer, arch, shape, attention, variant)
     writer.add_vocab_size(n_vocab)
     for key, value, vtype, sub_type in tokenizer:
         writer.add_key_value(key, value, vtype, sub_type)
