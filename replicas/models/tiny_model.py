@@ -16,17 +16,16 @@ vocabulary, a mixture-of-experts feed-forward, a sliding attention window, quant
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import gguf
 import numpy as np
 
-from baton_serve.replicas.models.default_model import default_model_path
 from baton_serve.replicas.models.model_shapes import ModelShape
+from baton_serve.replicas.models.model_vocabulary import vocabulary_kv
 
 ARCHITECTURES: tuple[str, ...] = ("llama", "qwen35", "lfm2", "granitehybrid", "mamba2")
 HYBRID_ARCHITECTURES = frozenset({"qwen35", "lfm2", "granitehybrid"})
@@ -43,15 +42,12 @@ SHORTCONV_L_CACHE = 3
 N_EXPERTS = 4  # MoE variant: experts per layer, two used per token
 N_EXPERTS_USED = 2
 TILE = 1_000_003  # draws a tiled matrix repeats (a prime: its rows differ)
-TEST_VOCAB_SIZE = 512  # the "test" and "none" vocabularies
 SWA_ARCHITECTURES = frozenset({"lfm2"})  # loaders that read `<arch>.attention.sliding_window`
 WEIGHT_TYPES = {
     "f16": None,
     "q8_0": gguf.GGMLQuantizationType.Q8_0,
     "q4_0": gguf.GGMLQuantizationType.Q4_0,
 }
-
-_KeyValue = tuple[str, Any, gguf.GGUFValueType, gguf.GGUFValueType | None]
 
 
 @dataclass(frozen=True)
@@ -291,70 +287,13 @@ def _add_ssm(w: gguf.GGUFWriter, *, inner: int, state: int, heads: int, groups: 
     w.add_ssm_group_count(groups)
 
 
-@functools.lru_cache(maxsize=4)
-def _tokenizer_kv(path: Path) -> tuple[_KeyValue, ...]:
-    """Every ``tokenizer.*`` key/value of the GGUF file at ``path``, with its GGUF types."""
-    items = []
-    for key, field in gguf.GGUFReader(path).fields.items():
-        if key.startswith("tokenizer."):
-            vtype, *sub_types = (gguf.GGUFValueType(t) for t in field.types)
-            items.append((key, field.contents(), vtype, sub_types[0] if sub_types else None))
-    return tuple(items)
-
-
-def _vocabulary_kv(
-    tokenizer_from: str | Path | None, variant: ModelVariant
-) -> tuple[list[_KeyValue], int]:
-    """The ``tokenizer.*`` key/values of ``variant`` and the vocabulary size."""
-    if variant.vocab == "none":
-        return [("tokenizer.ggml.model", "none", gguf.GGUFValueType.STRING, None)], TEST_VOCAB_SIZE
-    if variant.vocab == "test":
-        items: list[_KeyValue] = [
-            ("tokenizer.ggml.model", "test", gguf.GGUFValueType.STRING, None),
-            (
-                "tokenizer.ggml.tokens",
-                [f"<t{i}>" for i in range(TEST_VOCAB_SIZE)],
-                gguf.GGUFValueType.ARRAY,
-                gguf.GGUFValueType.STRING,
-            ),
-            ("tokenizer.ggml.bos_token_id", 1, gguf.GGUFValueType.UINT32, None),
-            ("tokenizer.ggml.eos_token_id", 2, gguf.GGUFValueType.UINT32, None),
-            ("tokenizer.ggml.add_bos_token", variant.bos, gguf.GGUFValueType.BOOL, None),
-        ]
-    else:
-        source = Path(tokenizer_from or default_model_path()).resolve()
-        items = list(_tokenizer_kv(source))
-    n_vocab = len(next(value for key, value, *_ in items if key == "tokenizer.ggml.tokens"))
-    dropped = set()
-    if not variant.bos:
-        dropped.add("tokenizer.ggml.bos_token_id")
-    if not variant.eos:
-        dropped.add("tokenizer.ggml.eos_token_id")
-    if not variant.chat_template:
-        dropped.add("tokenizer.chat_template")
-    items = [item for item in items if item[0] not in dropped]
-    if variant.special_ids_out_of_vocab:
-        out_of_vocab = {"tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"}
-        items = [
-            (key, n_vocab + 7, *types) if key in out_of_vocab else (key, value, *types)
-            for key, value, *types in items
-        ]
-    if variant.extra_eog is not None:
-        if not 0 <= variant.extra_eog < n_vocab:
-            raise ValueError(f"extra_eog must be a token id in [0, {n_vocab})")
-        items.append(
-            ("tokenizer.ggml.eot_token_id", variant.extra_eog, gguf.GGUFValueType.UINT32, None)
-        )
-    return items, n_vocab
-
-
 def write_tokenizer(out: str | Path, tokenizer_from: str | Path | None = None) -> Path:
     """A GGUF file of ``tokenizer_from``'s tokenizer alone (default: SmolLM2's), no tensors:
     a model's vocabulary at a few MB, for ``tokenizer_from`` where the model is not at hand."""
     out = Path(out)
     writer = gguf.GGUFWriter(out, "llama")
     writer.add_name("baton-tokenizer")
-    for key, value, vtype, sub_type in _vocabulary_kv(tokenizer_from, ModelVariant())[0]:
+    for key, value, vtype, sub_type in vocabulary_kv(tokenizer_from, ModelVariant())[0]:
         writer.add_key_value(key, value, vtype, sub_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -395,7 +334,7 @@ def write_tiny_model(
     if n_layers < min_layers:
         raise ValueError(f"{arch} needs n_layers >= {min_layers}, got {n_layers}")
     variant.check(arch)
-    tokenizer, n_vocab = _vocabulary_kv(tokenizer_from, variant)
+    tokenizer, n_vocab = vocabulary_kv(tokenizer_from, variant)
 
     attention = [
         arch == "llama" or (hybrid and il % interval == interval - 1) for il in range(n_layers)
