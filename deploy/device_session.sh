@@ -43,7 +43,8 @@ log() { echo "[device_session $(date +%T)] $*" | tee -a "$OUT/session.log"; }
 unpack() {
   if [ ! -d "$SITE/llama_cpp" ]; then
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$CARRY"/wheels/*.whl
-    tar -xJf "$CARRY/llama_cpp.tar.xz" -C "$SITE"
+    "$PYTHON" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' \
+      "$CARRY/llama_cpp.tar.xz" "$SITE"
   fi
   ln -sfn "$PWD" "$SITE/baton_serve"
   export PYTHONPATH="$SITE"
