@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from baton_serve.deploy.llama_server_build import BATCHED_BENCH_BINARY, cached_server
-from baton_serve.loadtests.llama_server import backend_dir, gpu_layers
+from baton_serve.loadtests.llama_server import backend_dir, flash_attn_flag, gpu_layers
 
 DECODE_PROMPT_TOKENS = 32  # as `device_bench`'s decode streams
 RUN_TIMEOUT_S = 600.0
@@ -43,14 +43,13 @@ def batched_bench_command(
 ) -> list[str]:
     """`-npp` prompts × `-ntg` generated × `-npl` parallel sequences, one JSON line each."""
     n_kv = max(parallel) * (max(prompts) + generated)
-    attention = {True: "on", False: "off", None: "auto"}[settings.flash_attn]
     return [
         str(binary),
         *("-m", str(model.resolve()), "-c", str(n_kv), "-b", "2048", "-ub", "512"),
         *("-npp", ",".join(map(str, prompts)), "-ntg", str(generated)),
         *("-npl", ",".join(map(str, parallel))),
         *("-t", str(settings.threads), "-ngl", gpu_layers(settings.n_gpu_layers)),
-        *("-fa", attention),
+        *("-fa", flash_attn_flag(settings.flash_attn)),
         *("--output-format", "jsonl"),
     ]
 

@@ -42,7 +42,7 @@ def server_command(binary: Path, model: Path, settings: ServerSettings, port: in
         *("-m", str(model), "--host", "127.0.0.1", "--port", str(port)),
         *("-t", str(settings.threads), "-np", str(settings.slots)),
         *("-c", str(settings.slots * settings.n_ctx), "--jinja", "--no-webui"),
-        *("-fa", {True: "on", False: "off", None: "auto"}[settings.flash_attn]),
+        *("-fa", flash_attn_flag(settings.flash_attn)),
         *("-ngl", gpu_layers(settings.n_gpu_layers)),
     ]
     if settings.mmproj is not None:
@@ -50,6 +50,11 @@ def server_command(binary: Path, model: Path, settings: ServerSettings, port: in
     if not cpu_choice().repack_safe:  # Baton's engine turns it off here too (AMX on this VM)
         command.append("--no-repack")
     return command
+
+
+def flash_attn_flag(flash_attn: bool | None) -> str:
+    """llama.cpp's `-fa` for Baton's `engine.flash_attn` (None: its auto)."""
+    return {True: "on", False: "off", None: "auto"}[flash_attn]
 
 
 def gpu_layers(n_gpu_layers: int) -> str:
